@@ -1,0 +1,249 @@
+"""Redis Streams implementation of the trajectory bus.
+
+Layout, for a stream ``S`` and consumer group ``G``:
+- ``S``: entries ``{d: <encoded trajectory>, id: <trajectory id>}``;
+- ``S:consumed:G``: set of trajectory ids the group has committed (exactly-once filter);
+- the dead-letter stream (default ``S:dead``): ``{d, error, source_id, source_stream}``.
+
+Hot paths are pipelined: a batch of puts is one round trip (XADD... + XLEN, the length feeding the
+backpressure check), a read is XREADGROUP COUNT n + one SMISMEMBER, a commit is one MULTI with XACK +
+SADD. Acked entries are trimmed (XTRIM MINID below every group's oldest unacked entry) every
+``trim_every`` acks, so the stream length measures real backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
+from molt.metrics import Metrics
+from molt.schema import SchemaError, Trajectory, decode, encode
+
+
+def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
+    s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = s.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class RedisTrajectoryQueue(TrajectoryQueue):
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        group: str = "trainer",
+        max_len: int = 100_000,
+        dead_letter_stream: str | None = None,
+        metrics: Metrics | None = None,
+        trim_every: int = 256,
+        put_timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url
+        self.stream = stream
+        self.group = group
+        self.max_len = max_len
+        self.dead_letter_stream = dead_letter_stream or f"{stream}:dead"
+        self.consumed_key = f"{stream}:consumed:{group}"
+        self.metrics = metrics
+        self.trim_every = trim_every
+        self.put_timeout_s = put_timeout_s
+        self.redis = aioredis.from_url(url, decode_responses=False)
+        self._known_len = 0
+        self._acks_since_trim = 0
+        self._group_ready = False
+
+    async def ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    # ---- producer side
+
+    async def _wait_for_room(self, timeout_s: float) -> None:
+        if self._known_len < self.max_len:
+            return
+        start = time.monotonic()
+        delay = 0.01
+        while True:
+            self._known_len = await self.redis.xlen(self.stream)
+            if self._known_len < self.max_len:
+                break
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise QueueFull(
+                    f"stream {self.stream!r} holds {self._known_len} entries (--redis.max_len {self.max_len}) "
+                    f"and the trainer did not drain it within {timeout_s:.0f}s; nothing was written"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        if self.metrics:
+            self.metrics["molt_queue_backpressure_wait_seconds_total"].labels(self.stream).inc(
+                time.monotonic() - start)
+
+    async def put_many(self, trajectories: Iterable[Trajectory], timeout_s: float | None = None) -> list[str]:
+        trajectories = list(trajectories)
+        payloads = [encode(t) for t in trajectories]  # validates: a bad record never reaches the stream
+        await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
+        pipe = self.redis.pipeline(transaction=False)
+        for traj, payload in zip(trajectories, payloads):
+            pipe.xadd(self.stream, {"d": payload, "id": traj.trajectory_id})
+        pipe.xlen(self.stream)
+        *ids, self._known_len = await pipe.execute()
+        return [_s(i) for i in ids]
+
+    # ---- consumer side
+
+    async def read(self, consumer: str, count: int, block_s: float = 1.0) -> list[Delivery]:
+        await self.ensure_group()
+        resp = await self.redis.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count,
+                                           block=max(int(block_s * 1000), 1) if block_s > 0 else None)
+        entries = resp[0][1] if resp else []
+        return await self._deliver(entries)
+
+    async def read_pending(self, consumer: str, count: int) -> list[Delivery]:
+        await self.ensure_group()
+        resp = await self.redis.xreadgroup(self.group, consumer, {self.stream: "0"}, count=count)
+        entries = resp[0][1] if resp else []
+        return await self._deliver(entries, redelivered=True)
+
+    async def reclaim(self, consumer: str, min_idle_s: float, count: int) -> list[Delivery]:
+        await self.ensure_group()
+        claimed: list = []
+        start = "0-0"
+        while len(claimed) < count:
+            resp = await self.redis.xautoclaim(self.stream, self.group, consumer, int(min_idle_s * 1000),
+                                               start_id=start, count=count - len(claimed))
+            start, entries = _s(resp[0]), resp[1]
+            claimed.extend(entries)
+            if start == "0-0":
+                break
+        return await self._deliver(claimed, redelivered=True)
+
+    async def _deliver(self, entries: list, redelivered: bool = False) -> list[Delivery]:
+        good: list[Delivery] = []
+        dead: list[tuple[str, bytes, str]] = []
+        gone: list[str] = []
+        for entry_id, fields in entries:
+            entry_id = _s(entry_id)
+            if not fields:  # trimmed or deleted while pending: nothing left to deliver
+                gone.append(entry_id)
+                continue
+            raw = fields.get(b"d", b"")
+            try:
+                good.append(Delivery(entry_id, decode(raw), 2 if redelivered else 1))
+            except SchemaError as exc:
+                dead.append((entry_id, raw, str(exc)))
+        pipe = self.redis.pipeline(transaction=True)
+        for entry_id, raw, error in dead:
+            pipe.xadd(self.dead_letter_stream, {"d": raw, "error": error, "source_id": entry_id,
+                                                "source_stream": self.stream})
+        if dead or gone:
+            pipe.xack(self.stream, self.group, *[d[0] for d in dead], *gone)
+            await pipe.execute()
+            if dead and self.metrics:
+                self.metrics["molt_queue_dead_letter_total"].labels(self.stream).inc(len(dead))
+        if not good:
+            return good
+        # Exactly-once by trajectory id: skip (and ack) ids the group already committed, and repeats
+        # of one id inside this batch (a producer that retried a write).
+        seen = await self.consumed([d.trajectory.trajectory_id for d in good])
+        fresh, dupes, in_batch = [], [], set()
+        for d, was_seen in zip(good, seen):
+            tid = d.trajectory.trajectory_id
+            if was_seen or tid in in_batch:
+                dupes.append(d.entry_id)
+            else:
+                in_batch.add(tid)
+                fresh.append(d)
+        if dupes:
+            await self.redis.xack(self.stream, self.group, *dupes)
+        return fresh
+
+    async def consumed(self, trajectory_ids: Iterable[str]) -> list[bool]:
+        ids = list(trajectory_ids)
+        if not ids:
+            return []
+        return [bool(x) for x in await self.redis.smismember(self.consumed_key, ids)]
+
+    async def ack(self, deliveries: Iterable[Delivery]) -> None:
+        deliveries = list(deliveries)
+        if not deliveries:
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, *[d.entry_id for d in deliveries])
+        pipe.sadd(self.consumed_key, *[d.trajectory.trajectory_id for d in deliveries])
+        await pipe.execute()
+        self._acks_since_trim += len(deliveries)
+        if self._acks_since_trim >= self.trim_every:
+            self._acks_since_trim = 0
+            await self.trim_acked()
+
+    async def trim_acked(self) -> int:
+        """Delete entries every group has acked; returns how many were removed."""
+        groups = await self.redis.xinfo_groups(self.stream)
+        if not groups:
+            return 0
+        bounds = []
+        for g in groups:
+            name = g[b"name"] if b"name" in g else g["name"]
+            summary = await self.redis.xpending(self.stream, name)
+            if summary["pending"]:
+                bounds.append(_id_tuple(summary["min"]))
+            else:
+                ms, seq = _id_tuple(g.get(b"last-delivered-id") or g.get("last-delivered-id"))
+                bounds.append((ms, seq + 1))
+        ms, seq = min(bounds)
+        return await self.redis.xtrim(self.stream, minid=f"{ms}-{seq}", approximate=False)
+
+    async def lag(self) -> QueueLag:
+        await self.ensure_group()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(self.stream)
+        pipe.xinfo_groups(self.stream)
+        pipe.xpending(self.stream, self.group)
+        pipe.time()
+        length, groups, summary, (now_s, now_us) = await pipe.execute()
+        now_ms = now_s * 1000 + now_us // 1000
+        info = next(g for g in groups if _s(g.get(b"name") or g.get("name")) == self.group)
+        pending = int(summary["pending"])
+        undelivered = info.get(b"lag", info.get("lag"))
+        last = _s(info.get(b"last-delivered-id") or info.get("last-delivered-id"))
+        if undelivered is None:  # Redis < 7 has no per-group lag: acked entries are trimmed, so this is close
+            undelivered = max(0, length - pending)
+        oldest = None
+        if pending:
+            oldest = _id_tuple(summary["min"])
+        elif undelivered:
+            ms, seq = _id_tuple(last)
+            first = await self.redis.xrange(self.stream, min=f"({ms}-{seq}", count=1)
+            oldest = _id_tuple(first[0][0]) if first else None
+        age_s = max(0.0, (now_ms - oldest[0]) / 1000) if oldest else 0.0
+        lag = QueueLag(int(length), pending, int(undelivered), age_s)
+        if self.metrics:
+            m = self.metrics
+            m["molt_queue_length_entries"].labels(self.stream).set(lag.length)
+            m["molt_queue_pending_entries"].labels(self.stream).set(lag.pending)
+            m["molt_queue_undelivered_entries"].labels(self.stream).set(lag.undelivered)
+            m["molt_queue_oldest_unacked_age_seconds"].labels(self.stream).set(lag.oldest_unacked_age_s)
+        return lag
+
+    async def delete(self) -> None:
+        """Remove the stream and its companion keys (tests and run teardown)."""
+        await self.redis.delete(self.stream, self.consumed_key, self.dead_letter_stream)
+
+    async def close(self) -> None:
+        await self.redis.aclose()

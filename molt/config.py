@@ -1,0 +1,257 @@
+"""Typed, layered configuration with Molt-style dotted flags.
+
+Every service describes its settings as nested pydantic models. A field's docstring (the string
+literal right under it) is its help text. Values are layered once, at start-up:
+
+    defaults  <  environment (MOLT_<GROUP>__<FIELD>, e.g. MOLT_REDIS__URL)  <  dotted CLI flags
+
+Flags mirror the nesting: ``--algo.advantage.estimator grpo``. Unknown flags are rejected with the
+closest known name; ``--dry-run`` prints the resolved config as JSON and exits. Booleans accept a
+bare flag (``--train.routing_replay``), an explicit value (``--train.routing_replay false``) or the
+``--no-`` form. List fields take several values (``--algo.advantage.is_correction_threshold 0.5 5``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "MOLT_"
+_S = TypeVar("_S", bound="Section")
+
+
+class Section(BaseModel):
+    """Base for every config block: field docstrings become help text, unknown keys are errors."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", validate_assignment=True)
+
+
+# ---- shared blocks (every service that talks to Redis / serves metrics / loads a model uses these)
+
+
+class RedisConfig(Section):
+    url: str | None = None
+    """Redis URL (redis://host:port/db). Unset: the local stack starts an embedded server."""
+    stream: str = "molt:trajectories"
+    """Name of the trajectory stream."""
+    group: str = "trainer"
+    """Consumer group that trains on the stream."""
+    max_len: int = 100_000
+    """Backpressure: producers wait (never trim unacked data) while the stream holds this many entries."""
+    dead_letter_stream: str | None = None
+    """Stream for records that fail to decode. Default: <stream>:dead."""
+
+
+class MetricsConfig(Section):
+    port: int | None = None
+    """Port of a separate Prometheus endpoint. Unset: /metrics is served on the service's own port."""
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local model directory (HF layout). Nothing is downloaded: build one with `python -m molt.models`."""
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default; set 0.0.0.0 in containers."""
+    port: int = 0
+    """Port to bind; 0 lets the kernel pick (the chosen port is logged)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the service."""
+
+
+# ---- CLI machinery
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _is_section(tp: Any) -> bool:
+    tp = _unwrap_optional(tp)
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def iter_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, Any, Any]]:
+    """Yield (dotted name, annotation, FieldInfo) for every leaf field, depth first."""
+    for name, info in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        if _is_section(info.annotation):
+            yield from iter_fields(_unwrap_optional(info.annotation), dotted + ".")
+        else:
+            yield dotted, info.annotation, info
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(_unwrap_optional(tp)) in (list, tuple)
+
+
+def _is_bool(tp: Any) -> bool:
+    return _unwrap_optional(tp) is bool
+
+
+def _choices(tp: Any) -> list[str] | None:
+    tp = _unwrap_optional(tp)
+    if typing.get_origin(tp) is Literal:
+        return [str(c) for c in typing.get_args(tp)]
+    return None
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _parse_scalar_env(raw: str, annotation: Any) -> Any:
+    if _is_list(annotation):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return [x for x in raw.replace(",", " ").split() if x]
+    return raw
+
+
+def env_overrides(model: type[BaseModel], environ: typing.Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Nested dict of values taken from MOLT_<A>__<B> variables for the model's fields."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    for dotted, annotation, _ in iter_fields(model):
+        key = ENV_PREFIX + dotted.upper().replace(".", "__")
+        if key in environ:
+            _set_dotted(tree, dotted, _parse_scalar_env(environ[key], annotation))
+    return tree
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _bool_value(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {raw!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a: Any, known: list[str], **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._known = known
+
+    def error(self, message: str) -> typing.NoReturn:
+        # argparse words unknown flags as "unrecognized arguments: --foo"; add a suggestion.
+        if "unrecognized arguments" in message:
+            bad = [t for t in message.split(":", 1)[1].split() if t.startswith("--")]
+            hints = []
+            for flag in bad:
+                match = difflib.get_close_matches(flag.split("=")[0], self._known, n=1, cutoff=0.5)
+                hints.append(f"{flag}: did you mean {match[0]}?" if match else f"{flag}: no such flag")
+            if hints:
+                message = "unknown flag(s): " + "; ".join(hints) + " (see --help)"
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(model: type[BaseModel], prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    flags = ["--" + d for d, _, _ in iter_fields(model)]
+    parser = _Parser(
+        prog=prog,
+        description=description or (model.__doc__ or "").strip(),
+        allow_abbrev=False,
+        known=flags + ["--dry-run", "--help"],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--dry-run", action="store_true", help="Print the resolved config as JSON and exit.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for dotted, annotation, info in iter_fields(model):
+        head = dotted.split(".")[0] if "." in dotted else "general"
+        group = groups.setdefault(head, parser.add_argument_group(head))
+        help_text = (info.description or "").replace("%", "%%")
+        kw: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS, "help": help_text}
+        if info.default is not None and not callable(info.default):
+            kw["help"] = help_text + f" [default: {info.default}]".replace("%", "%%")
+        kw.pop("default")
+        if _is_bool(annotation):
+            group.add_argument(f"--{dotted}", nargs="?", const=True, type=_bool_value, default=argparse.SUPPRESS,
+                               metavar="BOOL", **kw)
+            group.add_argument(f"--no-{dotted}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+        elif _is_list(annotation):
+            group.add_argument(f"--{dotted}", nargs="+", default=argparse.SUPPRESS, metavar="V", **kw)
+        else:
+            choices = _choices(annotation)
+            group.add_argument(f"--{dotted}", default=argparse.SUPPRESS, choices=choices,
+                               metavar="{" + ",".join(choices) + "}" if choices else None, **kw)
+    return parser
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        lines.append(f"  --{loc}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def parse_settings(
+    model: type[_S],
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    environ: typing.Mapping[str, str] | None = None,
+) -> _S:
+    """Resolve defaults < env < flags into a validated ``model`` instance.
+
+    Exits with status 2 and a message that names the flag on bad input; with ``--dry-run`` prints
+    the resolved config and exits 0.
+    """
+    parser = build_parser(model, prog or sys.argv[0])
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    raw = vars(ns)
+    dry_run = raw.pop("dry_run", False)
+    tree: dict[str, Any] = {}
+    for dotted, value in raw.items():
+        _set_dotted(tree, dotted, value)
+    data = _deep_merge(env_overrides(model, environ), tree)
+    try:
+        settings = model.model_validate(data)
+    except (ValidationError, ValueError) as exc:
+        msg = _format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        parser.exit(2, f"{parser.prog}: error: {msg}\n")
+    if dry_run:
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        parser.exit(0)
+    return settings
+
+
+__all__ = [
+    "Field",
+    "MetricsConfig",
+    "ModelConfig",
+    "RedisConfig",
+    "Section",
+    "ServerConfig",
+    "build_parser",
+    "env_overrides",
+    "iter_fields",
+    "parse_settings",
+]

@@ -1,0 +1,147 @@
+"""One observability contract for every service.
+
+Metric names follow ``molt_<service>_<quantity>_<unit>``. This module is the catalog: each service
+creates its metrics from these names on its own ``CollectorRegistry`` (one per app instance; no
+module-level singletons), and the Grafana dashboard and the PrometheusRule alerts in deploy/k8s query
+only names listed here. ``tests/integration/test_deploy_metrics.py`` scrapes the running services and
+checks that every queried name and label exists.
+
+Labels shared across services: ``pod`` (rollout pod URL or name), ``policy_version``-like values are
+exported as gauges, never as labels (unbounded cardinality).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# Latency buckets tuned for a loopback proxy: sub-millisecond to seconds.
+LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+REWARD_BUCKETS = (-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2, 5)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...] = (), buckets=None) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, buckets)
+
+
+CATALOG: dict[str, MetricSpec] = {
+    s.name: s
+    for s in [
+        # ---- trajectory queue (exported by whoever owns a TrajectoryQueue: gateway and trainer)
+        _m("molt_queue_length_entries", "gauge", "Entries in the trajectory stream (XLEN).", ("stream",)),
+        _m("molt_queue_pending_entries", "gauge", "Entries delivered to the consumer group and not yet acked.",
+           ("stream",)),
+        _m("molt_queue_undelivered_entries", "gauge", "Entries not yet delivered to the consumer group.", ("stream",)),
+        _m("molt_queue_oldest_unacked_age_seconds", "gauge", "Age of the oldest entry not yet acked.", ("stream",)),
+        _m("molt_queue_dead_letter_total", "counter", "Records moved to the dead-letter stream.", ("stream",)),
+        _m("molt_queue_backpressure_wait_seconds_total", "counter", "Time producers waited on a full stream.",
+           ("stream",)),
+        # ---- rollout pod
+        _m("molt_rollout_requests_total", "counter", "Generate requests by outcome.", ("status",)),
+        _m("molt_rollout_generated_tokens_total", "counter", "Tokens generated."),
+        _m("molt_rollout_prompt_tokens_total", "counter", "Prompt tokens processed."),
+        _m("molt_rollout_running_requests", "gauge", "Requests the engine is running."),
+        _m("molt_rollout_waiting_requests", "gauge", "Requests waiting in the engine queue."),
+        _m("molt_rollout_kv_cache_usage_ratio", "gauge", "Fraction of the KV cache in use."),
+        _m("molt_rollout_policy_version", "gauge", "Policy version the pod serves."),
+        _m("molt_rollout_weight_apply_seconds", "histogram", "Pause-to-resume time of a weight application.",
+           buckets=DURATION_BUCKETS_S),
+        _m("molt_rollout_request_aborts_total", "counter", "Requests aborted (client gone or weight update).",
+           ("reason",)),
+        # ---- weight sync (both ends)
+        _m("molt_weightsync_bytes_total", "counter", "Weight bytes moved.", ("side", "transport")),
+        _m("molt_weightsync_phase_seconds", "histogram", "Seconds per weight-sync phase.", ("side", "phase"),
+           DURATION_BUCKETS_S),
+        _m("molt_weightsync_failures_total", "counter", "Failed or aborted syncs.", ("side", "reason")),
+        _m("molt_weightsync_version", "gauge", "Last version synced successfully.", ("side",)),
+        _m("molt_weightsync_check_max_abs_diff", "gauge",
+           "Max |pod - trainer| probe logprob difference of the last verified sync.", ("pod",)),
+        _m("molt_weightsync_check_failures_total", "counter", "Syncs refused promotion by the weight check.",
+           ("pod",)),
+        # ---- gateway
+        _m("molt_gateway_requests_total", "counter", "Requests by wire and status code.", ("wire", "code")),
+        _m("molt_gateway_added_latency_seconds", "histogram",
+           "Time the gateway adds to a request (accept to response, minus time waiting on the pod).", ("wire",),
+           LATENCY_BUCKETS_S),
+        _m("molt_gateway_request_seconds", "histogram", "Total request time from accept.", ("wire",),
+           DURATION_BUCKETS_S),
+        _m("molt_gateway_open_sessions", "gauge", "Open sessions."),
+        _m("molt_gateway_sessions_total", "counter", "Sessions ended, by outcome.", ("outcome",)),
+        _m("molt_gateway_trajectories_written_total", "counter", "Trajectories written to the stream."),
+        _m("molt_gateway_trajectory_bytes_total", "counter", "Encoded trajectory bytes written."),
+        _m("molt_gateway_errors_total", "counter", "Error responses by status code.", ("code",)),
+        _m("molt_gateway_pod_inflight_requests", "gauge", "Requests in flight per rollout pod.", ("pod",)),
+        _m("molt_gateway_pod_healthy", "gauge", "1 if the pod passes health checks.", ("pod",)),
+        _m("molt_gateway_pod_failovers_total", "counter", "Sessions moved off a failed pod.", ("pod",)),
+        _m("molt_gateway_segments_total", "counter", "Segments started (first turn or history rewrite).",
+           ("reason",)),
+        # ---- env workers
+        _m("molt_envs_episodes_total", "counter", "Episodes by agent and status.", ("agent", "status")),
+        _m("molt_envs_episode_seconds", "histogram", "Episode wall time.", ("agent",), DURATION_BUCKETS_S),
+        _m("molt_envs_reward", "histogram", "Episode rewards.", ("agent",), REWARD_BUCKETS),
+        _m("molt_envs_inflight_episodes", "gauge", "Episodes running now."),
+        _m("molt_envs_rejected_total", "counter", "Episodes refused with 429 (worker saturated)."),
+        # ---- trainer
+        _m("molt_trainer_step", "gauge", "Optimizer steps completed."),
+        _m("molt_trainer_policy_version", "gauge", "Policy version of the trainer's weights."),
+        _m("molt_trainer_step_seconds", "histogram", "Seconds per step phase.", ("phase",), DURATION_BUCKETS_S),
+        _m("molt_trainer_tokens_per_second", "gauge", "Trained tokens per second over the last step."),
+        _m("molt_trainer_reward_mean", "gauge", "Mean reward of the last step's trajectories."),
+        _m("molt_trainer_loss", "gauge", "Loss terms of the last step.", ("term",)),
+        _m("molt_trainer_entropy", "gauge", "Mean token entropy of the last step."),
+        _m("molt_trainer_clip_fraction", "gauge", "PPO clip fraction of the last step."),
+        _m("molt_trainer_grad_norm", "gauge", "Gradient norm of the last step."),
+        _m("molt_trainer_mismatch_kl", "gauge", "Rollout-vs-trainer logprob KL (Molt's vllm_kl), by pod.", ("pod",)),
+        _m("molt_trainer_is_filter_ratio", "gauge", "Fraction of tokens/sequences filtered by IS correction."),
+        _m("molt_trainer_staleness_versions", "histogram", "Trainer version minus a token's policy version.",
+           buckets=STALENESS_BUCKETS),
+        _m("molt_trainer_trajectories_total", "counter", "Trajectories consumed, by outcome.", ("outcome",)),
+    ]
+}
+
+
+class Metrics:
+    """The metrics one app instance exports, created by name from the catalog on a private registry."""
+
+    def __init__(self, names: list[str] | tuple[str, ...], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._metrics: dict[str, object] = {}
+        for name in names:
+            spec = CATALOG[name]
+            base = name[: -len("_total")] if spec.kind == "counter" and name.endswith("_total") else name
+            if spec.kind == "counter":
+                metric = Counter(base, spec.help, spec.labels, registry=self.registry)
+            elif spec.kind == "gauge":
+                metric = Gauge(base, spec.help, spec.labels, registry=self.registry)
+            else:
+                metric = Histogram(base, spec.help, spec.labels, registry=self.registry,
+                                   buckets=spec.buckets or Histogram.DEFAULT_BUCKETS)
+            self._metrics[name] = metric
+
+    def __getitem__(self, name: str):
+        return self._metrics[name]
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition of this registry and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def service_names(prefix: str) -> list[str]:
+    """All catalog names of one service, e.g. ``service_names("molt_gateway_")``."""
+    return [n for n in CATALOG if n.startswith(prefix)]

@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny local models (built once, cached under .cache/models) and a Redis URL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = Path(os.environ.get("MOLT_TEST_MODEL_CACHE", ROOT / ".cache" / "models"))
+
+# vLLM on CPU: in-process engine and one OpenMP thread, else generation is ~40x slower (cpu-stack.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _tiny(name: str, **kwargs) -> Path:
+    """Build (once per cache) a tiny model dir; concurrent builders race safely via rename."""
+    from molt.models.tiny import build_tiny
+
+    out = MODEL_CACHE / name
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = MODEL_CACHE / f".{name}.{uuid.uuid4().hex[:8]}"
+    build_tiny(tmp, **kwargs)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return _tiny("tiny-qwen3", arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_b() -> Path:
+    """Same shapes and tokenizer as tiny_qwen3, other weights: a stand-in for 'trained weights'."""
+    return _tiny("tiny-qwen3-b", arch="qwen3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe() -> Path:
+    return _tiny("tiny-qwen3-moe", arch="qwen3_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_b() -> Path:
+    return _tiny("tiny-qwen3-moe-b", arch="qwen3_moe", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied() -> Path:
+    return _tiny("tiny-llama-untied", arch="llama", seed=0, tie=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied_b() -> Path:
+    return _tiny("tiny-llama-untied-b", arch="llama", seed=1, tie=False)
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """MOLT_TEST_REDIS_URL, else the local server on 6379, else an embedded one for the session."""
+    url = os.environ.get("MOLT_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    if _reachable("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    from molt.bus.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def stream_name(request) -> str:
+    """A unique stream name per test; tests delete their keys when done."""
+    return f"molt:test:{request.node.name[:40]}:{uuid.uuid4().hex[:8]}"
