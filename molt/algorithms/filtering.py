@@ -1,0 +1,83 @@
+"""Dynamic filtering of prompt groups (DAPO-style; Molt spec 4.9, ``--algo.dynamic_filtering_enable``).
+
+A group whose rollouts all succeed or all fail has zero group-relative advantage: it costs a train
+step and teaches nothing. The rollout side therefore judges every finished group and refills the
+dropped slots with new prompts:
+
+1. one representative per ``rollout_id`` (the segments of a multi-segment rollout count once, first
+   seen wins);
+2. fewer than ``n_samples_per_prompt`` surviving rollouts -> drop (``incomplete_group``);
+3. if every representative has a score: keep iff ``low < mean(score) < high``, an *open* interval
+   (``--algo.dynamic_filtering_range``, default 0 1), else drop (``dynamic_filter``). A group with a
+   missing score is kept (nothing to judge it by).
+
+``filtering_metrics`` summarises a batch of verdicts: ``dynamic_filtering_pass_rate`` (kept / judged,
+in percent), ``rollout/pre_filter_mean_score`` (mean score over all representatives, before
+filtering), ``rollout/group_all_pass_rate`` / ``rollout/group_all_fail_rate`` (fraction of scored
+groups with mean >= high / mean <= low).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+INCOMPLETE_GROUP = "incomplete_group"
+DYNAMIC_FILTER = "dynamic_filter"
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    keep: bool
+    reason: str | None
+    """None when kept, else ``incomplete_group`` or ``dynamic_filter`` (the drop-reason metric suffix)."""
+    scores: tuple[float, ...] | None
+    """One score per rollout, or None if the group was incomplete or a score was missing."""
+    score_range: tuple[float, float]
+
+    @property
+    def mean_score(self) -> float | None:
+        return sum(self.scores) / len(self.scores) if self.scores else None
+
+
+def filter_group(
+    rollout_ids: Sequence[str],
+    scores: Sequence[float | None],
+    *,
+    n_samples_per_prompt: int,
+    score_range: Sequence[float] = (0.0, 1.0),
+) -> GroupVerdict:
+    """Judge one finished group given its samples' rollout ids and scores (one entry per sample)."""
+    if len(rollout_ids) != len(scores):
+        raise ValueError(f"{len(rollout_ids)} rollout ids but {len(scores)} scores")
+    low, high = float(score_range[0]), float(score_range[1])
+    if not low < high:
+        raise ValueError(f"--algo.dynamic_filtering_range needs LOW < HIGH, got {low} {high}")
+    representative: dict[str, float | None] = {}
+    for rollout_id, score in zip(rollout_ids, scores):
+        representative.setdefault(rollout_id, score)
+    if len(representative) < n_samples_per_prompt:
+        return GroupVerdict(False, INCOMPLETE_GROUP, None, (low, high))
+    if any(s is None for s in representative.values()):
+        return GroupVerdict(True, None, None, (low, high))
+    group_scores = tuple(float(s) for s in representative.values())  # type: ignore[arg-type]
+    mean = sum(group_scores) / len(group_scores)
+    keep = low < mean < high
+    return GroupVerdict(keep, None if keep else DYNAMIC_FILTER, group_scores, (low, high))
+
+
+def filtering_metrics(verdicts: Sequence[GroupVerdict]) -> dict[str, float]:
+    """Rollout-side metrics for a batch of judged groups (empty input -> empty dict)."""
+    if not verdicts:
+        return {}
+    scored = [v for v in verdicts if v.scores]
+    metrics = {"dynamic_filtering_pass_rate": 100.0 * sum(v.keep for v in verdicts) / len(verdicts)}
+    if scored:
+        all_scores = [s for v in scored for s in v.scores]  # type: ignore[union-attr]
+        metrics["rollout/pre_filter_mean_score"] = sum(all_scores) / len(all_scores)
+        metrics["rollout/group_all_pass_rate"] = sum(v.mean_score >= v.score_range[1] for v in scored) / len(scored)
+        metrics["rollout/group_all_fail_rate"] = sum(v.mean_score <= v.score_range[0] for v in scored) / len(scored)
+    return metrics
+
+
+__all__ = ["DYNAMIC_FILTER", "INCOMPLETE_GROUP", "GroupVerdict", "filter_group", "filtering_metrics"]
