@@ -8,6 +8,8 @@ quantizer so vLLM and the trainer load it like any checkpoint. No hub access.
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import uuid
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,7 +36,7 @@ def build_smollm2(out: str | Path) -> Path:
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     gguf = find_gguf()
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.partial")  # concurrent builders never collide
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF quantizer marks the model unserializable; the weights are already de-quantized fp32.
@@ -43,5 +45,8 @@ def build_smollm2(out: str | Path) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another builder finished first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
