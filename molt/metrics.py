@@ -24,7 +24,9 @@ Kind = Literal["counter", "gauge", "histogram"]
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
-REWARD_BUCKETS = (-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2, 5)
+# Non-negative bounds on purpose: prometheus_client drops a histogram's _sum when any bound is
+# negative, and the dashboard needs _sum/_count for mean reward. Negative rewards land in le="0".
+REWARD_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2, 5)
 
 
 @dataclass(frozen=True)
