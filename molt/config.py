@@ -179,7 +179,6 @@ def build_parser(model: type[BaseModel], prog: str, description: str | None = No
         description=description or (model.__doc__ or "").strip(),
         allow_abbrev=False,
         known=flags + ["--dry-run", "--help"],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--dry-run", action="store_true", help="Print the resolved config as JSON and exit.")
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -188,8 +187,9 @@ def build_parser(model: type[BaseModel], prog: str, description: str | None = No
         group = groups.setdefault(head, parser.add_argument_group(head))
         help_text = (info.description or "").replace("%", "%%")
         kw: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS, "help": help_text}
-        if info.default is not None and not callable(info.default):
-            kw["help"] = help_text + f" [default: {info.default}]".replace("%", "%%")
+        default = info.get_default(call_default_factory=True)
+        if default is not None and not info.is_required() and default != []:
+            kw["help"] = help_text + f" [default: {default}]".replace("%", "%%")
         kw.pop("default")
         if _is_bool(annotation):
             group.add_argument(f"--{dotted}", nargs="?", const=True, type=_bool_value, default=argparse.SUPPRESS,

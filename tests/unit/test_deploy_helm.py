@@ -38,7 +38,7 @@ K8S_VERSIONS = ("1.28.0", "1.37.0")  # the chart's kubeVersion floor and the new
 WORKLOADS = ("Deployment", "StatefulSet")
 SECRETS_OUTSIDE_CHART = {"external-redis": {"molt-redis-url", "molt-gateway-keys"}}
 # Env the chart sets ahead of the service reading it; checked for real once the field exists.
-PENDING_ENV = {("envs", "MOLT_GATEWAY__API_KEY")}
+PENDING_ENV: set[tuple[str, str]] = set()
 
 # kubernetes-validate has schemas for core kinds only; the Prometheus Operator kinds the chart
 # renders are checked against small strict schemas of ours (deploy/k8s/schemas/*.json).

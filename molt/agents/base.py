@@ -1,0 +1,200 @@
+"""The agent contract: ``Result``, the abstract ``Runner``, and module loading.
+
+It follows Molt's agent contract so a module written for Molt runs unchanged: a module exports
+``AgentRunner``, a ``Runner`` subclass built with no arguments, usually one of the two bindings
+
+    class AgentRunner(StepEnvRunner):      # framework owns the LLM loop (molt.agents.env)
+        def __init__(self): super().__init__(MyEnv)
+
+    class AgentRunner(ChatAgentRunner):    # user owns the loop with its own SDK (molt.agents.chat_agent)
+        def __init__(self): super().__init__(MyAgent)
+
+What differs from Molt is only where the model lives: instead of a local vLLM client and tokenizer,
+a runner gets an ``Episode`` (one dataset row plus its ids) and a ``GatewayClient``, opens one gateway
+session per episode, and finishes it with the reward. The gateway records the token-exact trajectory
+and writes it to the stream; the runner never sees tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from molt.agents.gateway import GatewayClient
+
+
+@dataclass
+class Result:
+    """What ``Env.step`` and ``ChatAgent.run`` return."""
+
+    reward: Any = 0.0
+    """Scalar reward. A tensor / list is reduced to its first element; None is an error."""
+    observation: str = ""
+    """Step path: feedback text appended after this turn's action (masked out of the loss)."""
+    terminated: bool = True
+    """Natural end of the episode (the default makes an Env single-turn)."""
+    truncated: bool = False
+    """External cut-off (the episode stops and is marked truncated)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Diagnostics; numeric scalars travel with the trajectory, anything else is skipped."""
+    score: Any = None
+    """Dynamic-filtering / dashboard score; defaults to the episode's reward."""
+    images: list[Any] | None = None
+    """Next-turn images. The gateway's token API is text-only: images are dropped with a warning."""
+    sampling_params: dict[str, Any] | None = None
+    """Step path: replaces the sampling params (and the per-turn cap) for the following turns."""
+
+
+def first_scalar(value: Any, what: str = "reward") -> float:
+    """Molt's reduction: a number stays, a tensor / array / list gives its first element."""
+    if value is None:
+        raise ValueError(f"Result.{what} is None: return a number (e.g. Result(reward=0.0))")
+    if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch / numpy, without importing them
+        value = value.reshape(-1).tolist()
+    while isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"Result.{what} is empty: return a number")
+        value = value[0]
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Result.{what} must be a number, got {type(value).__name__}: {value!r}") from None
+    if not math.isfinite(out):
+        raise ValueError(f"Result.{what} must be finite, got {out}")
+    return out
+
+
+def numeric_info(info: Any) -> dict[str, float]:
+    """The numeric, finite scalars of ``Result.info`` (Molt logs those and skips the rest)."""
+    out: dict[str, float] = {}
+    for key, value in (info or {}).items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[str(key)] = float(value)
+    return out
+
+
+def check_result(result: Any, where: str) -> Result:
+    if not isinstance(result, Result):
+        raise TypeError(f"{where} must return molt.agents.Result, got {type(result).__name__}")
+    return result
+
+
+@dataclass
+class Episode:
+    """One dataset row and the ids it is trained under: everything a runner needs besides the gateway."""
+
+    prompt: str | list[dict[str, Any]]
+    group_id: str
+    sample_index: int = 0
+    label: Any = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    max_length: int | None = None
+    """Total context budget (prompt + all turns); None lets the gateway use its own."""
+    max_new_tokens: int | None = None
+    """Per-turn cap (``--rollout.max_new_tokens``) when sampling_params carry no max_tokens."""
+    tools: list[dict[str, Any]] | None = None
+    images: list[Any] | None = None
+    env_name: str = ""
+    env_version: str = ""
+    trajectory_id: str | None = None
+    """Set by the runner once its session is open (the session id is the trajectory id)."""
+
+    def session_fields(self, sampling_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The POST /v1/sessions body for this episode."""
+        body: dict[str, Any] = {
+            "group_id": self.group_id,
+            "sample_index": self.sample_index,
+            "label": self.label,
+            "env_name": self.env_name,
+            "env_version": self.env_version,
+            "sampling_params": sampling_params if sampling_params is not None else self.sampling_params,
+        }
+        if self.max_length is not None:
+            body["max_length"] = self.max_length
+        return body
+
+
+@dataclass
+class EpisodeResult:
+    """What a runner reports once its session is finished."""
+
+    reward: float
+    score: float | None
+    turns: int
+    tokens: int
+    trajectory_id: str
+    written: bool
+    truncated: bool = False
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class Runner(abc.ABC):
+    """Runs one episode end to end: open a gateway session, drive it, finish it with the reward.
+
+    A custom runner must abort its session on any failure; ``GatewayClient.session`` does that.
+    """
+
+    PRERENDER_PROMPT = True
+    """Molt's flag: True if the prompt is expected as text rendered by the dataset."""
+
+    @abc.abstractmethod
+    async def execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+        """Run ``episode`` through ``gateway``; raise on any failure (the session is then aborted)."""
+
+
+# ---- module loading (Molt's --train.agent_path)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def module_version(path: str | Path) -> str:
+    """A short content hash of an agent file, recorded as the trajectories' env_version."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def load_agent_runner(path: str | Path, name: str = "agent_module") -> Runner:
+    """Import ``path`` and build its ``AgentRunner`` with no arguments.
+
+    The module is imported under a name of its own (``molt_agent_<name>``) so a worker can serve several.
+    """
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        raise ValueError(f"agent path {str(path)!r} must be an existing .py file exporting AgentRunner")
+    if not _NAME_RE.match(name):
+        raise ValueError(f"agent name {name!r}: use letters, digits, '_', '-' or '.'")
+    mod_name = "molt_agent_" + re.sub(r"\W", "_", name)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look classes up by module name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    runner_cls = getattr(module, "AgentRunner", None)
+    if runner_cls is None:
+        raise ValueError(f"{path} defines no AgentRunner: add `class AgentRunner(StepEnvRunner | ChatAgentRunner)`")
+    if not (isinstance(runner_cls, type) and issubclass(runner_cls, Runner)):
+        raise ValueError(f"{path}: AgentRunner must subclass molt.agents.Runner (StepEnvRunner or ChatAgentRunner)")
+    return runner_cls()
+
+
+# Molt defines Env and StepEnvRunner in molt/agents/base.py; modules that import them from here keep working.
+_MOLT_NAMES = {"Env": "molt.agents.env", "StepEnvRunner": "molt.agents.env", "ChatAgent": "molt.agents.chat_agent",
+               "ChatAgentRunner": "molt.agents.chat_agent", "ChatContext": "molt.agents.chat_agent"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOLT_NAMES:
+        return getattr(importlib.import_module(_MOLT_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""``ChatAgent`` + ``ChatAgentRunner``: the user owns the loop (Molt's chat path).
+
+The runner opens a gateway session and hands the agent its URLs: point the stock ``openai`` SDK at
+``ctx.base_url`` or the ``anthropic`` SDK at ``ctx.session_url`` with model ``ctx.model_name`` and
+``ctx.api_key``, and every call is captured token-exactly by the gateway. The episode's reward is
+the one ``Result`` that ``run`` returns. Any failure (exception, timeout, a non-``Result``) aborts the
+session, so nothing reaches the trainer.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_result, first_scalar, numeric_info
+from molt.agents.env import turn_params
+from molt.agents.gateway import GatewayClient
+
+
+@dataclass
+class ChatContext:
+    """What a ChatAgent gets for one episode."""
+
+    messages: list[dict[str, Any]]
+    """The dataset row as OpenAI wire messages (a string prompt becomes one user message)."""
+    prompt: str
+    """Text of the last user turn."""
+    label: Any
+    base_url: str
+    """OpenAI SDK base URL of this episode's session (…/s/{id}/v1)."""
+    session_url: str
+    """Anthropic SDK base URL of this episode's session (…/s/{id}; the SDK appends /v1/messages)."""
+    session_id: str
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    max_length: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    images: list[Any] | None = None
+    model_name: str = "policy"
+    api_key: str = "EMPTY"
+    gateway_url: str = ""
+    """The gateway's root URL, for calls that must not be captured (e.g. an LLM judge: {gateway_url}/v1)."""
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            return str(content or "")
+    return ""
+
+
+class ChatAgent(abc.ABC):
+    """An agent that runs its own loop against ``ctx.base_url`` / ``ctx.session_url``; fresh per episode."""
+
+    def __init__(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    async def run(self, ctx: ChatContext) -> Result:
+        """Talk to the policy through the session URLs, then return the episode's Result."""
+
+
+class ChatAgentRunner(Runner):
+    """Runs ``agent_cls`` episodes, each in its own gateway session."""
+
+    PRERENDER_PROMPT = False
+
+    def __init__(self, agent_cls: type[ChatAgent]) -> None:
+        if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
+        self.agent_cls = agent_cls
+
+    async def execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+        agent = self.agent_cls()
+        if isinstance(episode.prompt, str):
+            messages = [{"role": "user", "content": episode.prompt}]
+        else:
+            messages = copy.deepcopy(episode.prompt)
+        sp = turn_params(episode.sampling_params, episode.max_new_tokens)
+        async with gateway.session(**episode.session_fields(sp)) as session:
+            episode.trajectory_id = session.id
+            ctx = ChatContext(
+                messages=messages, prompt=_last_user_text(messages), label=episode.label,
+                base_url=session.openai_base_url, session_url=session.anthropic_base_url, session_id=session.id,
+                sampling_params=copy.deepcopy(sp), max_length=episode.max_length, tools=episode.tools,
+                images=episode.images, gateway_url=gateway.url, api_key=gateway.api_key or "EMPTY",
+            )
+            result = check_result(await agent.run(ctx), f"{self.agent_cls.__name__}.run")
+            reward = first_scalar(result.reward)
+            score = reward if result.score is None else first_scalar(result.score, "score")
+            info = numeric_info(result.info)
+            summary = await session.summary()
+            done = await session.finish(reward, score, info)
+        return EpisodeResult(
+            reward=reward, score=score, turns=int(summary.get("turns", 0) or 0),
+            tokens=int(summary.get("num_tokens", summary.get("tokens", 0)) or 0), trajectory_id=session.id,
+            written=bool(done.get("written")), truncated=bool(result.truncated), info=info,
+        )

@@ -1,0 +1,137 @@
+"""``Env`` + ``StepEnvRunner``: the framework owns the LLM loop (Molt's step path).
+
+Each turn is one call to the gateway's token-level ``/v1/sessions/{id}/generate``: the previous
+turn's feedback goes in as ``append_text`` (recorded as masked tokens), the model's answer comes back
+as an action span with its logprobs and policy version. The worker needs no tokenizer; the trajectory
+is token-exact because the gateway holds the tokens.
+
+``state`` passed to ``Env.step`` holds exactly (as in Molt):
+- ``observation_text``: the initial observation + all previous actions and feedback texts;
+- ``action_text``: this turn's generation, decoded with special tokens kept;
+- ``label``: the dataset label, as given;
+- ``sampling_params``: a deep copy of this turn's params (mutating it has no effect).
+
+Rewards of all turns are summed; score and info come from the last turn. Feedback is appended even
+on the terminal turn. The loop stops when the env says terminated / truncated, or when a turn ends
+with finish_reason "length" (per-turn cap or total ``max_length`` budget). There is no turn limit of
+the framework's own: the env decides.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+from typing import Any
+
+from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_result, first_scalar, numeric_info
+from molt.agents.gateway import GatewayClient
+
+log = logging.getLogger(__name__)
+
+
+class Env(abc.ABC):
+    """A reward environment. Built with no arguments, one fresh instance per episode."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def reset(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` = {"observation": prompt, "label": label}; the returned "observation" is the first input."""
+        return state
+
+    @abc.abstractmethod
+    async def step(self, state: dict[str, Any]) -> Result:
+        """Grade this turn's ``state["action_text"]``; return reward, feedback and whether to stop."""
+
+
+def _messages_text(messages: list[dict[str, Any]]) -> str:
+    """Plain text of a message list (the worker has no chat template; the gateway renders it)."""
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(str(content or ""))
+    return "\n".join(parts)
+
+
+def turn_params(params: dict[str, Any], per_turn_cap: int | None) -> dict[str, Any]:
+    """This turn's sampling params: the per-turn cap as max_tokens, min_tokens clamped down to it."""
+    sp = copy.deepcopy(params)
+    if sp.get("max_tokens") is None and per_turn_cap is not None:
+        sp["max_tokens"] = per_turn_cap
+    if sp.get("max_tokens") is not None and sp.get("min_tokens"):
+        sp["min_tokens"] = min(sp["min_tokens"], sp["max_tokens"])
+    return sp
+
+
+class StepEnvRunner(Runner):
+    """Runs ``env_cls`` episodes through the gateway's token-level session API."""
+
+    PRERENDER_PROMPT = True
+
+    def __init__(self, env_cls: type[Env]) -> None:
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
+        self.env_cls = env_cls
+
+    async def execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+        env = self.env_cls()
+        params = copy.deepcopy(episode.sampling_params)
+        cap = episode.max_new_tokens
+        async with gateway.session(**episode.session_fields(turn_params(params, cap))) as session:
+            episode.trajectory_id = session.id
+            first = await env.reset({"observation": episode.prompt, "label": episode.label})
+            obs = first["observation"] if isinstance(first, dict) else first
+            if isinstance(obs, list):
+                pending: dict[str, Any] = {"messages": obs}
+                observation_text = _messages_text(obs)
+            else:
+                pending = {"append_text": str(obs)}
+                observation_text = str(obs)
+            reward, score, info = 0.0, None, {}
+            turns, num_tokens, truncated = 0, 0, False
+            warned_images = False
+            while True:
+                sp = turn_params(params, cap)
+                out = await session.generate(**pending, sampling_params=sp)
+                num_tokens = int(out.get("num_tokens", num_tokens))
+                length_cut = out.get("finish_reason") == "length"
+                if not out.get("token_ids") and length_cut:
+                    truncated = True  # the budget ran out before this turn could generate
+                    break
+                turns += 1
+                state = {
+                    "observation_text": observation_text,
+                    "action_text": out.get("text", ""),
+                    "label": episode.label,
+                    "sampling_params": copy.deepcopy(sp),
+                }
+                result = check_result(await env.step(state), f"{self.env_cls.__name__}.step")
+                reward += first_scalar(result.reward)
+                score = result.score
+                info = result.info
+                truncated = length_cut or bool(result.truncated)
+                observation_text += state["action_text"] + (result.observation or "")
+                if result.images and not warned_images:
+                    log.warning("%s returned images; the token-level session API is text-only, dropping them",
+                                self.env_cls.__name__)
+                    warned_images = True
+                if result.sampling_params is not None:
+                    if not isinstance(result.sampling_params, dict):
+                        raise TypeError("Result.sampling_params must be a dict of sampling params")
+                    params, cap = copy.deepcopy(result.sampling_params), None
+                if result.terminated or truncated:
+                    # Molt appends feedback even on the terminal turn (masked: it never enters the loss).
+                    if result.observation and await gateway.can_append():
+                        num_tokens = int((await session.append(result.observation)).get("num_tokens", num_tokens))
+                    break
+                pending = {"append_text": result.observation} if result.observation else {}
+            final_score = reward if score is None else first_scalar(score, "score")
+            numeric = numeric_info(info)
+            done = await session.finish(reward, final_score, numeric)
+        return EpisodeResult(
+            reward=reward, score=final_score, turns=turns, tokens=num_tokens, trajectory_id=session.id,
+            written=bool(done.get("written")), truncated=truncated, info=numeric,
+        )

@@ -1,0 +1,152 @@
+"""Client of the gateway's session API (docs/fragments/CONTRACTS.md, "Gateway").
+
+A session is one episode: opened with its ids and sampling params, driven turn by turn (token-level
+``generate`` for the step path, the OpenAI / Anthropic wires for the chat path), then finished with
+the reward (the gateway writes the trajectory) or aborted (nothing written). ``GatewayClient.session``
+is the safe way to hold one: any exception, cancellation or timeout inside it aborts the session, so
+a failed episode never reaches the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(RuntimeError):
+    """The gateway answered with an error status."""
+
+    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+        super().__init__(f"gateway {method} {path} -> {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+class Session:
+    """One open gateway session (its id is also the trajectory id)."""
+
+    def __init__(self, client: GatewayClient, info: dict[str, Any]) -> None:
+        self._client = client
+        self.id: str = info["session_id"]
+        self.openai_base_url: str = info["openai_base_url"]
+        self.anthropic_base_url: str = info["anthropic_base_url"]
+        self.finished: dict[str, Any] | None = None
+        self.aborted = False
+
+    async def generate(
+        self,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        append_text: str | None = None,
+        append_token_ids: list[int] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One token-level turn: append (masked) input, then generate an action span."""
+        body: dict[str, Any] = {}
+        if messages is not None:
+            body["messages"] = messages
+        if append_text:
+            body["append_text"] = append_text
+        if append_token_ids:
+            body["append_token_ids"] = append_token_ids
+        if sampling_params is not None:
+            body["sampling_params"] = sampling_params
+        return await self._client.request("POST", f"/v1/sessions/{self.id}/generate", body)
+
+    async def append(self, text: str) -> dict[str, Any]:
+        """Append masked text without generating (a turn with max_tokens 0; see GatewayClient.can_append)."""
+        out = await self.generate(append_text=text, sampling_params={"max_tokens": 0})
+        if out.get("token_ids"):
+            raise GatewayError("POST", f"/v1/sessions/{self.id}/generate", 200,
+                               "the gateway generated tokens for max_tokens 0; the session holds an ungraded action")
+        return out
+
+    async def summary(self) -> dict[str, Any]:
+        return await self._client.request("GET", f"/v1/sessions/{self.id}")
+
+    async def finish(self, reward: float, score: float | None = None, info: dict[str, float] | None = None) -> dict:
+        """Write the trajectory with ``reward`` (idempotent on the gateway side)."""
+        body: dict[str, Any] = {"reward": reward, "info": info or {}}
+        if score is not None:
+            body["score"] = score
+        self.finished = await self._client.request("POST", f"/v1/sessions/{self.id}/finish", body)
+        return self.finished
+
+    async def abort(self) -> None:
+        """Discard the session; nothing is written. Errors are logged, not raised (we are already failing)."""
+        if self.aborted or self.finished is not None:
+            return
+        self.aborted = True
+        try:
+            await self._client.request("DELETE", f"/v1/sessions/{self.id}")
+        except (GatewayError, httpx.HTTPError) as exc:  # the gateway's TTL reaps it anyway
+            log.warning("abort of session %s failed: %s", self.id, exc)
+
+
+class GatewayClient:
+    """Async HTTP client of one gateway (``url`` is its root, e.g. http://127.0.0.1:8000)."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0, transport: httpx.AsyncBaseTransport | None = None,
+                 api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        # The gateway requires bearer keys whenever it listens beyond loopback; sessions belong to the key.
+        self.api_key = api_key
+        self._can_append: bool | None = None
+        self._probe_lock = asyncio.Lock()
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        resp = await self._http.request(method, path, json=body)
+        if resp.status_code >= 400:
+            raise GatewayError(method, path, resp.status_code, resp.text)
+        return resp.json() if resp.content else {}
+
+    async def open_session(self, **fields: Any) -> Session:
+        return Session(self, await self.request("POST", "/v1/sessions", fields))
+
+    @contextlib.asynccontextmanager
+    async def session(self, **fields: Any) -> AsyncIterator[Session]:
+        """Open a session; abort it unless the body finished it (on success, error, cancel or timeout)."""
+        session = await self.open_session(**fields)
+        try:
+            yield session
+        finally:
+            if session.finished is None:
+                # shield: on a timeout the task is being cancelled; the abort must still go out.
+                await asyncio.shield(session.abort())
+
+    async def can_append(self) -> bool:
+        """Whether a generate with max_tokens 0 only appends (the terminal-feedback turn needs that).
+
+        Probed once on a throwaway session of max_length 2 (at most one token is generated) that is
+        then aborted, so nothing is written either way.
+        """
+        async with self._probe_lock:
+            if self._can_append is None:
+                async with self.session(group_id="molt-append-probe", max_length=2) as probe:
+                    out = await probe.generate(append_text="x", sampling_params={"max_tokens": 0})
+                self._can_append = not out.get("token_ids")
+                if not self._can_append:
+                    log.warning("gateway %s generates on max_tokens 0: the terminal turn's feedback (masked, no "
+                                "effect on the loss) is not recorded", self.url)
+            return self._can_append
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            resp = await self._http.get("/healthz", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,42 @@
+"""``build_app(settings)``: the env worker's FastAPI app (agents are loaded here, not at import time)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+from fastapi import FastAPI
+
+from molt.agents.gateway import GatewayClient
+from services.envs.config import EnvsSettings
+from services.envs.metrics import envs_metrics
+from services.envs.routes import router
+from services.envs.worker import EpisodeWorker
+
+
+def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The worker app. ``gateway_transport`` lets unit tests reach an in-process fake gateway."""
+    if not settings.gateway.url:
+        raise ValueError("no gateway: pass --gateway.url http://HOST:PORT")
+    if not settings.agent:
+        raise ValueError("no agent to serve: pass --agent NAME=PATH (a .py file exporting AgentRunner)")
+    gateway = GatewayClient(settings.gateway.url, settings.gateway.timeout_s, transport=gateway_transport,
+                            api_key=settings.gateway.api_key)
+    worker = EpisodeWorker(
+        settings.agents(), gateway, envs_metrics(),
+        max_concurrency=settings.envs.max_concurrency,
+        episode_timeout_s=settings.envs.episode_timeout_s,
+        max_new_tokens=settings.rollout.max_new_tokens,
+        max_length=settings.data.max_len,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await gateway.aclose()
+
+    app = FastAPI(title="molt env worker", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.worker = worker
+    app.include_router(router)
+    return app

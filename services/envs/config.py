@@ -1,0 +1,100 @@
+"""Env-worker settings: ``python -m services.envs --agent NAME=PATH [--agent ...] --gateway.url URL``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from molt.config import Section, ServerConfig
+
+
+class GatewayClientConfig(Section):
+    url: str | None = None
+    """Root URL of the gateway (http://host:port) that episodes open their sessions on. Required."""
+    timeout_s: float = 600.0
+    """Timeout of one gateway call (a generate waits for the whole turn's generation)."""
+    api_key: str | None = None
+    """Bearer key for the gateway (needed when it runs with --auth.api_keys; env MOLT_GATEWAY__API_KEY).
+    ChatAgents get it as ctx.api_key so their own SDK clients authenticate too."""
+
+
+class WorkerConfig(Section):
+    max_concurrency: int = Field(64, ge=1)
+    """Episodes one worker runs at once; beyond it the worker answers 429 with Retry-After."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock limit of one episode; past it the episode fails with status "timeout" (session aborted)."""
+    retry_after_s: int = Field(1, ge=0)
+    """Retry-After seconds sent with a 429."""
+
+
+class RolloutConfig(Section):
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Per-turn token cap when an episode's sampling params carry no max_tokens (Molt's flag; None: the
+    gateway's default, clamped to the remaining context budget)."""
+
+
+class DataConfig(Section):
+    max_len: int | None = Field(None, ge=2)
+    """Total context budget of an episode (prompt + all turns) when the request gives no max_length
+    (Molt's flag; None: the gateway's default)."""
+
+
+class EnvsSettings(Section):
+    """Reward-env worker: runs agent episodes (Env or ChatAgent modules) through the gateway."""
+
+    agent: list[str] = Field(default_factory=list)
+    """Agent module to serve as NAME=PATH (a .py file exporting AgentRunner); repeat the flag for several."""
+    gateway: GatewayClientConfig = Field(default_factory=GatewayClientConfig)
+    envs: WorkerConfig = Field(default_factory=WorkerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("agent")
+    @classmethod
+    def _check_agents(cls, specs: list[str]) -> list[str]:
+        names = set()
+        for spec in specs:
+            name, eq, path = spec.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"--agent {spec!r}: expected NAME=PATH, e.g. --agent math=examples/agents/math.py")
+            if name in names:
+                raise ValueError(f"--agent: name {name!r} given twice")
+            if not Path(path).is_file() or not path.endswith(".py"):
+                raise ValueError(f"--agent {spec!r}: {path!r} is not an existing .py file")
+            names.add(name)
+        return specs
+
+    def agents(self) -> dict[str, str]:
+        """NAME -> PATH of every served agent module."""
+        return dict(spec.partition("=")[::2] for spec in self.agent)
+
+
+# The issue's command line: repeated --agent flags and the short --port / --host.
+SHORT_FLAGS = {"--port": "--server.port", "--host": "--server.host"}
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """Expand short flags and merge repeated ``--agent X`` into one list flag (unknown flags stay errors)."""
+    out: list[str] = []
+    agents: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        name = SHORT_FLAGS.get(name, name)
+        if name == "--agent":
+            if eq:
+                agents.append(value)
+                i += 1
+            else:
+                i += 1
+                while i < len(argv) and not argv[i].startswith("--"):
+                    agents.append(argv[i])
+                    i += 1
+                if not agents:
+                    out.append("--agent")  # let the parser report the missing value
+            continue
+        out.append(name + eq + value)
+        i += 1
+    return out + (["--agent", *agents] if agents else [])

@@ -1,0 +1,144 @@
+"""The transport-agnostic core of an env worker: run one episode of a served agent, within limits.
+
+- Admission: at most ``max_concurrency`` episodes at once; one more raises ``Saturated`` (HTTP 429 +
+  Retry-After) instead of queueing, so a dispatcher can send it to another replica.
+- Isolation: an exception in user code, a non-Result return or a timeout fails only that episode. The
+  runner's session is aborted (nothing reaches the trainer), the failure is counted by status and the
+  worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from molt.agents.base import Episode, Runner, load_agent_runner, module_version
+from molt.agents.gateway import GatewayClient
+from molt.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeRequest(BaseModel):
+    """Body of POST /v1/episodes:run (docs/fragments/CONTRACTS.md, "Env worker")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    group_id: str = Field(min_length=1)
+    sample_index: int = Field(0, ge=0)
+    sampling_params: dict[str, Any] | None = None
+    max_length: int | None = Field(None, ge=2)
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt: str | list) -> str | list:
+        if not prompt:
+            raise ValueError("prompt is empty: send the question text or a non-empty message list")
+        return prompt
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _one_sample(cls, sp: dict | None) -> dict | None:
+        if sp and sp.get("n", 1) != 1:
+            raise ValueError("sampling_params.n must be 1: each sample is its own episode (use sample_index)")
+        return sp
+
+
+class EpisodeResponse(BaseModel):
+    status: str
+    """"ok", "failed" (user code or gateway error) or "timeout"."""
+    reward: float = 0.0
+    score: float | None = None
+    turns: int = 0
+    tokens: int = 0
+    trajectory_id: str | None = None
+    written: bool = False
+    error: str | None = None
+
+
+class Saturated(Exception):
+    """The worker runs max_concurrency episodes already."""
+
+
+class UnknownAgent(ValueError):
+    pass
+
+
+class EpisodeWorker:
+    def __init__(
+        self,
+        agents: dict[str, str],
+        gateway: GatewayClient,
+        metrics: Metrics,
+        max_concurrency: int,
+        episode_timeout_s: float,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        self.runners: dict[str, Runner] = {name: load_agent_runner(path, name) for name, path in agents.items()}
+        self.versions = {name: module_version(path) for name, path in agents.items()}
+        self.gateway = gateway
+        self.metrics = metrics
+        self.max_concurrency = max_concurrency
+        self.episode_timeout_s = episode_timeout_s
+        self.max_new_tokens = max_new_tokens
+        self.max_length = max_length
+        self.inflight = 0
+
+    def _episode(self, req: EpisodeRequest) -> tuple[Runner, Episode]:
+        runner = self.runners.get(req.agent)
+        if runner is None:
+            raise UnknownAgent(f"unknown agent {req.agent!r}; this worker serves {sorted(self.runners)}")
+        return runner, Episode(
+            prompt=req.prompt, group_id=req.group_id, sample_index=req.sample_index, label=req.label,
+            sampling_params=dict(req.sampling_params or {}),
+            max_length=req.max_length if req.max_length is not None else self.max_length,
+            max_new_tokens=self.max_new_tokens, tools=req.tools, env_name=req.agent,
+            env_version=self.versions[req.agent],
+        )
+
+    async def run(self, req: EpisodeRequest) -> EpisodeResponse:
+        runner, episode = self._episode(req)
+        if self.inflight >= self.max_concurrency:
+            self.metrics["molt_envs_rejected_total"].inc()
+            raise Saturated()
+        self.inflight += 1
+        self.metrics["molt_envs_inflight_episodes"].set(self.inflight)
+        start = time.monotonic()
+        try:
+            resp = await self._run(runner, episode)
+        finally:
+            self.inflight -= 1
+            self.metrics["molt_envs_inflight_episodes"].set(self.inflight)
+        self.metrics["molt_envs_episodes_total"].labels(req.agent, resp.status).inc()
+        self.metrics["molt_envs_episode_seconds"].labels(req.agent).observe(time.monotonic() - start)
+        if resp.status == "ok":
+            self.metrics["molt_envs_reward"].labels(req.agent).observe(resp.reward)
+        return resp
+
+    async def _run(self, runner: Runner, episode: Episode) -> EpisodeResponse:
+        deadline = asyncio.timeout(self.episode_timeout_s)
+        try:
+            async with deadline:
+                out = await runner.execute(episode, self.gateway)
+        except Exception as exc:  # user code: fail this episode only; the runner aborted its session
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                log.warning("episode %s (%s) timed out after %.1f s; session aborted",
+                            episode.trajectory_id, episode.env_name, self.episode_timeout_s)
+                return EpisodeResponse(status="timeout", trajectory_id=episode.trajectory_id,
+                                       error=f"episode exceeded --envs.episode_timeout_s={self.episode_timeout_s:g}")
+            log.exception("episode %s (%s) failed; session aborted", episode.trajectory_id, episode.env_name)
+            return EpisodeResponse(status="failed", trajectory_id=episode.trajectory_id,
+                                   error=f"{type(exc).__name__}: {exc}"[:2000])
+        return EpisodeResponse(
+            status="ok", reward=out.reward, score=out.score, turns=out.turns, tokens=out.tokens,
+            trajectory_id=out.trajectory_id, written=out.written,
+        )

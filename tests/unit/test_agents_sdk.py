@@ -1,0 +1,265 @@
+"""molt.agents semantics (Molt's agent contract) against the in-memory fake gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import httpx
+import openai
+import pytest
+
+from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Env, Episode, Result, StepEnvRunner
+from molt.agents.base import first_scalar, load_agent_runner
+from molt.agents.gateway import GatewayClient
+from molt.agents.testing import FakeGateway
+
+
+def _gateway(fake: FakeGateway) -> GatewayClient:
+    return GatewayClient("http://fake", transport=httpx.ASGITransport(app=fake.app))
+
+
+def _episode(prompt="Q: 1+1?", **kw) -> Episode:
+    return Episode(prompt=prompt, group_id="g", label=kw.pop("label", "2"), **kw)
+
+
+async def test_single_turn_state_reward_and_finish():
+    seen = []
+
+    class Grader(Env):
+        async def step(self, state):
+            seen.append(state)
+            return Result(reward=1.0 if state["label"] in state["action_text"] else 0.0, info={"n": 3, "s": "x"})
+
+    fake = FakeGateway(policy=lambda prompt, turn: "it is 2")
+    out = await StepEnvRunner(Grader).execute(_episode(sampling_params={"temperature": 0.7}), _gateway(fake))
+    assert set(seen[0]) == {"observation_text", "action_text", "label", "sampling_params"}
+    assert seen[0]["observation_text"] == "Q: 1+1?" and seen[0]["action_text"] == "it is 2"
+    assert seen[0]["sampling_params"]["temperature"] == 0.7
+    s = fake.sessions[out.trajectory_id]
+    assert s.status == "finished" and s.finish == {"reward": 1.0, "score": 1.0, "info": {"n": 3.0}}
+    assert (out.reward, out.turns, out.tokens, out.written) == (1.0, 1, len("Q: 1+1?it is 2"), True)
+    assert s.fields["group_id"] == "g" and s.fields["label"] == "2"
+
+
+class Countdown(Env):
+    """Three turns; feedback "fb<i>" after each (also the last); reward i/10 per turn."""
+
+    instances = 0
+
+    def __init__(self):
+        super().__init__()
+        Countdown.instances += 1
+        self.turn = 0
+
+    async def step(self, state):
+        self.turn += 1
+        state["sampling_params"]["temperature"] = 99.0  # a copy: must not leak into the next turn
+        return Result(reward=[self.turn / 10, 5.0], observation=f"|fb{self.turn}|", terminated=self.turn == 3,
+                      score=0.25 if self.turn == 3 else None)
+
+
+async def test_multi_turn_sums_rewards_and_masks_feedback_even_on_the_last_turn():
+    fake = FakeGateway(policy=lambda prompt, turn: f"<a{turn}>")
+    Countdown.instances = 0
+    gw = _gateway(fake)
+    out = await StepEnvRunner(Countdown).execute(_episode(prompt="P", sampling_params={"temperature": 1.0}), gw)
+    s = fake.sessions[out.trajectory_id]
+    assert out.turns == 3 and out.reward == pytest.approx(0.6) and out.score == 0.25
+    assert s.action_texts() == ["<a1>", "<a2>", "<a3>"]
+    assert s.masked_texts() == ["P", "|fb1|", "|fb2|", "|fb3|"]  # terminal feedback appended, masked
+    assert out.tokens == len(s.token_ids)
+    assert all(r["sampling_params"].get("temperature") == 1.0 for r in s.requests[:3])
+    await StepEnvRunner(Countdown).execute(_episode(prompt="P"), gw)
+    assert Countdown.instances == 2  # a fresh Env per episode
+
+
+async def test_observation_text_accumulates_actions_and_feedback():
+    texts = []
+
+    class Echo(Env):
+        async def step(self, state):
+            texts.append(state["observation_text"])
+            return Result(observation="[f]", terminated=len(texts) == 3)
+
+    fake = FakeGateway(policy=lambda prompt, turn: f"a{turn}")
+    await StepEnvRunner(Echo).execute(_episode(prompt="P"), _gateway(fake))
+    assert texts == ["P", "Pa1[f]", "Pa1[f]a2[f]"]
+
+
+async def test_result_sampling_params_replace_params_and_per_turn_cap():
+    class Switch(Env):
+        def __init__(self):
+            self.turn = 0
+
+        async def step(self, state):
+            self.turn += 1
+            return Result(observation=".", terminated=self.turn == 3,
+                          sampling_params={"temperature": 0.1, "max_tokens": 3} if self.turn == 1 else None)
+
+    fake = FakeGateway(policy=lambda prompt, turn: "xy")
+    await StepEnvRunner(Switch).execute(_episode(max_new_tokens=8, sampling_params={"temperature": 1.0}),
+                                        _gateway(fake))
+    sent = [r["sampling_params"] for r in next(iter(fake.sessions.values())).requests]
+    assert sent[0] == {"temperature": 1.0, "max_tokens": 8}
+    assert sent[1] == sent[2] == {"temperature": 0.1, "max_tokens": 3}
+    assert sent[3] == {"max_tokens": 0}  # terminal feedback: append only
+
+
+async def test_length_finish_truncates_the_episode():
+    class Forever(Env):
+        async def step(self, state):
+            return Result(reward=1.0, observation="more", terminated=False)
+
+    fake = FakeGateway(policy=lambda prompt, turn: "a long answer")
+    out = await StepEnvRunner(Forever).execute(_episode(max_new_tokens=4), _gateway(fake))
+    assert out.truncated and out.turns == 1 and out.reward == 1.0  # per-turn cap hit -> stop (Molt)
+
+
+async def test_total_budget_stops_the_loop():
+    class Forever(Env):
+        async def step(self, state):
+            return Result(reward=1.0, observation="..", terminated=False)
+
+    fake = FakeGateway(policy=lambda prompt, turn: "ab")
+    out = await StepEnvRunner(Forever).execute(_episode(prompt="P", max_length=12), _gateway(fake))
+    s = fake.sessions[out.trajectory_id]
+    # P ab .. ab .. ab = 11 tokens; the 4th turn appends its feedback (Molt does too) and finds no room
+    assert out.truncated and s.status == "finished" and out.reward == out.turns == 3
+    assert s.spans[-1][1] <= 12 and s.masked_texts()[-1] == ".." and len(s.token_ids) == 13
+
+
+async def test_messages_prompt_and_reset():
+    class Reset(Env):
+        async def reset(self, state):
+            return {"observation": state["observation"] + [{"role": "user", "content": "again"}]}
+
+        async def step(self, state):
+            return Result(reward=0.5)
+
+    fake = FakeGateway()
+    out = await StepEnvRunner(Reset).execute(_episode(prompt=[{"role": "user", "content": "hi"}]), _gateway(fake))
+    s = fake.sessions[out.trajectory_id]
+    assert s.requests[0]["messages"][-1]["content"] == "again"
+    assert s.masked_texts()[0] == "<|user|>hi\n<|user|>again\n<|assistant|>"
+
+
+@pytest.mark.parametrize("bad, err", [("not a result", TypeError), (Result(reward=None), ValueError),
+                                      (Result(reward=float("nan")), ValueError)])
+async def test_bad_results_abort_the_session(bad, err):
+    class Bad(Env):
+        async def step(self, state):
+            return bad
+
+    fake = FakeGateway()
+    ep = _episode()
+    with pytest.raises(err):
+        await StepEnvRunner(Bad).execute(ep, _gateway(fake))
+    assert fake.sessions[ep.trajectory_id].status == "aborted"
+
+
+async def test_cancellation_aborts_the_session():
+    class Hang(Env):
+        async def step(self, state):
+            await asyncio.sleep(3600)
+
+    fake = FakeGateway()
+    ep = _episode()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await StepEnvRunner(Hang).execute(ep, _gateway(fake))
+    assert fake.sessions[ep.trajectory_id].status == "aborted"
+
+
+def test_first_scalar():
+    import numpy as np
+
+    assert first_scalar(np.array([[0.5, 2.0]])) == 0.5
+    assert first_scalar((3, 4)) == 3.0 and first_scalar(True) == 1.0
+    with pytest.raises(ValueError):
+        first_scalar([])
+
+
+async def test_chat_agent_with_the_openai_sdk():
+    fake = FakeGateway(policy=lambda prompt, turn: "the answer is 2")
+    contexts = []
+
+    class Agent(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            contexts.append(ctx)
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app))
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=http)
+            resp = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=32)
+            return Result(reward=float("2" in resp.choices[0].message.content), info={"len": 3})
+
+    ep = _episode(prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}],
+                  sampling_params={"temperature": 0.5}, max_length=100)
+    out = await ChatAgentRunner(Agent).execute(ep, _gateway(fake))
+    ctx = contexts[0]
+    assert ctx.prompt == "1+1?" and ctx.model_name == "policy" and ctx.api_key == "EMPTY"
+    assert ctx.base_url.endswith(f"/s/{ctx.session_id}/v1") and ctx.session_url.endswith(f"/s/{ctx.session_id}")
+    assert ctx.sampling_params == {"temperature": 0.5} and ctx.max_length == 100 and ctx.gateway_url == "http://fake"
+    s = fake.sessions[out.trajectory_id]
+    assert s.status == "finished" and s.finish["reward"] == 1.0 and out.turns == 1 and out.written
+    assert s.action_texts() == ["the answer is 2"]
+
+
+async def test_chat_agent_string_prompt_and_failures_abort():
+    class NotResult(ChatAgent):
+        async def run(self, ctx):
+            assert ctx.messages == [{"role": "user", "content": "hi"}]
+            return {"reward": 1.0}
+
+    fake = FakeGateway()
+    ep = _episode(prompt="hi")
+    with pytest.raises(TypeError, match="must return molt.agents.Result"):
+        await ChatAgentRunner(NotResult).execute(ep, _gateway(fake))
+    assert fake.sessions[ep.trajectory_id].status == "aborted"
+
+
+def test_load_agent_runner(tmp_path):
+    good = tmp_path / "agent.py"
+    good.write_text(textwrap.dedent("""
+        from molt.agents import Env, Result, StepEnvRunner
+
+        class MyEnv(Env):
+            async def step(self, state):
+                return Result(reward=1.0)
+
+        class AgentRunner(StepEnvRunner):
+            def __init__(self):
+                super().__init__(MyEnv)
+    """))
+    runner = load_agent_runner(good, "mine")
+    assert isinstance(runner, StepEnvRunner) and runner.env_cls.__name__ == "MyEnv"
+    (tmp_path / "none.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no AgentRunner"):
+        load_agent_runner(tmp_path / "none.py", "none")
+    (tmp_path / "wrong.py").write_text("class AgentRunner: pass\n")
+    with pytest.raises(ValueError, match="must subclass"):
+        load_agent_runner(tmp_path / "wrong.py", "wrong")
+    with pytest.raises(ValueError, match=".py file"):
+        load_agent_runner(tmp_path / "missing.py", "missing")
+
+
+async def test_terminal_feedback_is_skipped_when_the_gateway_cannot_append_only():
+    fake = FakeGateway(policy=lambda prompt, turn: f"<a{turn}>", zero_max_tokens_appends=False)
+    out = await StepEnvRunner(Countdown).execute(_episode(prompt="P"), _gateway(fake))
+    s = fake.sessions[out.trajectory_id]
+    assert s.action_texts() == ["<a1>", "<a2>", "<a3>"] and s.masked_texts() == ["P", "|fb1|", "|fb2|"]
+    probes = [p for p in fake.sessions.values() if p.fields["group_id"] == "molt-append-probe"]
+    assert [p.status for p in probes] == ["aborted"]
+
+
+def test_molt_module_paths_import(tmp_path):
+    """Molt modules import from molt.agents.base / molt.agents.chat_agent too."""
+    path = tmp_path / "molt_paths.py"
+    path.write_text(textwrap.dedent("""
+        from molt.agents.base import Env, Result, StepEnvRunner
+        from molt.agents.chat_agent import ChatAgent, ChatAgentRunner, ChatContext
+
+        class AgentRunner(StepEnvRunner):
+            def __init__(self):
+                super().__init__(Env)
+    """))
+    assert isinstance(load_agent_runner(path, "molt_paths"), StepEnvRunner)
