@@ -1,0 +1,64 @@
+"""``python -m services.trainer [flags]`` or ``torchrun --nproc_per_node N -m services.trainer [flags]``.
+
+Every rank parses the same flags; rank 0 also serves /healthz, /readyz and /metrics, reads the
+stream and (``--train.dispatch``) drives the env workers. SIGTERM/SIGINT: rank 0 finishes the current
+step, saves and commits, then every rank exits together (the other ranks ignore the signal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from molt.config import parse_settings
+from services.trainer.config import TrainerSettings, validate_settings
+
+PROG = "python -m services.trainer"
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    settings = parse_settings(TrainerSettings, sys.argv[1:] if argv is None else argv, prog=PROG)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    log = logging.getLogger("molt.trainer")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per episode otherwise
+    try:
+        for hint in validate_settings(settings):
+            if rank == 0:
+                log.info("hint: %s", hint)
+    except ValueError as exc:
+        sys.exit(f"{PROG}: error: {exc}")
+
+    import torch.distributed as dist
+
+    from services.trainer.model import init_distributed
+    from services.trainer.trainer import Trainer
+
+    info = init_distributed()
+    try:
+        trainer = Trainer(settings, info)
+    except ValueError as exc:
+        sys.exit(f"{PROG}: error: {exc}")
+    if info.is_main:
+        trainer.start_server()
+        signal.signal(signal.SIGTERM, trainer.request_stop)
+        signal.signal(signal.SIGINT, trainer.request_stop)
+    else:  # torchrun / Ctrl-C signal every rank: rank 0 decides when to stop and tells the others
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    if info.is_main:
+        log.info("done: %s", summary)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

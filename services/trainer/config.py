@@ -1,0 +1,324 @@
+"""Trainer settings: Molt's flag names and defaults (molt-spec 8.1), plus what a networked trainer adds.
+
+Flags read as in Molt (``--actor.adam.lr``, ``--algo.advantage.estimator``, ``--train.async_queue_size``).
+Additions, each because the services design needs it: ``--train.dispatch`` (consume the stream only),
+``--train.num_steps``, ``--logger.steps_jsonl``, ``--envs.*`` (env worker URLs), ``--rollout.urls`` /
+``--rollout.grpc_targets`` (pods to push weights to), ``--fsdp.strategy``, ``--redis.*``, ``--server.*``,
+``--metrics.port``. ``validate_settings`` applies the cross-flag rules once, after parsing, and raises
+``ValueError`` naming the flags.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from molt.algorithms import (
+    ActorLossConfig,
+    AlgoConfig,
+    CriticLossConfig,
+    RewardConfig,
+    get_advantage_estimator,
+    validate_algo,
+)
+from molt.config import MetricsConfig, ModelConfig, RedisConfig, Section, ServerConfig
+
+
+class AdamConfig(Section):
+    lr: float = Field(1e-6, gt=0.0)
+    """AdamW learning rate."""
+    betas: list[float] = [0.9, 0.95]
+    """AdamW betas B1 B2."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+
+
+class OptimizerConfig(Section):
+    optim: Literal["adam"] = "adam"
+    """Optimizer (AdamW, not fused). Molt's experimental muon is not offered."""
+    adam: AdamConfig = Field(default_factory=AdamConfig)
+    lr_scheduler: str = "constant"
+    """HF scheduler name (transformers.get_scheduler): constant, cosine_with_min_lr, linear, ..."""
+    lr_warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)
+    """Warmup steps as a fraction of --train.num_steps (schedulers with warmup only)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Final LR as a fraction of the peak (cosine_with_min_lr)."""
+    max_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping max norm."""
+
+
+class ActorConfig(ActorLossConfig, OptimizerConfig):
+    model_name_or_path: str | None = None
+    """Local HF model directory of the policy (required)."""
+    gradient_checkpoint: Literal["full", "off"] = "full"
+    """Activation checkpointing of every decoder layer: full (recompute in backward) or off."""
+    freeze_moe_router: bool = False
+    """Exclude MoE router (gate) weights from the optimizer and from weight sync."""
+    freezing_steps: int = Field(0, ge=0)
+    """gae only: the actor is not updated for the first N steps (critic warmup)."""
+    aux_loss_coef: float = Field(0.0, ge=0.0)
+    """MoE load-balancing loss coefficient (HF router aux loss), 0 = off."""
+
+
+class CriticAdam(AdamConfig):
+    lr: float = Field(5e-6, gt=0.0)
+    """Critic AdamW learning rate."""
+
+
+class CriticConfig(CriticLossConfig, OptimizerConfig):
+    adam: CriticAdam = Field(default_factory=CriticAdam)
+    model_name_or_path: str | None = None
+    """Critic backbone (a value head is added). Unset: the actor's path."""
+    freeze_moe_router: bool = False
+    """Freeze the critic's MoE routers."""
+
+
+class RefConfig(Section):
+    model_name_or_path: str | None = None
+    """Reference model (the teacher for on_policy_distill). Unset: the actor's path. Loaded only when
+    --algo.kl.init_coef > 0."""
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(128, gt=0)
+    """Samples per optimizer step (one window of micro-batches over all ranks)."""
+    micro_batch_size: int = Field(1, gt=0)
+    """Samples per forward/backward on one rank."""
+    max_epochs: int = Field(1, gt=0)
+    """Passes over each rollout batch (PPO epochs)."""
+    num_episodes: int = Field(1, gt=0)
+    """Passes over the prompt dataset (dispatch mode)."""
+    num_steps: int | None = Field(None, gt=0)
+    """Stop after this many train steps (rollout batches). Unset: when the dataset is exhausted (dispatch) or
+    never (stream-only; SIGTERM stops it)."""
+    seed: int = 42
+    """Seed for shuffling and initialisation."""
+    force_on_policy: bool = False
+    """The whole rollout batch is one window: exactly one optimizer step, old log-probs = current forward."""
+    async_queue_size: int = Field(1, gt=0)
+    """How many rollout batches may be generated ahead of the trainer (policy versions ahead)."""
+    partial_rollout_enable: bool = False
+    """Let rollouts continue across weight updates (the pods swap weights under running requests)."""
+    force_sync_mode: bool = False
+    """Strictly on-policy dispatch: batch k is dispatched only after step k-1's weights are pushed."""
+    routing_replay: bool = False
+    """Replay the rollout's MoE top-k expert choice (Trajectory routed_experts) in training forwards."""
+    dispatch: bool = True
+    """Drive rollouts: dispatch prompts to --envs.urls. False: only consume what others put on the stream."""
+    plugins: list[str] = []
+    """Modules or .py files imported at start-up, before validation: register custom advantage estimators and
+    policy losses there (molt.algorithms.register_advantage_estimator / register_policy_loss)."""
+    consumer: str = "trainer-0"
+    """Consumer name in the Redis group; keep it stable across restarts to resume pending entries."""
+    reclaim_idle_s: float = Field(300.0, gt=0.0)
+    """Take over entries another consumer left pending for this long."""
+    read_block_s: float = Field(1.0, gt=0.0)
+    """Longest wait for new stream entries in one read."""
+
+
+def _split_commas(values: list[str]) -> list[str]:
+    return [v for item in values for v in item.replace(",", " ").split()]
+
+
+class LoggerConfig(Section):
+    steps_jsonl: str | None = None
+    """Append one JSON line per train step (step, policy_version, reward_mean, mismatch_kl, staleness_mean,
+    samples, seconds, losses, and the trajectory ids trained) to this file."""
+
+
+class RolloutConfig(Section):
+    batch_size: int = Field(1024, gt=0)
+    """Prompt groups per train step."""
+    n_samples_per_prompt: int = Field(1, gt=0)
+    """Rollouts per prompt (group size)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature; training log-probs are computed on logits / temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling (must be 1.0 with IS correction)."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Max tokens per generation turn. Unset: the remaining context."""
+    urls: list[str] = []
+    """Rollout pod base URLs, space- or comma-separated (weights are pushed to them after every step; their gRPC
+    ports come from /readyz)."""
+    grpc_targets: list[str] = []
+    """Explicit HOST:PORT weight-sync targets (overrides discovery through --rollout.urls)."""
+
+    @field_validator("urls", "grpc_targets")
+    @classmethod
+    def _split(cls, v: list[str]) -> list[str]:
+        return _split_commas(v)
+
+
+class EnvsConfig(Section):
+    urls: list[str] = []
+    """Env worker base URLs (POST /v1/episodes:run), space- or comma-separated; requests are spread over them."""
+
+    @field_validator("urls")
+    @classmethod
+    def _split(cls, v: list[str]) -> list[str]:
+        return _split_commas(v)
+    agent: str = "default"
+    """Agent name sent with every episode."""
+    max_inflight: int = Field(64, gt=0)
+    """Episodes in flight per worker."""
+    max_retries: int = Field(3, ge=0)
+    """Retries of a failed episode (one that wrote no trajectory)."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """HTTP timeout of one episode."""
+
+
+class DataConfig(Section):
+    prompt_dataset: str | None = None
+    """JSONL prompt file (one object per line)."""
+    input_key: str = "input"
+    """Key of the prompt (a string or a list of chat messages)."""
+    label_key: str | None = None
+    """Key of the label handed to the env. Unset: label ""."""
+    apply_chat_template: bool = False
+    """Send string prompts as [{"role": "user", "content": prompt}] so the gateway renders the chat template."""
+    max_len: int = Field(2048, gt=1)
+    """Total context per trajectory (sent as max_length; longer sequences are cut for training)."""
+    max_samples: int = Field(100_000_000, gt=0)
+    """Use at most this many prompts."""
+
+
+class FsdpConfig(Section):
+    strategy: Literal["auto", "nemo", "torch"] = "auto"
+    """Sharding code: nemo (NeMo AutoModel's fsdp2_strategy_parallelize), torch (fully_shard per decoder layer +
+    root), auto (nemo when importable)."""
+    tp_size: int = Field(1, gt=0)
+    """Tensor parallel size (GPU, NeMo AutoModel)."""
+    cp_size: int = Field(1, gt=0)
+    """Context parallel size (must be 1 for now: inputs are not sequence-sharded)."""
+    ep_size: int = Field(1, gt=0)
+    """Expert parallel size (GPU, NeMo AutoModel)."""
+    pp_size: int = Field(1, gt=0)
+    """Pipeline parallel size (must be 1)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """CPU offload (GPU, NeMo AutoModel)."""
+    param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
+    attn_implementation: str | None = None
+    """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+
+
+class CkptConfig(Section):
+    path: str = "./ckpt/checkpoints_rl_ray"
+    """Checkpoint root; steps go to <path>/global_step<N>, <path>/latest names the newest."""
+    save_steps: int = -1
+    """Save every N steps (-1: never; then trajectories are acked right after their step)."""
+    load_enable: bool = False
+    """Resume from the latest checkpoint under --ckpt.path when there is one."""
+    max_num: int = 3
+    """Keep this many checkpoints (<= 0 keeps all)."""
+
+
+class TrainerSettings(Section):
+    """Molt Services trainer: FSDP2 learner over the trajectory stream (python -m services.trainer)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    envs: EnvsConfig = Field(default_factory=EnvsConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+
+def load_plugins(paths: list[str]) -> None:
+    """Import ``--train.plugins`` (dotted module names or .py files) so their registrations exist."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    for item in paths:
+        if item.endswith(".py"):
+            path = Path(item)
+            if not path.exists():
+                raise ValueError(f"--train.plugins: no such file {item}")
+            spec = importlib.util.spec_from_file_location(f"molt_plugin_{path.stem}", path)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        else:
+            try:
+                importlib.import_module(item)
+            except ImportError as exc:
+                raise ValueError(f"--train.plugins: cannot import {item!r} ({exc})") from exc
+
+
+def validate_settings(s: TrainerSettings) -> list[str]:
+    """Molt's cross-flag rules (spec 8.2) plus the service's; fills derived defaults; returns hints to log."""
+    load_plugins(s.train.plugins)
+    if not s.actor.model_name_or_path:
+        s.actor.model_name_or_path = s.model.path  # the shared --model.path block every service reads
+    if not s.actor.model_name_or_path:
+        raise ValueError("--actor.model_name_or_path (or --model.path) is required: a local HF model directory")
+    t = s.train
+    if t.force_sync_mode and t.async_queue_size > 1:
+        raise ValueError(
+            f"--train.force_sync_mode dispatches strictly on-policy and contradicts --train.async_queue_size "
+            f"{t.async_queue_size}; drop one of them")
+    if t.force_on_policy and t.max_epochs != 1:
+        raise ValueError(f"--train.force_on_policy needs --train.max_epochs 1 (got {t.max_epochs})")
+    if t.routing_replay and t.partial_rollout_enable:
+        raise ValueError("--train.routing_replay cannot be combined with --train.partial_rollout_enable: routing "
+                         "captured by the rollout engine is lost on preemption; disable one of them")
+    if s.fsdp.pp_size != 1:
+        raise ValueError(f"--fsdp.pp_size must be 1 (got {s.fsdp.pp_size}); pipeline parallelism is not supported")
+    if s.fsdp.cp_size != 1:
+        raise ValueError(f"--fsdp.cp_size {s.fsdp.cp_size}: context parallelism needs sequence sharding of the "
+                         "inputs, which this trainer does not do yet; use --fsdp.cp_size 1")
+    if t.batch_size % t.micro_batch_size:
+        raise ValueError(f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size "
+                         f"{t.micro_batch_size}")
+    for name, opt in (("actor", s.actor), ("critic", s.critic)):
+        if len(opt.adam.betas) != 2:
+            raise ValueError(f"--{name}.adam.betas takes two values B1 B2, got {opt.adam.betas}")
+    if s.algo.advantage.estimator == "on_policy_distill" and not s.ref.model_name_or_path:
+        raise ValueError("--algo.advantage.estimator on_policy_distill needs a teacher: set --ref.model_name_or_path")
+    if t.dispatch:
+        if not s.data.prompt_dataset:
+            raise ValueError("--train.dispatch needs --data.prompt_dataset (a JSONL file); or pass --train.dispatch "
+                             "false to train only on what others put on the stream")
+        if not s.envs.urls:
+            raise ValueError("--train.dispatch needs --envs.urls (env worker base URLs); or --train.dispatch false")
+    if s.actor.freezing_steps and s.algo.advantage.estimator != "gae":
+        raise ValueError("--actor.freezing_steps is a critic warmup and needs --algo.advantage.estimator gae")
+    get_advantage_estimator(s.algo.advantage.estimator)
+    return validate_algo(
+        s.algo, s.actor, s.rollout.n_samples_per_prompt, t.async_queue_size, t.partial_rollout_enable,
+        s.rollout.top_p)
+
+
+def planned_optimizer_steps(s: TrainerSettings, num_prompts: int | None) -> int:
+    """Scheduler horizon: train steps (--train.num_steps, else the dataset's prompts / --rollout.batch_size,
+    else 1000) x windows per step x --train.max_epochs."""
+    t, r = s.train, s.rollout
+    steps = t.num_steps or (math.ceil(num_prompts * t.num_episodes / r.batch_size) if num_prompts else 1000)
+    windows = 1 if t.force_on_policy else math.ceil(r.batch_size * r.n_samples_per_prompt / t.batch_size)
+    return max(1, steps * windows * t.max_epochs)
+
+
+def max_versions_ahead(t: TrainConfig) -> int:
+    """How far dispatch may run ahead of the trainer's policy version (0 = strictly on-policy)."""
+    return 0 if t.force_sync_mode else t.async_queue_size
+
+
+def needs_reference(s: TrainerSettings) -> bool:
+    return s.algo.resolved_kl_coef() > 0
+
+
+def needs_critic(s: TrainerSettings) -> bool:
+    return s.algo.advantage.estimator == "gae"

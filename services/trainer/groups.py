@@ -1,0 +1,125 @@
+"""Prompt-group assembly from the stream, and the staleness bounds of dispatch.
+
+Group baselines (grpo, rloo, ...) need every rollout of a prompt in the same batch, but the stream
+delivers trajectories one by one, interleaved across prompts and possibly twice (a producer retry,
+a reclaim after a crash). ``GroupAssembler`` holds deliveries per ``group_id``, de-duplicates by
+trajectory id (a repeat is kept only so that it gets acked with its group) and releases a group once
+it holds the expected number of distinct rollouts: ``--rollout.n_samples_per_prompt`` unless the
+dispatcher reported that fewer were written (episodes that failed for good).
+
+``DispatchGate`` bounds staleness at the source: prompt groups for batch k are dispatched only while
+the trainer's policy version is at least k - ``max_ahead`` (``--train.async_queue_size``; 0 with
+``--train.force_sync_mode``). Groups dropped by dynamic filtering are refilled without counting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from molt.bus import Delivery
+from molt.schema import Trajectory
+
+
+@dataclass
+class Group:
+    group_id: str
+    deliveries: list[Delivery] = field(default_factory=list)
+    """One per distinct trajectory id, in arrival order."""
+    duplicates: list[Delivery] = field(default_factory=list)
+    """Repeated trajectory ids: never trained, acked together with the group."""
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [d.trajectory for d in self.deliveries]
+
+    @property
+    def trajectory_ids(self) -> list[str]:
+        return [d.trajectory.trajectory_id for d in self.deliveries]
+
+    def all_deliveries(self) -> list[Delivery]:
+        return self.deliveries + self.duplicates
+
+
+class GroupAssembler:
+    def __init__(self, n_samples_per_prompt: int) -> None:
+        self.n = n_samples_per_prompt
+        self._groups: OrderedDict[str, Group] = OrderedDict()
+        self._ids: set[str] = set()
+        self._expected: dict[str, int] = {}
+        self._complete: OrderedDict[str, Group] = OrderedDict()
+
+    def add(self, delivery: Delivery) -> bool:
+        """Hold a delivery; False if its trajectory id is already held (kept as a duplicate)."""
+        traj = delivery.trajectory
+        group = self._groups.get(traj.group_id) or self._complete.get(traj.group_id)
+        if group is None:
+            group = self._groups.setdefault(traj.group_id, Group(traj.group_id))
+        if traj.trajectory_id in self._ids:
+            group.duplicates.append(delivery)
+            return False
+        self._ids.add(traj.trajectory_id)
+        group.deliveries.append(delivery)
+        self._check(traj.group_id)
+        return True
+
+    def expect(self, group_id: str, count: int) -> None:
+        """The dispatcher's word on how many rollouts of ``group_id`` were written (0: none will come)."""
+        self._expected[group_id] = count
+        if count == 0:
+            self._groups.pop(group_id, None)
+            self._expected.pop(group_id, None)
+            return
+        self._groups.setdefault(group_id, Group(group_id))
+        self._check(group_id)
+
+    def _check(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is not None and len(group.deliveries) >= self._expected.get(group_id, self.n):
+            self._complete[group_id] = self._groups.pop(group_id)
+            self._expected.pop(group_id, None)
+
+    def pop_complete(self, max_groups: int) -> list[Group]:
+        """Up to ``max_groups`` complete groups, oldest completion first; their ids are released."""
+        out = []
+        while self._complete and len(out) < max_groups:
+            _, group = self._complete.popitem(last=False)
+            self._ids.difference_update(group.trajectory_ids)
+            out.append(group)
+        return out
+
+    @property
+    def num_complete(self) -> int:
+        return len(self._complete)
+
+    @property
+    def num_partial(self) -> int:
+        return len(self._groups)
+
+    def held_ids(self) -> set[str]:
+        return set(self._ids)
+
+
+class DispatchGate:
+    """May the controller dispatch another prompt group? (see the module docstring)."""
+
+    def __init__(self, groups_per_step: int, max_ahead: int) -> None:
+        self.groups_per_step = groups_per_step
+        self.max_ahead = max_ahead
+        self.dispatched = 0
+        self.refills = 0
+
+    def allowed(self, trainer_version: int) -> int:
+        """Groups that may be dispatched in total by now (dispatched included)."""
+        return (trainer_version + 1 + self.max_ahead) * self.groups_per_step + self.refills
+
+    def may_dispatch(self, trainer_version: int) -> bool:
+        return self.dispatched < self.allowed(trainer_version)
+
+    def batch_of(self, group_index: int) -> int:
+        return group_index // self.groups_per_step
+
+
+def staleness(trainer_version: int, token_versions) -> list[int]:
+    """Trainer version minus each action token's policy version (tokens marked -1 are skipped)."""
+    return [trainer_version - int(v) for v in token_versions if int(v) >= 0]

@@ -1,0 +1,276 @@
+"""The learner: experience pass and optimizer steps on every rank (molt-spec 4.1, 4.6, 4.7).
+
+``Learner.train_step(samples)`` is called on every rank with the same full rollout batch (rank 0
+broadcasts it). Work is split by ``batch.partition``; every rank runs the same number of forwards
+(short ranks run a padding sample) because FSDP2 all-gathers parameters in each one.
+
+1. Experience (no grad): old log-probs (skipped under ``--train.force_on_policy`` with beta 0),
+   reference log-probs when beta > 0, critic values for ``gae``. Results are all-gathered so that
+   every rank computes the advantages of the *whole* batch (group baselines, whitening) identically.
+2. Windows of ``--train.batch_size`` samples (the whole batch under force-on-policy), for
+   ``--train.max_epochs`` passes: micro-batches of ``--train.micro_batch_size`` per rank; the loss is
+   molt.algorithms' global token-mean over the window's action tokens on all ranks; gradient sync is
+   deferred to the window's last micro-batch; grad clip ``--actor.max_norm``; AdamW.
+3. Metrics are token-weighted over micro-batches and ranks (one all-reduce per step).
+
+Log-probs are taken on logits / ``--rollout.temperature`` (the rollout's processed log-probs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from molt.algorithms import (
+    approx_kl,
+    build_kl_controller,
+    build_policy_loss,
+    compute_advantages,
+    token_mean,
+    value_loss,
+)
+from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
+from services.trainer.config import TrainerSettings, needs_critic, needs_reference
+from services.trainer.model import DistInfo, freeze_router, load_causal_lm, load_critic
+
+log = logging.getLogger("molt.trainer")
+
+
+def _optimizer(params, cfg, total_steps: int):
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW(params, lr=cfg.adam.lr, betas=tuple(cfg.adam.betas), eps=cfg.adam.eps,
+                            weight_decay=cfg.adam.weight_decay, foreach=False)
+    kwargs = {}
+    if cfg.lr_scheduler == "cosine_with_min_lr":
+        kwargs["scheduler_specific_kwargs"] = {"min_lr_rate": cfg.min_lr_ratio}
+    sched = get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
+                          num_training_steps=total_steps, **kwargs)
+    return opt, sched
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float):
+    """(log-prob of each next token [B, T-1], entropy [B, T-1]) on logits / temperature."""
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class Learner:
+    def __init__(self, settings: TrainerSettings, info: DistInfo, total_steps: int = 1000) -> None:
+        self.s, self.info = settings, info
+        # Data parallel = world / TP (TP peers see the same samples; TP is innermost in NeMo's mesh).
+        tp = settings.fsdp.tp_size
+        if info.world_size % tp:
+            raise ValueError(f"world size {info.world_size} is not a multiple of --fsdp.tp_size {tp}")
+        self.dp_size, self.dp_rank = info.world_size // tp, info.rank // tp
+        self.temperature = settings.rollout.temperature
+        a = settings.actor
+        self.actor = load_causal_lm(a.model_name_or_path, settings.fsdp, info,
+                                    gradient_checkpoint=a.gradient_checkpoint == "full")
+        self.frozen_names = freeze_router(self.actor) if a.freeze_moe_router else []
+        self.replay = None
+        if settings.train.routing_replay:
+            from services.trainer.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay(self.actor)
+        params = [p for p in self.actor.parameters() if p.requires_grad]
+        self.optim, self.sched = _optimizer(params, a, total_steps)
+        self.ref = None
+        if needs_reference(settings):
+            self.ref = load_causal_lm(settings.ref.model_name_or_path or a.model_name_or_path, settings.fsdp, info,
+                                      trainable=False)
+        self.critic = self.critic_optim = self.critic_sched = None
+        if needs_critic(settings):
+            self.critic = load_critic(settings.critic.model_name_or_path or a.model_name_or_path, settings.fsdp, info)
+            if settings.critic.freeze_moe_router or a.freeze_moe_router:  # Molt: the critic inherits the actor flag
+                freeze_router(self.critic)
+            self.critic_optim, self.critic_sched = _optimizer(
+                [p for p in self.critic.parameters() if p.requires_grad], settings.critic, total_steps)
+        self.policy_loss = build_policy_loss(a, settings.algo)
+        self.kl_ctl = build_kl_controller(settings.algo)
+        self.global_step = 0
+        self._warned_no_routing = False
+
+    # ---- forwards
+
+    def _logp(self, model, mb: MicroBatch, replay: bool):
+        ctx = self.replay.active(mb.routed_experts) if (replay and self.replay) else contextlib.nullcontext()
+        kwargs = {"output_router_logits": True} if (model is self.actor and self.s.actor.aux_loss_coef > 0) else {}
+        with ctx:
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+        logp, entropy = token_logprobs(out.logits, mb.input_ids, self.temperature)
+        return logp, entropy, getattr(out, "aux_loss", None)
+
+    def _my_chunks(self, samples: list[Sample], indices: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of ``indices``, padded to the count of the busiest rank."""
+        mbs = self.s.train.micro_batch_size
+        ranks = partition([samples[i].num_tokens for i in indices], self.dp_size)
+        count = max(math.ceil(len(r) / mbs) for r in ranks)
+        return micro_batches([indices[j] for j in ranks[self.dp_rank]], mbs, count)
+
+    @torch.no_grad()
+    def make_experience(self, samples: list[Sample]) -> None:
+        s = self.s
+        beta = self.kl_ctl.value
+        want_old = not (s.train.force_on_policy and beta == 0)
+        mine: dict[int, dict] = {}
+        for chunk in self._my_chunks(samples, list(range(len(samples)))):
+            mb = collate([samples[i] for i in chunk] or [padding_sample()]).to(self.info.device)
+            res = {}
+            if want_old:
+                res["old_logp"] = self._logp(self.actor, mb, replay=True)[0]
+            if self.ref is not None:
+                res["ref_logp"] = self._logp(self.ref, mb, replay=False)[0]
+            if self.critic is not None:
+                res["values"] = self.critic(mb.input_ids, mb.attention_mask)
+            for row, i in enumerate(chunk):
+                n = samples[i].num_tokens - 1
+                mine[i] = {k: v[row, :n].detach().float().cpu() for k, v in res.items()}
+        gathered = [None] * self.info.world_size
+        dist.all_gather_object(gathered, mine)
+        for part in gathered:
+            for i, res in part.items():
+                for k, v in res.items():
+                    setattr(samples[i], k, v)
+        full = collate(samples)
+        kl = None
+        if self.ref is not None and (not s.algo.kl.use_loss) and full.old_logp is not None:
+            kl = approx_kl(full.old_logp, full.ref_logp, s.algo.kl.estimator) * full.action_mask
+        adv, ret = compute_advantages(
+            s.algo.advantage.estimator, torch.tensor([x.reward for x in samples]), full.action_mask,
+            group_ids=[x.group_id for x in samples], rollout_ids=[x.trajectory_id for x in samples], kl=kl,
+            values=full.values, gamma=s.algo.advantage.gamma, lam=s.algo.advantage.lam, kl_coef=beta,
+            whiten=not s.algo.advantage.no_whiten, reward_clip=tuple(s.reward.clip_range))
+        for i, x in enumerate(samples):
+            n = x.num_tokens - 1
+            x.advantages, x.returns = adv[i, :n].clone(), ret[i, :n].clone()
+            x.extra["kl"] = float((kl[i, :n] * x.action_mask).sum() / max(x.num_actions, 1)) if kl is not None else 0.0
+
+    # ---- optimisation
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Experience + optimizer steps over one rollout batch; returns step metrics (same on every rank)."""
+        s = self.s
+        if self.replay is not None and not self._warned_no_routing and all(x.routed_experts is None for x in samples):
+            self._warned_no_routing = True
+            log.warning("--train.routing_replay is on but the trajectories carry no routed_experts: live routing is "
+                        "used (enable routing capture on the rollout pods)")
+        self.make_experience(samples)
+        sums: dict[str, float] = defaultdict(float)
+        pods: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        train_actor = not (self.critic is not None and self.global_step < s.actor.freezing_steps)
+        grad_norms, critic_norms = [], []
+        windows = plan_windows(len(samples), s.train.batch_size, one_window=s.train.force_on_policy,
+                               seed=s.train.seed + self.global_step)
+        for epoch in range(s.train.max_epochs):
+            for window in windows:
+                n_window = sum(samples[i].num_actions for i in window)
+                chunks = self._my_chunks(samples, window)
+                for j, chunk in enumerate(chunks):
+                    last = j == len(chunks) - 1
+                    mb = collate([samples[i] for i in chunk] or [padding_sample()]).to(self.info.device)
+                    if train_actor:
+                        self._actor_micro(mb, n_window, last, sums, pods if epoch == 0 else None, samples, chunk)
+                    if self.critic is not None:
+                        self._critic_micro(mb, n_window, last, sums)
+                if train_actor:
+                    grad_norms.append(self._opt_step(self.actor, self.optim, self.sched, s.actor.max_norm))
+                if self.critic is not None:
+                    critic_norms.append(self._opt_step(self.critic, self.critic_optim, self.critic_sched,
+                                                       s.critic.max_norm))
+        self.global_step += 1
+        metrics = self._reduce(sums, pods)
+        metrics["actor_grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        metrics["actor_lr"] = self.sched.get_last_lr()[0]
+        metrics["actor_frozen"] = float(not train_actor)
+        if critic_norms:
+            metrics["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
+        metrics["kl_coef"] = self.kl_ctl.value
+        # KL to the reference: per-sample mean as reward (Molt's `kl`), or the loss term's token mean.
+        metrics["kl"] = (metrics.get("kl_loss", 0.0) if s.algo.kl.use_loss
+                         else sum(x.extra.get("kl", 0.0) for x in samples) / max(len(samples), 1))
+        self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
+        return metrics
+
+    def _actor_micro(self, mb, n_window, last, sums, pods, samples, chunk) -> None:
+        s, world = self.s, self.dp_size
+        _set_sync(self.actor, last)
+        logp, entropy, aux = self._logp(self.actor, mb, replay=True)
+        mask = mb.action_mask
+        out = self.policy_loss(logp, mb.old_logp, mb.advantages, mask, num_window_tokens=n_window, dp_size=world,
+                               rollout_logp=mb.rollout_logp, entropy=entropy.detach())
+        loss = out.loss
+        if self.ref is not None and s.algo.kl.use_loss:
+            kl_tok = approx_kl(logp, mb.ref_logp, s.algo.kl.estimator)
+            kl_loss = token_mean(kl_tok, mask, num_window_tokens=n_window, dp_size=world)
+            loss = loss + self.kl_ctl.value * kl_loss
+            sums["kl_loss"] += float((kl_tok.detach() * mask).sum())
+        if s.actor.entropy_coef:
+            loss = loss - s.actor.entropy_coef * token_mean(entropy, mask, num_window_tokens=n_window, dp_size=world)
+        if aux is not None and s.actor.aux_loss_coef > 0:
+            loss = loss + s.actor.aux_loss_coef * aux / max(1, n_window)
+        loss.backward()
+        tokens = float(mask.sum())
+        sums["tokens"] += tokens
+        for k, v in out.metrics.items():
+            sums[k] += float(v) * tokens
+        sums["entropy"] += float((entropy.detach() * mask).sum())
+        sums["advantage_mean"] += float((mb.advantages * mask).sum())
+        if pods is not None:  # mismatch KL per pod, against pi_old (or this forward under force-on-policy)
+            base = mb.old_logp if mb.old_logp is not None else logp.detach()
+            diff = ((mb.rollout_logp - base) * mask).sum(-1)
+            for row, i in enumerate(chunk):
+                pods[samples[i].pod][0] += float(diff[row])
+                pods[samples[i].pod][1] += float(mask[row].sum())
+
+    def _critic_micro(self, mb, n_window, last, sums) -> None:
+        _set_sync(self.critic, last)
+        values = self.critic(mb.input_ids, mb.attention_mask).float()
+        out = value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip=self.s.critic.value_clip,
+                         num_window_tokens=n_window, dp_size=self.dp_size)
+        out.loss.backward()
+        tokens = float(mb.action_mask.sum())
+        sums["critic_tokens"] += tokens
+        for k, v in out.metrics.items():
+            sums[k] += float(v) * tokens
+
+    def _opt_step(self, model, optim, sched, max_norm: float) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _reduce(self, sums: dict[str, float], pods: dict[str, list[float]]) -> dict[str, float]:
+        keys = sorted(sums)
+        pod_names = [None] * self.info.world_size
+        dist.all_gather_object(pod_names, dict(pods))
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec)
+        total = dict(zip(keys, vec.tolist()))
+        tokens, ctokens = max(total.pop("tokens", 0.0), 1.0), max(total.pop("critic_tokens", 0.0), 1.0)
+        out = {k: v / (ctokens if k.startswith("value_") else tokens) for k, v in total.items()}
+        merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for part in pod_names:
+            for pod, (d, n) in part.items():
+                merged[pod][0] += d
+                merged[pod][1] += n
+        out["mismatch_kl"] = {pod: d / max(n, 1.0) for pod, (d, n) in merged.items()}
+        out["vllm_kl_all_pods"] = sum(d for d, _ in merged.values()) / max(sum(n for _, n in merged.values()), 1.0)
+        return out
+
+
+def _set_sync(model, last: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)

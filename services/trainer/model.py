@@ -1,0 +1,209 @@
+"""Process group, model loading and FSDP2 sharding for the trainer.
+
+CPU (tests, this machine): a plain transformers model in fp32, sharded with FSDP2 over gloo, one
+``fully_shard`` per decoder layer plus the root, either by NeMo AutoModel's
+``fsdp2_strategy_parallelize`` (``--fsdp.strategy nemo``; ``auto`` picks it when importable) or by
+``torch.distributed.fsdp.fully_shard`` directly (``torch``). Mixed precision is off on CPU.
+
+GPU (nccl): the policy is loaded through ``NeMoAutoModelForCausalLM`` with a ``DistributedSetup``
+carrying ``--fsdp.tp_size/ep_size/cp_size`` and ``--fsdp.offload``; bf16 params, fp32 reduce. That
+path is only exercised on GPU machines; every import of it is lazy, so CPU never touches CUDA.
+
+A single plain process (no torchrun) runs the same code in a world of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("molt.trainer")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_distributed() -> DistInfo:
+    """Join torchrun's group (nccl on GPU, gloo on CPU), or make a world of one for a plain process."""
+    use_cuda = torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return DistInfo(rank, world, device, backend)
+
+
+def _use_nemo(strategy: str) -> bool:
+    if strategy == "torch":
+        return False
+    try:
+        import nemo_automodel.components.distributed.parallelizer  # noqa: F401
+    except Exception as exc:  # any import failure (triton mismatch, missing extras) means: not usable here
+        if strategy == "nemo":
+            raise ValueError(f"--fsdp.strategy nemo: nemo_automodel is not importable ({exc}); use --fsdp.strategy "
+                             "torch") from exc
+        return False
+    return True
+
+
+def _attn(fsdp, on_gpu: bool) -> str:
+    return fsdp.attn_implementation or ("flash_attention_2" if on_gpu else "sdpa")
+
+
+def _mp_policy(fsdp, on_gpu: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not on_gpu:
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=torch.float32)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    base = getattr(model, "model", None) or getattr(model, "backbone", None) or model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers on {type(model).__name__} (expected .model.layers)")
+    return list(layers)
+
+
+def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
+    """FSDP2: one unit per decoder layer plus the root, over every rank (pure data parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mp = _mp_policy(fsdp, info.on_gpu)
+    if _use_nemo(fsdp.strategy):
+        from nemo_automodel.components.distributed.config import DistributedSetup
+        from nemo_automodel.components.distributed.mesh import ParallelismSizes
+        from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
+
+        setup = DistributedSetup.build("fsdp2", ParallelismSizes(dp_size=info.world_size),
+                                       world_size=info.world_size)
+        return fsdp2_strategy_parallelize(model, setup.mesh_context.device_mesh, mp_policy=mp)
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = False) -> nn.Module:
+    """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring)."""
+    from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    cfg = FSDP2Config(mp_policy=_mp_policy(fsdp, True),
+                      offload_policy=CPUOffloadPolicy() if fsdp.offload != "none" else None,
+                      activation_checkpointing=gradient_checkpoint)
+    sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
+    setup = DistributedSetup.build(cfg, sizes, world_size=info.world_size)
+    return NeMoAutoModelForCausalLM.from_pretrained(
+        path, distributed_setup=setup, torch_dtype=torch.float32, attn_implementation=_attn(fsdp, True))
+
+
+def load_causal_lm(path: str, fsdp, info: DistInfo, *, gradient_checkpoint: bool = False,
+                   trainable: bool = True) -> nn.Module:
+    """A sharded causal LM from a local HF directory (fp32 master weights)."""
+    if info.on_gpu and fsdp.strategy != "torch":
+        model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint)
+    else:
+        if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
+            raise ValueError("--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
+                             "pure FSDP2 data parallel (leave them at 1)")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation=_attn(fsdp, False))
+        model.to(info.device)
+        if gradient_checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = shard(model, fsdp, info)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+class ValueModel(nn.Module):
+    """Critic: a decoder backbone plus a scalar head, value of the state before each next token."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden).squeeze(-1)[:, :-1].clone()  # step axis: value of state k, k < T-1
+
+
+def load_critic(path: str, fsdp, info: DistInfo) -> nn.Module:
+    from transformers import AutoConfig, AutoModel
+
+    if info.on_gpu and fsdp.strategy != "torch":
+        log.warning("critic: loaded with transformers + FSDP2 (NeMo AutoModel has no value-head model)")
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=_attn(fsdp, info.on_gpu))
+    critic = ValueModel(backbone, AutoConfig.from_pretrained(path).hidden_size).to(info.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mp = _mp_policy(fsdp, info.on_gpu)
+    for layer in decoder_layers(critic):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(critic, mesh=mesh, mp_policy=mp)
+    return critic
+
+
+def freeze_router(model: nn.Module) -> list[str]:
+    """``--actor.freeze_moe_router``: requires_grad=False on every router weight; returns their names."""
+    from services.trainer.routing_replay import router_param_names
+
+    names = set(router_param_names(model))
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+    if not names:
+        log.warning("--actor.freeze_moe_router: the model has no MoE router; nothing frozen")
+    return sorted(names)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the unsharded state dict on rank 0 (CPU tensors); collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,75 @@
+"""Shared helpers of the trainer integration tests (no tests here): synthetic trajectories, a subprocess runner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from molt.bus.redis_stream import RedisTrajectoryQueue
+from molt.schema import Segment, Trajectory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def synthetic_groups(num_groups: int, n: int, seed: int = 0, vocab: int = 1000) -> list[Trajectory]:
+    """Random prompt + response tokens, reward = sample index (so group baselines are non-zero)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(num_groups):
+        prompt = rng.integers(3, vocab, 4 + g % 3)
+        for k in range(n):
+            resp = rng.integers(3, vocab, 3 + (g + 2 * k) % 6)
+            tokens = np.concatenate([prompt, resp])
+            logp = -rng.uniform(0.1, 3.0, len(resp))
+            seg = Segment(tokens, [[len(prompt), len(tokens)]], logp, np.zeros(len(resp), dtype=int))
+            out.append(Trajectory(f"g{g}-s{k}-{seed}", f"g{g}-{seed}", k, [seg], reward=float(k % 2)))
+    return out
+
+
+def put(redis_url: str, stream: str, trajs: list[Trajectory]) -> None:
+    async def go():
+        q = RedisTrajectoryQueue(redis_url, stream)
+        await q.put_many(trajs)
+        await q.close()
+
+    asyncio.run(go())
+
+
+def delete_stream(redis_url: str, stream: str) -> None:
+    async def go():
+        q = RedisTrajectoryQueue(redis_url, stream)
+        await q.delete()
+        await q.close()
+
+    asyncio.run(go())
+
+
+def trainer_cmd(nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "services.trainer"]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "services.trainer"]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    e.pop("MOLT_TRAINER_TEST_HOLD_BEFORE_ACK_STEP", None)
+    return e
+
+
+def run_trainer(flags: list[str], nproc: int = 1, timeout: float = 120, extra_env: dict | None = None):
+    proc = subprocess.run(trainer_cmd(nproc) + flags, cwd=ROOT, env={**env(), **(extra_env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def audit(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,106 @@
+"""Trainer flags: Molt's names and defaults; invalid combinations rejected with the flag name."""
+
+from __future__ import annotations
+
+import pytest
+
+from molt.config import parse_settings
+from services.trainer.config import (TrainerSettings, max_versions_ahead, needs_critic, needs_reference,
+                                     validate_settings)
+
+BASE = ["--actor.model_name_or_path", "m", "--train.dispatch", "false"]
+
+
+def _settings(*flags: str) -> TrainerSettings:
+    return parse_settings(TrainerSettings, [*BASE, *flags], environ={})
+
+
+def test_molt_defaults():
+    s = _settings()
+    validate_settings(s)
+    assert s.actor.adam.lr == 1e-6 and s.critic.adam.lr == 5e-6 and s.actor.adam.betas == [0.9, 0.95]
+    assert s.actor.eps_clip_low_high == [0.2, 0.2] and s.actor.max_norm == 1.0
+    assert s.train.async_queue_size == 1 and s.train.batch_size == 128 and s.rollout.batch_size == 1024
+    assert s.algo.kl.init_coef == 0.01 and needs_reference(s) and not needs_critic(s)
+    assert s.ckpt.path == "./ckpt/checkpoints_rl_ray" and s.ckpt.save_steps == -1
+    assert max_versions_ahead(s.train) == 1
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--algo.advantage.estimator", "grpo"], "--rollout.n_samples_per_prompt"),
+    (["--train.async_queue_size", "2"], "--algo.advantage.is_correction_level"),
+    (["--train.force_sync_mode", "--train.async_queue_size", "2", "--algo.advantage.is_correction_level", "token"],
+     "--train.force_sync_mode"),
+    (["--train.force_on_policy", "--train.max_epochs", "2"], "--train.force_on_policy"),
+    (["--train.routing_replay", "--train.partial_rollout_enable", "--algo.advantage.is_correction_level", "token"],
+     "--train.routing_replay"),
+    (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+     "--algo.advantage.is_correction_mode"),
+    (["--algo.advantage.is_correction_level", "token", "--rollout.top_p", "0.9"], "--rollout.top_p"),
+    (["--actor.loss_mode", "gspo", "--actor.dual_clip", "3"], "--actor.dual_clip"),
+    (["--actor.dual_clip", "0.5"], "--actor.dual_clip"),
+    (["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "0.5"], "--actor.eps_clip_low_high"),
+    (["--algo.dynamic_filtering_enable"], "--algo.dynamic_filtering_enable"),
+    (["--algo.advantage.estimator", "on_policy_distill"], "--ref.model_name_or_path"),
+    (["--train.batch_size", "6", "--train.micro_batch_size", "4"], "--train.micro_batch_size"),
+    (["--fsdp.pp_size", "2"], "--fsdp.pp_size"),
+    (["--fsdp.cp_size", "2"], "--fsdp.cp_size"),
+    (["--actor.freezing_steps", "2"], "--actor.freezing_steps"),
+    (["--train.dispatch", "true"], "--data.prompt_dataset"),
+    (["--train.dispatch", "true", "--data.prompt_dataset", "p.jsonl"], "--envs.urls"),
+    (["--algo.advantage.estimator", "nope"], "--algo.advantage.estimator"),
+])
+def test_invalid_combinations_name_the_flag(flags, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        validate_settings(_settings(*flags))
+
+
+def test_model_path_is_required():
+    with pytest.raises(ValueError, match=r"--actor\.model_name_or_path"):
+        validate_settings(parse_settings(TrainerSettings, ["--train.dispatch", "false"], environ={}))
+
+
+def test_field_errors_exit_with_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(TrainerSettings, [*BASE, "--train.async_queue_size", "0"], environ={})
+    assert exc.value.code == 2
+    assert "--train.async_queue_size" in capsys.readouterr().err
+
+
+def test_valid_async_setup_and_gae():
+    s = _settings("--train.async_queue_size", "4", "--algo.advantage.is_correction_level", "geo",
+                  "--algo.advantage.is_correction_threshold", "0.99", "1.01", "--algo.advantage.estimator", "gae",
+                  "--algo.kl.init_coef", "0")
+    validate_settings(s)
+    assert needs_critic(s) and not needs_reference(s) and max_versions_ahead(s.train) == 4
+
+
+def test_env_overrides_and_dry_run(capsys):
+    s = parse_settings(TrainerSettings, BASE, environ={"MOLT_TRAIN__ASYNC_QUEUE_SIZE": "3"})
+    assert s.train.async_queue_size == 3
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(TrainerSettings, [*BASE, "--dry-run"], environ={})
+    assert exc.value.code == 0 and '"async_queue_size": 1' in capsys.readouterr().out
+
+
+def test_plugins_register_custom_estimators(tmp_path):
+    plugin = tmp_path / "my_algo.py"
+    plugin.write_text(
+        "from molt.algorithms import register_advantage_estimator\n"
+        "@register_advantage_estimator('trainer_test_est', grouped=False)\n"
+        "def est(batch):\n"
+        "    adv = batch.broadcast(batch.rollout_rewards)\n"
+        "    return adv, adv\n")
+    validate_settings(_settings("--train.plugins", str(plugin), "--algo.advantage.estimator", "trainer_test_est"))
+    with pytest.raises(ValueError, match=r"--train\.plugins"):
+        validate_settings(_settings("--train.plugins", "no_such_module_xyz"))
+
+
+def test_shared_model_path_and_comma_separated_urls():
+    s = parse_settings(TrainerSettings, ["--model.path", "/m", "--rollout.urls", "http://a:1,http://b:2",
+                                         "--envs.urls", "http://e:1", "http://e:2", "--data.prompt_dataset", "p.jsonl",
+                                         "--rollout.grpc_targets", "a:5,b:6"], environ={})
+    validate_settings(s)
+    assert s.actor.model_name_or_path == "/m"
+    assert s.rollout.urls == ["http://a:1", "http://b:2"] and s.rollout.grpc_targets == ["a:5", "b:6"]
+    assert s.envs.urls == ["http://e:1", "http://e:2"]
