@@ -1,0 +1,218 @@
+"""Gateway overhead: added latency p50/p99 and requests/s, gateway vs calling the rollout pod directly.
+
+    python bench/gateway.py [--model DIR] [--requests 256] [--concurrency 1 64] [--max-tokens 4]
+
+Starts one real rollout pod (vLLM, tiny model, CPU) and one gateway (subprocesses; ``--pod-url`` reuses
+a running pod), then, in the same run and alternating rounds, sends the same prompt
+  - direct: POST pod /v1/generate with the prompt's token ids;
+  - gateway: POST /s/{id}/v1/chat/completions (OpenAI wire, captured session opened beforehand), which
+    renders the chat template, tokenizes, routes, calls the same pod, decodes and records the turn.
+Both generate exactly ``--max-tokens`` tokens (ignore_eos); ``--instant-pod`` swaps the vLLM pod for a
+model-free one that answers at once, which isolates what the gateway itself costs and carries.
+"Added" latency is the gateway's own Server-Timing figure (accept to response, minus the time waiting
+on the pod). CPU seconds per request of the gateway and of the pod (psutil) are reported too: on a
+shared 2-core box they are the figures that do not depend on the neighbours' load. Targets: added
+p50 < 2 ms, p99 < 10 ms, gateway throughput >= 90% of direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Running a script puts bench/ first on sys.path, where sibling scripts (bench/queue.py) shadow stdlib modules.
+sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+from services.gateway.chat import ChatModel  # noqa: E402
+from services.gateway.testing import start_gateway, start_instant_pod, start_rollout_pod, stop  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2? Answer in one word."}]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def run_load(n: int, concurrency: int, one) -> tuple[list[float], list[float], float]:
+    """n calls of ``one()`` (returns added-ms or None) on ``concurrency`` workers; latencies in ms."""
+    lat: list[float] = []
+    added: list[float] = []
+    todo = iter(range(n))
+
+    async def worker() -> None:
+        for i in todo:
+            t0 = time.perf_counter()
+            a = await one(i)
+            lat.append((time.perf_counter() - t0) * 1e3)
+            if a is not None:
+                added.append(a)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat, added, n / (time.perf_counter() - start)
+
+
+def cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def bench(pod: str, gw: str, prompt_ids: list[int], args, pod_pid: int | None, gw_pid: int) -> list[dict]:
+    sp = {"max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
+    body = json.dumps({"prompt_token_ids": prompt_ids, "sampling_params": sp}).encode()
+    headers = {"content-type": "application/json"}
+    rows = []
+    # aiohttp on the load side too: an httpx client would burn more CPU than the gateway on this 2-core box.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as client:
+        async def direct(_: int):
+            async with client.post(pod + "/v1/generate", data=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            return None
+
+        async def open_sessions(n: int) -> list[str]:
+            out = []
+            for _ in range(n):
+                async with client.post(gw + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}}) as r:
+                    out.append((await r.json())["session_id"])
+            return out
+
+        chat = json.dumps({"model": "policy", "messages": MESSAGES, "max_tokens": args.max_tokens}).encode()
+
+        def via_gateway(sids: list[str]):
+            async def one(i: int):
+                async with client.post(f"{gw}/s/{sids[i]}/v1/chat/completions", data=chat, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                    timing = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+                return float(timing["gateway"])
+            return one
+
+        for c in args.concurrency:
+            n = max(args.requests, 4 * c)
+            await run_load(2 * c, c, direct)  # warm-up both paths
+            await run_load(2 * c, c, via_gateway(await open_sessions(2 * c)))
+            d_lat, g_lat, g_added, d_rps, g_rps = [], [], [], [], []
+            gw_cpu = pod_cpu_direct = pod_cpu_gw = 0.0
+            for _ in range(args.rounds):  # alternate so drift on a shared machine hits both paths alike
+                p0 = cpu_s(pod_pid)
+                lat, _, rps = await run_load(n, c, direct)
+                pod_cpu_direct += cpu_s(pod_pid) - p0
+                d_lat += lat
+                d_rps.append(rps)
+                sids = await open_sessions(n)
+                p0, g0 = cpu_s(pod_pid), cpu_s(gw_pid)
+                lat, added, rps = await run_load(n, c, via_gateway(sids))
+                pod_cpu_gw += cpu_s(pod_pid) - p0
+                gw_cpu += cpu_s(gw_pid) - g0
+                g_lat += lat
+                g_added += added
+                g_rps.append(rps)
+                async with client.post(gw + "/v1/episodes", json={"episodes": [
+                        {"session_id": s, "reward": 0.0} for s in sids]}) as r:
+                    assert r.status == 200, await r.text()
+            rows.append({
+                "concurrency": c, "requests": n * args.rounds,
+                "direct_p50_ms": pct(d_lat, 0.5), "direct_p99_ms": pct(d_lat, 0.99),
+                "gateway_p50_ms": pct(g_lat, 0.5), "gateway_p99_ms": pct(g_lat, 0.99),
+                "added_p50_ms": pct(g_added, 0.5), "added_p99_ms": pct(g_added, 0.99),
+                "direct_rps": statistics.median(d_rps), "gateway_rps": statistics.median(g_rps),
+                "gateway_cpu_ms_per_req": gw_cpu * 1e3 / (n * args.rounds),
+                "pod_cpu_ms_per_req_direct": pod_cpu_direct * 1e3 / (n * args.rounds),
+                "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * 1e3 / (n * args.rounds),
+            })
+            rows[-1]["throughput_ratio"] = rows[-1]["gateway_rps"] / rows[-1]["direct_rps"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms (target < 2 / < 10) "
+             "| direct req/s | gateway req/s | ratio (target >= 0.90) | gateway CPU ms/req "
+             "| pod CPU ms/req direct / via gw |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+                     f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | "
+                     f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
+                     f"{r['gateway_rps']:.0f} | {r['throughput_ratio']:.2f} | {r['gateway_cpu_ms_per_req']:.2f} | "
+                     f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / ".cache" / "models" / "tiny-qwen3"))
+    p.add_argument("--pod-url", default=None, help="Use a running rollout pod instead of starting one.")
+    p.add_argument("--requests", type=int, default=256, help="Requests per path per round.")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
+    p.add_argument("--instant-pod", action="store_true",
+                   help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
+    p.add_argument("--pin", action="store_true",
+                   help="Pin the pod to the last CPU and the gateway + load generator to the others, so the pod's "
+                        "compute is not shared with the gateway (as when the pod has its own GPU node).")
+    args = p.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        from molt.models.tiny import build_tiny
+
+        build_tiny(args.model)
+    logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    procs = []
+    pod_prefix = gw_prefix = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        rest = ",".join(map(str, cpus[:-1]))
+        pod_prefix, gw_prefix = ["taskset", "-c", str(cpus[-1])], ["taskset", "-c", rest]
+        os.sched_setaffinity(0, set(cpus[:-1]))
+    try:
+        pod, pod_pid = args.pod_url, None
+        if pod is None and args.instant_pod:
+            proc, pod = start_instant_pod(logs / "pod.log", prefix=pod_prefix)
+            procs.append(proc)
+            pod_pid = proc.pid
+        elif pod is None:
+            proc, pod = start_rollout_pod(args.model, logs / "pod.log", prefix=pod_prefix)
+            procs.append(proc)
+            pod_pid = proc.pid
+        proc, gw = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
+                                  "--session.max_length", "1024"], logs / "gateway.log", prefix=gw_prefix)
+        procs.append(proc)
+        model = ChatModel(args.model)
+        prompt_ids = model.encode(model.render(MESSAGES, None, True))
+        gc.collect()
+        gc.freeze()  # keep full collections of the torch/transformers import graph off the timed path
+        rows = asyncio.run(bench(pod, gw, prompt_ids, args, pod_pid, procs[-1].pid))
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    print(f"# gateway vs direct, {args.max_tokens} generated tokens per request, {os.cpu_count()} CPUs, "
+          f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
+          f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, logs {logs}")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Gateway settings: ``python -m services.gateway --model.path DIR --rollout.urls URL ... --redis.url URL``."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, model_validator
+
+from molt.config import ModelConfig, RedisConfig, Section, ServerConfig
+
+
+class RolloutClientConfig(Section):
+    urls: list[str] = Field(default_factory=list)
+    """Rollout pod base URLs (http://host:port); comma- or space-separated."""
+    timeout_s: float = 600.0
+    """Longest a generate call may take before the pod is treated as failed."""
+    connect_timeout_s: float = 5.0
+    """TCP connect timeout to a pod."""
+    health_interval_s: float = 2.0
+    """Seconds between /readyz probes of every pod (an unhealthy pod gets no new sessions)."""
+    max_connections: int = 4096
+    """Connection pool size shared by all pods."""
+
+    @model_validator(mode="after")
+    def _split(self) -> "RolloutClientConfig":
+        urls = [u.strip().rstrip("/") for raw in self.urls for u in raw.replace(",", " ").split() if u.strip()]
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"--rollout.urls: {u!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8001")
+        if urls != self.urls:
+            object.__setattr__(self, "urls", urls)
+        return self
+
+
+class AuthConfig(Section):
+    api_keys: list[str] = Field(default_factory=list)
+    """Bearer API keys (also read as x-api-key). Empty: no auth, and the gateway binds loopback only."""
+    max_open_sessions_per_key: int = 1024
+    """Open sessions one key may hold; more get 429 with Retry-After."""
+    retry_after_s: int = 5
+    """Retry-After seconds sent with a 429."""
+
+
+class SessionConfig(Section):
+    idle_ttl_s: float = 1800.0
+    """Sessions idle this long are dropped (nothing written) and counted as expired."""
+    finished_keep_s: float = 600.0
+    """How long a finished session's result is kept so a repeated finish is answered the same way."""
+    max_length: int = 4096
+    """Default context budget per segment (prompt + generated tokens) when a session gives none."""
+    max_tokens: int = 1024
+    """Default max new tokens per turn when neither the session nor the request sets it."""
+    temperature: float = 1.0
+    """Default sampling temperature (rollouts sample at 1.0)."""
+    top_p: float = 1.0
+    """Default top_p (keep 1.0 when importance-sampling correction is on)."""
+    max_body_bytes: int = 32 << 20
+    """Largest request body accepted; bigger gets 413."""
+
+
+class GatewaySettings(Section):
+    """OpenAI/Anthropic-compatible gateway that records token-exact trajectories to a Redis stream."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    served_model_name: str = "policy"
+    """Model id the wires report and accept."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    rollout: RolloutClientConfig = Field(default_factory=RolloutClientConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    session: SessionConfig = Field(default_factory=SessionConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "GatewaySettings":
+        if not self.auth.api_keys and not _is_loopback(self.server.host):
+            raise ValueError(
+                f"refusing to bind {self.server.host} without API keys: set --auth.api_keys KEY "
+                "(or MOLT_AUTH__API_KEYS) or bind --server.host 127.0.0.1"
+            )
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# Short forms from the issue's command line -> dotted flags.
+SHORT_FLAGS = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
+
+
+def expand_short_flags(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        out.append(SHORT_FLAGS[name] + eq + value if name in SHORT_FLAGS else arg)
+    return out

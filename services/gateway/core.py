@@ -1,0 +1,509 @@
+"""The transport-agnostic gateway core: sessions, turns with failover, finishing into the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.bus import TrajectoryQueue
+from molt.metrics import Metrics
+from molt.schema import Provenance, Trajectory, encode
+from services.gateway.capture import Capture, ChatState, TurnPlan
+from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
+from services.gateway.config import GatewaySettings
+from services.gateway.errors import GatewayError
+from services.gateway.pods import Generation, Pod, PodFailed, PodPool
+
+log = logging.getLogger("molt.gateway")
+
+# Sampling keys a request may set per turn (anything else in a session's params is passed through too).
+TURN_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    text: str
+    """Decoded generation without special tokens (what a client sees)."""
+    raw_text: str
+    """Decoded generation with special tokens kept (what the template saw)."""
+    content: str
+    tool_calls: list[dict]
+    prompt_tokens: int
+    num_tokens: int
+    remaining_tokens: int
+    pod_wait_s: float = 0.0
+    cached: bool = False
+
+    @property
+    def reply(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    owner: str | None
+    group_id: str
+    sample_index: int
+    label: Any
+    env_name: str
+    env_version: str
+    sampling_params: dict
+    metadata: dict
+    capture: Capture
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    pod: str | None = None
+    state: str = "open"
+    result: dict | None = None
+    turns: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_key: str | None = None
+    last_result: TurnResult | None = None
+    closed_at: float = 0.0
+
+    def summary(self) -> dict:
+        cap = self.capture
+        return {
+            "session_id": self.id, "state": self.state, "group_id": self.group_id,
+            "sample_index": self.sample_index, "env_name": self.env_name, "turns": self.turns,
+            "segments": len(cap.segments), "num_tokens": cap.num_tokens(),
+            "action_tokens": sum(e - s for seg in cap.segments for s, e in seg.spans),
+            "max_length": cap.max_length, "pod": self.pod, "events": cap.events, "result": self.result,
+            "metadata": self.metadata,
+        }
+
+
+def _finite(x: Any, name: str, optional: bool = False) -> float | None:
+    if x is None and optional:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise bad_request(f"'{name}' must be a finite number, got {x!r}", name)
+    return float(x)
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, model: ChatModel, pool: PodPool, queue: TrajectoryQueue,
+                 metrics: Metrics) -> None:
+        self.settings = settings
+        self.model = model
+        self.pool = pool
+        self.queue = queue
+        self.metrics = metrics
+        self.sessions: dict[str, Session] = {}
+        self.open_by_owner: Counter[str | None] = Counter()
+        scfg = settings.session
+        self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
+        limit = model.max_model_len
+        self.default_max_length = min(scfg.max_length, limit) if limit else scfg.max_length
+
+    @property
+    def policy_version(self) -> int:
+        return self.pool.policy_version
+
+    # ---- sessions
+
+    def open_session(self, owner: str | None, body: dict) -> Session:
+        cfg = self.settings.auth
+        if self.settings.auth.api_keys and self.open_by_owner[owner] >= cfg.max_open_sessions_per_key:
+            raise GatewayError(429, f"this API key already holds {cfg.max_open_sessions_per_key} open sessions; "
+                                    "finish or delete some", code="too_many_sessions", retry_after_s=cfg.retry_after_s)
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise bad_request("'sampling_params' must be an object", "sampling_params")
+        max_length = body.get("max_length") or self.default_max_length
+        if not isinstance(max_length, int) or max_length <= 0:
+            raise bad_request(f"'max_length' must be a positive integer, got {max_length!r}", "max_length")
+        limit = self.model.max_model_len
+        if limit and max_length > limit:
+            raise bad_request(f"'max_length' {max_length} is over the model's {limit} positions", "max_length")
+        sample_index = body.get("sample_index", 0)
+        if not isinstance(sample_index, int) or sample_index < 0:
+            raise bad_request(f"'sample_index' must be an integer >= 0, got {sample_index!r}", "sample_index")
+        sid = uuid.uuid4().hex
+        session = Session(
+            id=sid, owner=owner, group_id=str(body.get("group_id") or sid), sample_index=sample_index,
+            label=body.get("label"), env_name=str(body.get("env_name") or ""),
+            env_version=str(body.get("env_version") or ""),
+            sampling_params={**self.default_sampling, **sp}, metadata=dict(body.get("metadata") or {}),
+            capture=Capture(max_length=max_length),
+        )
+        self.sessions[sid] = session
+        self.open_by_owner[owner] += 1
+        self.metrics["molt_gateway_open_sessions"].inc()
+        return session
+
+    def get_session(self, sid: str, owner: str | None, open_only: bool = True) -> Session:
+        s = self.sessions.get(sid)
+        if s is None or (self.settings.auth.api_keys and s.owner != owner):
+            raise GatewayError(404, f"unknown session {sid!r}: open one with POST /v1/sessions",
+                               code="session_not_found")
+        if open_only and s.state != "open":
+            raise GatewayError(409, f"session {sid} is {s.state}; open a new one", code="session_closed")
+        return s
+
+    def _close(self, s: Session, state: str, outcome: str) -> None:
+        if s.state != "open":
+            return
+        s.state = state
+        self.open_by_owner[s.owner] -= 1
+        if self.open_by_owner[s.owner] <= 0:
+            del self.open_by_owner[s.owner]
+        if s.pod:
+            self.pool.get(s.pod).sessions -= 1
+        self.metrics["molt_gateway_open_sessions"].dec()
+        self.metrics["molt_gateway_sessions_total"].labels(outcome).inc()
+        s.closed_at = time.monotonic()
+        s.last_result = None
+
+    def abort(self, sid: str, owner: str | None) -> dict:
+        s = self.get_session(sid, owner, open_only=False)
+        if s.state == "finished":
+            raise GatewayError(409, f"session {sid} is already finished; nothing to abort", code="session_closed")
+        self._close(s, "aborted", "aborted")
+        self.sessions.pop(sid, None)
+        return {"session_id": sid, "aborted": True}
+
+    # ---- turns
+
+    def _sampling(self, s: Session | None, overrides: dict, remaining: int) -> dict:
+        sp = dict(s.sampling_params if s else self.default_sampling)
+        for k in TURN_KEYS:
+            if overrides.get(k) is not None:
+                sp[k] = overrides[k]
+        sp["max_tokens"] = max(1, min(int(sp.get("max_tokens") or remaining), remaining))
+        sp["n"] = int(overrides.get("n") or 1)
+        sp.pop("stop", None)
+        return sp
+
+    async def _generate(self, s: Session, prompt_ids: list[int], sp: dict) -> tuple[Generation, list[dict]]:
+        """Generate on the session's pod, moving to another pod (same exact prefix) when it fails."""
+        events: list[dict] = []
+        tried: set[str] = set()
+        current: Pod | None = self.pool.get(s.pod) if s.pod else None
+        while True:
+            pod = current if current is not None and current.healthy and current.url not in tried else None
+            if pod is None:
+                pod = self.pool.pick(exclude=tried)
+                if s.pod and s.pod != pod.url:
+                    events.append({"kind": "pod_switch", "from": s.pod, "to": pod.url, "at_token": len(prompt_ids),
+                                   "segment": max(len(s.capture.segments) - 1, 0), "turn": s.turns,
+                                   "reason": self.pool.get(s.pod).last_error, "time": time.time()})
+                    self.metrics["molt_gateway_pod_failovers_total"].labels(s.pod).inc()
+            try:
+                gens = await self.pool.generate(pod, prompt_ids, sp)
+            except PodFailed as exc:
+                log.warning("session %s: %s; trying another pod", s.id, exc)
+                tried.add(pod.url)
+                continue
+            if s.pod != pod.url:
+                if s.pod:
+                    self.pool.get(s.pod).sessions -= 1
+                else:  # the first pod: the trainer labels this trajectory's mismatch KL with it
+                    events.append({"kind": "pod", "pod": pod.url, "at_token": 0, "segment": 0, "time": time.time()})
+                pod.sessions += 1
+                s.pod = pod.url
+            return gens[0], events
+
+    def _apply_stop(self, gen: Generation, stop: list[str] | None) -> Generation:
+        """Stop strings, applied here (the pod takes token ids only): keep the tokens up to the one that
+        completes the first stop string. What is recorded stays a prefix of what the pod sampled."""
+        if not stop or not gen.token_ids:
+            return gen
+        text = ""
+        for i, tok in enumerate(gen.token_ids):
+            text += self.model.decode([tok], skip_special=True)
+            if any(s and s in text for s in stop):
+                if i + 1 < len(gen.token_ids):
+                    gen = dataclasses.replace(gen, token_ids=gen.token_ids[: i + 1], logprobs=gen.logprobs[: i + 1],
+                                              finish_reason="stop")
+                    gen.extra["stop_string"] = True
+                else:
+                    gen.finish_reason = "stop"
+                    gen.extra["stop_string"] = True
+                break
+        return gen
+
+    def _result(self, gen: Generation, prompt_tokens: int, num_tokens: int, remaining: int,
+                stop: list[str] | None = None) -> TurnResult:
+        text = self.model.decode(gen.token_ids, skip_special=True)
+        raw = self.model.decode(gen.token_ids, skip_special=False)
+        if gen.extra.get("stop_string") and stop:
+            cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        content, calls = parse_tool_calls(text)
+        finish = gen.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return TurnResult(gen.token_ids, gen.logprobs, finish, gen.policy_version, text, raw, content, calls,
+                          prompt_tokens, num_tokens, remaining, gen.wait_s)
+
+    async def chat_turn(self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict,
+                        ready: asyncio.Future | None = None) -> TurnResult:
+        """One captured chat turn; ``ready`` resolves once the request is accepted (before generation)."""
+        try:
+            async with s.lock:
+                if s.state != "open":
+                    raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
+                if int(overrides.get("n") or 1) != 1:
+                    raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
+                key = request_key(messages, tools)
+                if key == s.last_key and s.last_result is not None:
+                    _resolve(ready, value=s.last_result.prompt_tokens)
+                    return _cached(s.last_result)
+                plan = s.capture.plan_chat(self.model, messages, tools)
+                remaining = s.capture.check_room(plan, hard=True)
+                sp = self._sampling(s, overrides, remaining)
+                _resolve(ready, value=plan.num_tokens)
+                gen, events = await self._generate(s, plan.prompt_ids, sp)
+                stop = overrides.get("stop") or s.sampling_params.get("stop")
+                gen = self._apply_stop(gen, stop)
+                seg = s.capture.commit(plan, gen, events)
+                n = len(seg.token_ids)
+                result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop)
+                s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
+                self._after_turn(s, plan, key, result)
+                return result
+        except BaseException as exc:
+            _resolve(ready, exc)
+            raise
+
+    def _after_turn(self, s: Session, plan: TurnPlan, key: str | None, result: TurnResult) -> None:
+        if plan.new_segment:
+            self.metrics["molt_gateway_segments_total"].labels(plan.reason).inc()
+        s.turns += 1
+        s.last_used = time.monotonic()
+        s.last_key, s.last_result = key, result
+
+    async def token_turn(self, s: Session, body: dict) -> TurnResult:
+        messages = body.get("messages")
+        if messages is not None:
+            from services.gateway.chat import canonical_messages
+
+            messages = canonical_messages(messages)
+        text = body.get("append_text")
+        if text is not None and not isinstance(text, str):
+            raise bad_request("'append_text' must be a string", "append_text")
+        ids = body.get("append_token_ids")
+        vocab = len(self.model.tokenizer)
+        if ids is not None and (not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)):
+            raise bad_request(f"'append_token_ids' must be a list of token ids in [0, {vocab})", "append_token_ids")
+        overrides = body.get("sampling_params") or {}
+        if not isinstance(overrides, dict):
+            raise bad_request("'sampling_params' must be an object", "sampling_params")
+        async with s.lock:
+            if s.state != "open":
+                raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
+            plan = s.capture.plan_tokens(self.model, messages, text, ids)
+            remaining = s.capture.check_room(plan, hard=False)
+            if remaining <= 0:
+                # Contract: no room left -> finish "length" with no tokens; nothing is committed.
+                if s.capture.current is not None:
+                    s.capture.current.truncated = True
+                return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens,
+                                  plan.num_tokens, 0)
+            sp = self._sampling(s, overrides, remaining)
+            gen, events = await self._generate(s, plan.prompt_ids, sp)
+            seg = s.capture.commit(plan, gen, events)
+            raw = self.model.decode(gen.token_ids, skip_special=False)
+            result = TurnResult(gen.token_ids, gen.logprobs, gen.finish_reason, gen.policy_version, raw, raw, raw,
+                                [], plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)),
+                                gen.wait_s)
+            self._after_turn(s, plan, None, result)
+            return result
+
+    async def completion_turn(self, s: Session, prompt: str | list[int], overrides: dict) -> TurnResult:
+        async with s.lock:
+            if s.state != "open":
+                raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
+            if int(overrides.get("n") or 1) != 1:
+                raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
+            plan = s.capture.plan_completion(self.model, prompt)
+            remaining = s.capture.check_room(plan, hard=True)
+            gen, events = await self._generate(s, plan.prompt_ids, self._sampling(s, overrides, remaining))
+            stop = overrides.get("stop") or s.sampling_params.get("stop")
+            gen = self._apply_stop(gen, stop)
+            seg = s.capture.commit(plan, gen, events)
+            result = self._result(gen, plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)),
+                                  stop)
+            if isinstance(prompt, str):
+                s.capture.completion_text = prompt + result.text
+            self._after_turn(s, plan, None, result)
+            return result
+
+    async def plain_generate(self, prompt_ids: list[int], overrides: dict) -> list[TurnResult]:
+        """Session-less request: nothing captured; any healthy pod, failing over between pods."""
+        limit = self.default_max_length - len(prompt_ids)
+        if limit <= 0:
+            raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens, the limit is "
+                                    f"{self.default_max_length}", code="context_length_exceeded", param="messages")
+        sp = self._sampling(None, overrides, limit)
+        tried: set[str] = set()
+        while True:
+            pod = self.pool.pick(exclude=tried)
+            try:
+                gens = await self.pool.generate(pod, prompt_ids, sp)
+                break
+            except PodFailed:
+                tried.add(pod.url)
+        stop = overrides.get("stop")
+        gens = [self._apply_stop(g, stop) for g in gens]
+        return [self._result(g, len(prompt_ids), len(prompt_ids) + len(g.token_ids), limit - len(g.token_ids), stop)
+                for g in gens]
+
+    # ---- finishing
+
+    def _trajectory(self, s: Session, reward: float, score: float | None, info: dict) -> Trajectory | None:
+        segments = s.capture.trainable_segments()
+        if not segments:
+            return None
+        versions = [v for seg in s.capture.segments for v in seg.versions]
+        return Trajectory(
+            trajectory_id=s.id, group_id=s.group_id, sample_index=s.sample_index, segments=segments,
+            reward=reward, score=score, info=info,
+            status="truncated" if any(seg.truncated for seg in s.capture.segments) else "completed",
+            provenance=Provenance(
+                model=self.settings.served_model_name + ":" + str(self.model.path), weight_version=max(versions),
+                tokenizer_hash=self.model.tokenizer_hash, chat_template_hash=self.model.chat_template_hash,
+                sampling_params=s.sampling_params, env_name=s.env_name, env_version=s.env_version,
+            ),
+            events=list(s.capture.events),
+        )
+
+    @staticmethod
+    def _outcome(body: dict) -> tuple[float, float | None, dict]:
+        if not isinstance(body, dict):
+            raise bad_request("expected an object {reward, score?, info?}")
+        reward = _finite(body.get("reward"), "reward")
+        score = _finite(body.get("score"), "score", optional=True)
+        info = body.get("info") or {}
+        if not isinstance(info, dict):
+            raise bad_request("'info' must be an object of numbers", "info")
+        for k, v in info.items():
+            _finite(v, f"info.{k}")
+        return reward, score, {k: float(v) for k, v in info.items()}  # type: ignore[arg-type]
+
+    async def finish(self, sid: str, owner: str | None, body: dict) -> dict:
+        return (await self.finish_many([dict(body, session_id=sid)], owner, raise_single=True))[0]
+
+    async def finish_many(self, items: list[dict], owner: str | None, raise_single: bool = False) -> list[dict]:
+        """Finish several sessions; the trajectories go to the stream in one batch. Per-item results."""
+        results: list[dict | None] = [None] * len(items)
+        todo: list[tuple[int, Session, Trajectory | None]] = []
+        locked: list[Session] = []
+        try:
+            for i, item in enumerate(items):
+                try:
+                    sid = item.get("session_id") if isinstance(item, dict) else None
+                    if not isinstance(sid, str):
+                        raise bad_request("each episode needs a 'session_id' string", "session_id")
+                    s = self.get_session(sid, owner, open_only=False)
+                    if s.state == "finished":
+                        results[i] = dict(s.result or {}, status=200)
+                        continue
+                    if s.state != "open":
+                        raise GatewayError(409, f"session {sid} is {s.state}; nothing to finish",
+                                           code="session_closed")
+                    reward, score, info = self._outcome(item)
+                    if any(x is s for x in locked):
+                        raise bad_request(f"session {sid} appears twice in one call", "session_id")
+                    await s.lock.acquire()
+                    locked.append(s)
+                    todo.append((i, s, self._trajectory(s, reward, score, info)))
+                except GatewayError as exc:
+                    if raise_single:
+                        raise
+                    results[i] = {"session_id": item.get("session_id") if isinstance(item, dict) else None,
+                                  "status": exc.status, "error": {"message": exc.message, "code": exc.code}}
+            trajs = [t for _, _, t in todo if t is not None]
+            entry_ids: list[str] = []
+            if trajs:
+                sizes = [len(encode(t)) for t in trajs]
+                entry_ids = await self.queue.put_many(trajs)
+                self.metrics["molt_gateway_trajectories_written_total"].inc(len(trajs))
+                self.metrics["molt_gateway_trajectory_bytes_total"].inc(sum(sizes))
+            it = iter(entry_ids)
+            for i, s, t in todo:
+                res: dict[str, Any] = {"session_id": s.id, "trajectory_id": s.id, "written": t is not None}
+                if t is None:
+                    res["reason"] = "the session generated no tokens; nothing was written"
+                else:
+                    res["entry_id"] = next(it)
+                    res["segments"] = len(t.segments)
+                    res["action_tokens"] = t.num_action_tokens
+                s.result = res
+                self._close(s, "finished", "written" if t is not None else "empty")
+                s.capture.segments = []  # free the tokens; the result stays for repeated finishes
+                results[i] = dict(res, status=200)
+        finally:
+            for s in locked:
+                s.lock.release()
+        return [r for r in results if r is not None]
+
+    # ---- housekeeping
+
+    async def refresh_queue_metrics(self) -> None:
+        try:
+            lag = await asyncio.wait_for(self.queue.lag(), timeout=2.0)
+        except Exception as exc:  # a scrape must not fail because Redis is slow; the gauges just go stale
+            log.warning("queue lag unavailable: %s", exc)
+            return
+        stream = self.queue.stream
+        self.metrics["molt_queue_length_entries"].labels(stream).set(lag.length)
+        self.metrics["molt_queue_pending_entries"].labels(stream).set(lag.pending)
+        self.metrics["molt_queue_undelivered_entries"].labels(stream).set(lag.undelivered)
+        self.metrics["molt_queue_oldest_unacked_age_seconds"].labels(stream).set(lag.oldest_unacked_age_s)
+
+    def reap(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        ttl, keep = self.settings.session.idle_ttl_s, self.settings.session.finished_keep_s
+        expired = 0
+        for sid, s in list(self.sessions.items()):
+            if s.state == "open" and now - s.last_used > ttl and not s.lock.locked():
+                self._close(s, "expired", "expired")
+                del self.sessions[sid]
+                expired += 1
+            elif s.state != "open" and now - s.closed_at > keep:
+                del self.sessions[sid]
+        return expired
+
+    async def reap_loop(self) -> None:
+        period = max(0.05, min(5.0, self.settings.session.idle_ttl_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            n = self.reap()
+            if n:
+                log.info("expired %d idle sessions", n)
+
+
+def _resolve(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:
+    if fut is None or fut.done():
+        return
+    if exc is None:
+        fut.set_result(value)
+    elif isinstance(exc, Exception):
+        fut.set_exception(exc)
+    else:
+        fut.cancel()
+
+
+def _cached(r: TurnResult) -> TurnResult:
+    from dataclasses import replace
+
+    return replace(r, cached=True, pod_wait_s=0.0)

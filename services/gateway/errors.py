@@ -1,0 +1,56 @@
+"""One place that maps gateway errors to each wire's error body and HTTP status."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Wire = Literal["openai", "anthropic"]
+
+# status -> (OpenAI error type, Anthropic error type)
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("invalid_request_error", "authentication_error"),
+    403: ("invalid_request_error", "permission_error"),
+    404: ("invalid_request_error", "not_found_error"),
+    409: ("invalid_request_error", "invalid_request_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    502: ("server_error", "api_error"),
+    503: ("server_error", "overloaded_error"),
+}
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, status: int, message: str, code: str = "error", param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+class PodUnavailable(GatewayError):
+    """No healthy rollout pod could serve the request (all failed or none configured)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="no_rollout_pod", retry_after_s=1)
+
+
+def error_body(err: GatewayError, wire: Wire) -> dict:
+    oa_type, an_type = _TYPES.get(err.status, ("server_error", "api_error"))
+    if wire == "anthropic":
+        return {"type": "error", "error": {"type": an_type, "message": err.message}}
+    return {"error": {"message": err.message, "type": oa_type, "param": err.param, "code": err.code}}
+
+
+def error_headers(err: GatewayError) -> dict[str, str]:
+    return {"retry-after": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+
+
+def wire_of_path(path: str) -> Wire:
+    return "anthropic" if path.endswith("/messages") or path.endswith("/messages/count_tokens") else "openai"

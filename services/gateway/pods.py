@@ -1,0 +1,166 @@
+"""Rollout pods: sticky least-loaded choice, health probes, and one generate call with failure typing.
+
+A session sticks to the pod of its first turn. When a call fails at the transport level (connection
+refused or reset, timeout, 5xx, a malformed answer), the pod is marked unhealthy until its next good
+probe and the caller (``core``) resends the session's exact token prefix to another pod. A 4xx from a
+pod is the request's fault and is surfaced as a 400, never retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from molt.metrics import Metrics
+from services.gateway.errors import GatewayError, PodUnavailable
+from services.gateway.transport import PodConnectionError, PodTransport
+
+log = logging.getLogger("molt.gateway.pods")
+
+
+@dataclass
+class Pod:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    sessions: int = 0
+    policy_version: int | None = None
+    last_error: str = ""
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return self.inflight, self.sessions
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    pod: str
+    wait_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class PodFailed(Exception):
+    """The pod could not answer; the request may be resent to another pod."""
+
+    def __init__(self, pod: Pod, reason: str) -> None:
+        super().__init__(f"rollout pod {pod.url} failed: {reason}")
+        self.pod = pod
+        self.reason = reason
+
+
+def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
+    """Accept plain floats, or per-token {id: logprob} / {"logprob": x} entries."""
+    if not isinstance(raw, list) or len(raw) != len(token_ids):
+        raise ValueError(f"{0 if not isinstance(raw, list) else len(raw)} logprobs for {len(token_ids)} tokens")
+    out = []
+    for tok, lp in zip(token_ids, raw):
+        if isinstance(lp, dict):
+            lp = lp.get("logprob", lp.get(str(tok), lp.get(tok)))  # type: ignore[call-overload]
+            if isinstance(lp, dict):
+                lp = lp.get("logprob")
+        if not isinstance(lp, (int, float)):
+            raise ValueError(f"logprob for token {tok} is {lp!r}")
+        out.append(float(lp))
+    return out
+
+
+class PodPool:
+    def __init__(self, urls: list[str], client: PodTransport, metrics: Metrics,
+                 health_interval_s: float = 2.0) -> None:
+        self.pods = {u: Pod(u) for u in urls}
+        self.client = client
+        self.metrics = metrics
+        self.health_interval_s = health_interval_s
+        self.policy_version = 0
+        for pod in self.pods.values():
+            metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1)
+            metrics["molt_gateway_pod_inflight_requests"].labels(pod.url).set(0)
+
+    def get(self, url: str) -> Pod:
+        return self.pods[url]
+
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Pod:
+        """The least-loaded healthy pod (in-flight requests, then sticky sessions, then random)."""
+        candidates = [p for p in self.pods.values() if p.healthy and p.url not in exclude]
+        if not candidates:
+            if not self.pods:
+                raise PodUnavailable("no rollout pods configured: pass --rollout.urls http://HOST:PORT")
+            raise PodUnavailable("no healthy rollout pod is available; retry shortly")
+        best = min(p.load for p in candidates)
+        return random.choice([p for p in candidates if p.load == best])
+
+    def set_health(self, pod: Pod, healthy: bool, reason: str = "") -> None:
+        if pod.healthy != healthy:
+            log.warning("rollout pod %s is now %s %s", pod.url, "healthy" if healthy else "unhealthy", reason)
+        pod.healthy = healthy
+        pod.last_error = reason
+        self.metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1 if healthy else 0)
+
+    async def generate(self, pod: Pod, prompt_ids: list[int], sampling_params: dict) -> list[Generation]:
+        """One /v1/generate call; one Generation per output (n > 1 only for session-less requests)."""
+        body = json.dumps({"prompt_token_ids": prompt_ids, "sampling_params": sampling_params}).encode()
+        gauge = self.metrics["molt_gateway_pod_inflight_requests"].labels(pod.url)
+        pod.inflight += 1
+        gauge.set(pod.inflight)
+        start = time.perf_counter()
+        try:
+            status, raw = await self.client.post_json(pod.url + "/v1/generate", body)
+        except PodConnectionError as exc:
+            self.set_health(pod, False, str(exc))
+            raise PodFailed(pod, str(exc)) from None
+        finally:
+            pod.inflight -= 1
+            gauge.set(pod.inflight)
+        wait_s = time.perf_counter() - start
+        if status >= 500:
+            self.set_health(pod, False, f"HTTP {status}")
+            raise PodFailed(pod, f"HTTP {status}: {raw[:200]!r}")
+        if status >= 400:
+            try:
+                msg = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = raw[:500].decode(errors="replace")
+            raise GatewayError(400, f"rollout pod rejected the request: {msg}", code="invalid_request")
+        try:
+            data = json.loads(raw)
+            version = int(data.get("policy_version", 0))
+            gens = []
+            for out in data["outputs"]:
+                ids = [int(t) for t in out["token_ids"]]
+                finish = out.get("finish_reason") or "stop"
+                if isinstance(finish, dict):
+                    finish = finish.get("type", "stop")
+                gens.append(Generation(ids, _logprob_list(out.get("logprobs"), ids), str(finish),
+                                       int(out.get("policy_version", version)), pod.url, wait_s))
+            if not gens:
+                raise ValueError("no outputs")
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            # Never record tokens we cannot align with logprobs: treat it as a failed pod.
+            self.set_health(pod, False, f"malformed answer: {exc}")
+            raise PodFailed(pod, f"malformed /v1/generate answer ({exc})") from None
+        pod.policy_version = version
+        self.policy_version = max(self.policy_version, version)
+        return gens
+
+    # ---- health
+
+    async def probe(self, pod: Pod) -> None:
+        try:
+            status = await self.client.get(pod.url + "/readyz", timeout_s=2.0)
+            ok, why = status == 200, f"readyz HTTP {status}"
+        except PodConnectionError as exc:
+            ok, why = False, str(exc)
+        self.set_health(pod, ok, "" if ok else why)
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(p) for p in self.pods.values()))
+            await asyncio.sleep(self.health_interval_s)

@@ -1,0 +1,227 @@
+"""Thin HTTP handlers: auth, body parsing, then one call into the core and one wire encoder."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.gateway import anthropic_wire as an
+from services.gateway import openai_wire as oa
+from services.gateway.chat import bad_request
+from services.gateway.core import Gateway, TurnResult
+from services.gateway.errors import GatewayError
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class Handlers:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.keys = [k.encode() for k in gw.settings.auth.api_keys]
+        self.max_body = gw.settings.session.max_body_bytes
+        self.model_name = gw.settings.served_model_name
+
+    # ---- helpers
+
+    def owner(self, request: Request) -> str | None:
+        if not self.keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        raw = key.encode()
+        for k in self.keys:
+            if hmac.compare_digest(raw, k):
+                return key
+        raise GatewayError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' (or 'x-api-key')",
+                           code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.max_body:
+            raise GatewayError(413, f"request body of {length} bytes is over the {self.max_body}-byte limit",
+                               code="request_too_large")
+        raw = await request.body()
+        if len(raw) > self.max_body:
+            raise GatewayError(413, f"request body is over the {self.max_body}-byte limit", code="request_too_large")
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise bad_request(f"the body is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise bad_request("the body must be a JSON object")
+        return data
+
+    def json(self, data: Any, version: int | None = None, status: int = 200) -> JSONResponse:
+        headers = {"x-molt-policy-version": str(version)} if version is not None else None
+        return JSONResponse(data, status_code=status, headers=headers)
+
+    @staticmethod
+    def start(request: Request, turn: Callable[[asyncio.Future], Awaitable[TurnResult]]
+              ) -> tuple[asyncio.Future, asyncio.Future]:
+        """Run a turn as its own task, so a client that disconnects cannot cancel a commit half-way."""
+        ready = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(turn(ready))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return ready, task
+
+    # ---- control plane
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        healthy = [p.url for p in self.gw.pool.pods.values() if p.healthy]
+        return JSONResponse({"ready": bool(healthy), "healthy_pods": healthy}, status_code=200 if healthy else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        await self.gw.refresh_queue_metrics()
+        body, ctype = self.gw.metrics.render()
+        return Response(body, media_type=ctype)
+
+    async def models(self, request: Request) -> Response:
+        self.owner(request)
+        return self.json(oa.models_response(self.model_name))
+
+    async def open_session(self, request: Request) -> Response:
+        owner = self.owner(request)
+        s = self.gw.open_session(owner, await self.body(request))
+        base = str(request.base_url).rstrip("/")
+        return self.json({"session_id": s.id, "trajectory_id": s.id, "openai_base_url": f"{base}/s/{s.id}/v1",
+                          "anthropic_base_url": f"{base}/s/{s.id}", "max_length": s.capture.max_length}, status=201)
+
+    async def get_session(self, request: Request) -> Response:
+        s = self.gw.get_session(request.path_params["sid"], self.owner(request), open_only=False)
+        return self.json(s.summary())
+
+    async def delete_session(self, request: Request) -> Response:
+        return self.json(self.gw.abort(request.path_params["sid"], self.owner(request)))
+
+    async def finish(self, request: Request) -> Response:
+        owner = self.owner(request)
+        res = await self.gw.finish(request.path_params["sid"], owner, await self.body(request))
+        res.pop("status", None)
+        return self.json(res)
+
+    async def episodes(self, request: Request) -> Response:
+        owner = self.owner(request)
+        items = (await self.body(request)).get("episodes")
+        if not isinstance(items, list) or not items:
+            raise bad_request("'episodes' must be a non-empty list of {session_id, reward, score?, info?}", "episodes")
+        results = await self.gw.finish_many(items, owner)
+        return self.json({"results": results, "written": sum(1 for r in results if r.get("written"))})
+
+    async def generate(self, request: Request) -> Response:
+        owner = self.owner(request)
+        body = await self.body(request)
+        s = self.gw.get_session(request.path_params["sid"], owner)
+        r = await self.gw.token_turn(s, body)
+        request.state.pod_wait_s = r.pod_wait_s
+        return self.json({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
+                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
+                          "num_tokens": r.num_tokens, "remaining_tokens": r.remaining_tokens}, r.policy_version)
+
+    # ---- OpenAI wire
+
+    async def chat(self, request: Request) -> Response:
+        owner = self.owner(request)
+        req = oa.parse_chat(await self.body(request))
+        sid = request.path_params.get("sid")
+        if sid is None:
+            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
+            results = await self.gw.plain_generate(ids, req.overrides)
+            request.state.pod_wait_s = results[0].pod_wait_s
+            if req.stream:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(results[0])
+                return StreamingResponse(oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            return self.json(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
+        s = self.gw.get_session(sid, owner)
+        ready, task = self.start(request, lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
+        await asyncio.shield(ready)
+        if req.stream:
+            return StreamingResponse(oa.chat_stream(task, req, self.gw.model, self.model_name, request.state),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        r = await asyncio.shield(task)
+        request.state.pod_wait_s = r.pod_wait_s
+        return self.json(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
+
+    async def completions(self, request: Request) -> Response:
+        owner = self.owner(request)
+        body = await self.body(request)
+        prompt = oa.parse_prompt(body)
+        overrides = oa.sampling_overrides(body)
+        sid = request.path_params.get("sid")
+        if sid is None:
+            ids = prompt if isinstance(prompt, list) else self.gw.model.encode(prompt)
+            results = await self.gw.plain_generate(ids, overrides)
+        else:
+            s = self.gw.get_session(sid, owner)
+            results = [await self.gw.completion_turn(s, prompt, overrides)]
+        request.state.pod_wait_s = results[0].pod_wait_s
+        if body.get("stream"):
+            return StreamingResponse(oa.completion_stream(results, self.model_name), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return self.json(oa.completion_response(results, self.gw.model, self.model_name, bool(body.get("logprobs"))),
+                         results[0].policy_version)
+
+    # ---- Anthropic wire
+
+    async def messages(self, request: Request) -> Response:
+        owner = self.owner(request)
+        req = an.parse_messages(await self.body(request))
+        sid = request.path_params.get("sid")
+        if sid is None:
+            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
+            r = (await self.gw.plain_generate(ids, req.overrides))[0]
+            ready, task = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+            ready.set_result(r.prompt_tokens)
+            task.set_result(r)
+        else:
+            s = self.gw.get_session(sid, owner)
+            ready, task = self.start(request, lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides,
+                                                                           rd))
+        input_tokens = await asyncio.shield(ready)
+        if req.stream:
+            return StreamingResponse(an.messages_stream(task, input_tokens, self.model_name, request.state),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        r = await asyncio.shield(task)
+        request.state.pod_wait_s = r.pod_wait_s
+        return self.json(an.messages_response(r, self.model_name), r.policy_version)
+
+    async def count_tokens(self, request: Request) -> Response:
+        self.owner(request)
+        req = an.parse_messages({"max_tokens": 1, **(await self.body(request))})
+        ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
+        return self.json({"input_tokens": len(ids)})
+
+
+def routes(h: Handlers) -> list[Route]:
+    return [
+        Route("/healthz", h.healthz, methods=["GET"]),
+        Route("/readyz", h.readyz, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/v1/sessions", h.open_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}", h.get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}", h.delete_session, methods=["DELETE"]),
+        Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
+        Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
+        Route("/v1/episodes", h.episodes, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/messages", h.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
+        Route("/s/{sid}/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/s/{sid}/v1/completions", h.completions, methods=["POST"]),
+        Route("/s/{sid}/v1/models", h.models, methods=["GET"]),
+        Route("/s/{sid}/v1/messages", h.messages, methods=["POST"]),
+        Route("/s/{sid}/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
+    ]

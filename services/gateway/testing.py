@@ -1,0 +1,205 @@
+"""Test and benchmark helpers: an in-memory fake pod fleet (a PodTransport) and process launchers.
+
+``FakePods`` (a ``PodTransport``) answers ``/v1/generate`` like a rollout pod, from a script, so unit
+tests can drive exact model outputs (tool calls, stop reasons) without a model. The launchers start real services as
+subprocesses and return their URL from the one line each service prints once it listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from services.gateway.transport import PodConnectionError, PodTransport
+
+Script = Callable[[list[int], dict], list[int]]
+
+
+def fake_logprob(token_id: int, position: int) -> float:
+    return -0.01 - ((token_id * 7 + position * 13) % 97) / 50.0
+
+
+@dataclass
+class FakePod:
+    script: Script
+    version: int = 0
+    down: bool = False
+    calls: list[tuple[list[int], dict]] = field(default_factory=list)
+
+
+class FakePods(PodTransport):
+    """Fake rollout pods keyed by base URL; ``down`` pods refuse connections."""
+
+    def __init__(self, urls: list[str], script: Script) -> None:
+        self.pods = {u: FakePod(script) for u in urls}
+
+    def _pod(self, url: str) -> tuple[FakePod, str]:
+        base, _, path = url.partition("://")[2].partition("/")
+        pod = self.pods[url.split("://")[0] + "://" + base]
+        if pod.down:
+            raise PodConnectionError("connection refused (fake pod is down)")
+        return pod, "/" + path
+
+    async def get(self, url: str, timeout_s: float) -> int:
+        self._pod(url)
+        return 200
+
+    async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
+        pod, _ = self._pod(url)
+        req = json.loads(body)
+        prompt, sp = req["prompt_token_ids"], req.get("sampling_params", {})
+        pod.calls.append((list(prompt), dict(sp)))
+        outputs = []
+        for _ in range(sp.get("n", 1)):
+            ids = list(pod.script(prompt, sp))
+            max_tokens = sp.get("max_tokens", 16)
+            finish = "stop"
+            if len(ids) > max_tokens:
+                ids, finish = ids[:max_tokens], "length"
+            outputs.append({"token_ids": ids, "logprobs": [fake_logprob(t, i) for i, t in enumerate(ids)],
+                            "finish_reason": finish, "policy_version": pod.version})
+        return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode()
+
+
+# ---- real processes
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, log_path: Path) -> str:
+    """Read the process's merged output (mirrored to ``log_path``) until a line contains ``marker``."""
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    with open(log_path, "a") as log:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"process exited with {proc.returncode} before {marker!r}; see {log_path}")
+                continue
+            log.write(line)
+            log.flush()
+            if marker in line:
+                return line.strip()
+    proc.kill()
+    raise TimeoutError(f"no {marker!r} within {timeout_s} s; see {log_path}")
+
+
+def _drain(proc: subprocess.Popen, log_path: Path) -> None:
+    """Keep copying output in the background so a chatty process never blocks on a full pipe."""
+    import threading
+
+    def run() -> None:
+        assert proc.stdout is not None
+        with open(log_path, "a") as log:
+            for line in proc.stdout:
+                log.write(line)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def start_rollout_pods(model_dir: str | Path, log_paths: list[Path], max_model_len: int = 1024,
+                       extra: list[str] | None = None, timeout_s: float = 180.0,
+                       prefix: list[str] | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """Real rollout pods (tiny-model settings for CPU), started in parallel; ``prefix`` wraps the command."""
+    cmd = [*(prefix or []), sys.executable, "-m", "services.rollout", "--model.path", str(model_dir),
+           "--server.port", "0", "--vllm.dtype", "float32", "--vllm.enforce_eager",
+           "--vllm.max_model_len", str(max_model_len), "--vllm.kv_cache_memory_bytes", str(64 << 20),
+           "--server.log_level", "warning", *(extra or [])]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+             for _ in log_paths]
+    out = []
+    try:
+        for proc, log_path in zip(procs, log_paths):
+            line = _wait_for_line(proc, "ROLLOUT_READY", timeout_s, log_path)
+            _drain(proc, log_path)
+            out.append((proc, line.split()[-1]))
+    except BaseException:
+        for proc in procs:
+            stop(proc)
+        raise
+    return out
+
+
+def start_rollout_pod(model_dir: str | Path, log_path: Path, **kwargs) -> tuple[subprocess.Popen, str]:
+    return start_rollout_pods(model_dir, [log_path], **kwargs)[0]
+
+
+def start_gateway(args: list[str], log_path: Path, timeout_s: float = 60.0,
+                  prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [*(prefix or []), sys.executable, "-m", "services.gateway", "--server.port", "0",
+           "--server.log_level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            cwd=ROOT)
+    line = _wait_for_line(proc, "molt-gateway listening on", timeout_s, log_path)
+    _drain(proc, log_path)
+    return proc, line.split()[-1]
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- an instant pod, to measure the gateway alone (bench/gateway.py --instant-pod)
+
+_INSTANT = json.dumps({"policy_version": 0, "outputs": [{"token_ids": [100, 200, 300, 2],
+                       "logprobs": [-0.1, -0.2, -0.3, -0.4], "finish_reason": "stop", "policy_version": 0}]}).encode()
+
+
+async def _instant_pod(scope, receive, send) -> None:
+    """Raw ASGI app answering /v1/generate at once with 4 fixed tokens (no model): the cheapest pod."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            done = "lifespan.startup.complete" if msg["type"] == "lifespan.startup" else "lifespan.shutdown.complete"
+            await send({"type": done})
+            if done == "lifespan.shutdown.complete":
+                return
+    while (await receive()).get("more_body"):
+        pass
+    body = _INSTANT if scope["path"] == "/v1/generate" else b"{}"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def start_instant_pod(log_path: Path, prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [*(prefix or []), sys.executable, "-m", "services.gateway.testing", "instant-pod"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    line = _wait_for_line(proc, "ROLLOUT_READY", 30, log_path)
+    _drain(proc, log_path)
+    return proc, line.split()[-1]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["instant-pod"]:
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(f"ROLLOUT_READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(_instant_pod, log_level="warning", access_log=False, loop="uvloop",
+                                  http="httptools")).run(sockets=[sock])

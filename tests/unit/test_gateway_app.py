@@ -1,0 +1,320 @@
+"""The gateway app end to end in-process: real openai/anthropic SDKs over ASGI, fake pods, memory queue."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from molt.config import parse_settings
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings, expand_short_flags
+from services.gateway.testing import FakePods, fake_logprob
+
+PODS = ["http://pod-a:1", "http://pod-b:2"]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": CITY}}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3) -> ChatModel:
+    return ChatModel(tiny_qwen3)
+
+
+class Replies:
+    """Pod script: each call answers the next queued text (then a default)."""
+
+    def __init__(self, model: ChatModel) -> None:
+        self.model = model
+        self.queue: list[str] = []
+
+    def __call__(self, prompt: list[int], sp: dict) -> list[int]:
+        text = self.queue.pop(0) if self.queue else "Hello world.<|im_end|>"
+        return self.model.encode(text)
+
+
+@pytest.fixture
+def env(model):
+    def make(**overrides):
+        cfg = {"model": {"path": str(model.path)}, "rollout": {"urls": PODS},
+               "redis": {"url": "memory://", "stream": "test"}}
+        for k, v in overrides.items():
+            cfg.setdefault(k, {}).update(v)
+        settings = GatewaySettings.model_validate(cfg)
+        replies = Replies(model)
+        pods = FakePods(PODS, replies)
+        app = build_app(settings, transport=pods, model=model)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+        http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
+        return app, pods, replies, http
+    return make
+
+
+async def _open(http: httpx.AsyncClient, headers=None, **body) -> dict:
+    r = await http.post("/v1/sessions", json=body, headers=headers)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def _written(app) -> list:
+    q = app.gateway.queue
+    return [d.trajectory for d in await q.read("t", 100, block_s=0)]
+
+
+async def test_openai_tool_call_turns_are_captured_token_exact(env, model):
+    app, pods, replies, http = env()
+    s = await _open(http, group_id="g1", sample_index=2, env_name="weather", env_version="1")
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    replies.queue = ['<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call><|im_end|>',
+                     "It is sunny.<|im_end|>"]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    call = r1.choices[0].message.tool_calls[0]
+    assert r1.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "paris"}
+    messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
+    raw = await client.chat.completions.with_raw_response.create(model="policy", messages=messages, tools=TOOLS)
+    assert raw.headers["x-molt-policy-version"] == "0"
+    r2 = raw.parse()
+    assert r2.choices[0].message.content == "It is sunny." and r2.usage.completion_tokens > 0
+    done = (await http.post(f"/v1/sessions/{s['session_id']}/finish", json={"reward": 1.0, "info": {"x": 2}})).json()
+    assert done["written"] and done["trajectory_id"] == s["session_id"]
+    [traj] = await _written(app)
+    assert (traj.group_id, traj.sample_index, traj.reward, traj.info) == ("g1", 2, 1.0, {"x": 2.0})
+    assert traj.provenance.env_name == "weather" and traj.provenance.chat_template_hash == model.chat_template_hash
+    [seg] = traj.segments
+    (p1, _), (p2, _) = _calls(pods)
+    g1 = model.encode('<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call><|im_end|>')
+    g2 = model.encode("It is sunny.<|im_end|>")
+    assert p2[: len(p1)] == p1 and p2[len(p1): len(p1) + len(g1)] == g1  # second prompt extends the first exactly
+    assert seg.token_ids.tolist() == p2 + g2
+    assert seg.action_spans.tolist() == [[len(p1), len(p1) + len(g1)], [len(p2), len(p2) + len(g2)]]
+    assert seg.logprobs.tolist() == pytest.approx([fake_logprob(t, i) for i, t in enumerate(g1)]
+                                                  + [fake_logprob(t, i) for i, t in enumerate(g2)])
+    assert "sunny, 21C" in model.decode(p2[len(p1) + len(g1):], skip_special=False)
+    # finishing twice is idempotent; the session is closed for further turns
+    again = (await http.post(f"/v1/sessions/{s['session_id']}/finish", json={"reward": 0.0})).json()
+    assert again["entry_id"] == done["entry_id"] and len(await _written(app)) == 0
+    with pytest.raises(openai.ConflictError):
+        await client.chat.completions.create(model="policy", messages=messages)
+
+
+def _calls(pods: FakePods) -> list[tuple[list[int], dict]]:
+    return [c for p in pods.pods.values() for c in p.calls]
+
+
+async def test_identical_retry_returns_cached_answer(env):
+    app, pods, replies, http = env()
+    s = await _open(http)
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    msgs = [{"role": "user", "content": "hi"}]
+    a = await client.chat.completions.create(model="policy", messages=msgs)
+    b = await client.chat.completions.create(model="policy", messages=msgs)
+    assert a.choices[0].message.content == b.choices[0].message.content and len(_calls(pods)) == 1
+    summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
+    assert summary["turns"] == 1 and summary["segments"] == 1
+
+
+async def test_openai_stream_and_anthropic_wire(env, model):
+    app, pods, replies, http = env()
+    s = await _open(http)
+    oa = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    replies.queue = ["Streaming works fine.<|im_end|>"]
+    stream = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
+                                              stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Streaming works fine." and chunks[-1].usage.completion_tokens > 0
+    # Anthropic on a second session: tool_use out, tool_result in, streamed
+    s2 = await _open(http)
+    an = anthropic.AsyncAnthropic(base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic)
+    replies.queue = ['<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>',
+                     "Rome is warm.<|im_end|>"]
+    tools = [{"name": "get_weather", "description": "w", "input_schema": {"type": "object"}}]
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    m1 = await an.messages.create(model="policy", max_tokens=64, system="Be brief.", messages=msgs, tools=tools)
+    assert m1.stop_reason == "tool_use" and m1.content[-1].input == {"city": "rome"}
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m1.content[-1].id,
+                                           "content": "warm"}]}]
+    async with an.messages.stream(model="policy", max_tokens=64, system="Be brief.", messages=msgs,
+                                  tools=tools) as st:
+        final = await st.get_final_message()
+    assert final.content[0].text == "Rome is warm." and final.stop_reason == "end_turn"
+    summary = (await http.get(f"/v1/sessions/{s2['session_id']}")).json()
+    assert summary["segments"] == 1 and summary["turns"] == 2
+
+
+async def test_pod_failure_moves_session_and_records_switch(env):
+    app, pods, replies, http = env()
+    s = await _open(http)
+    sid = s["session_id"]
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http, max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    r1 = await client.chat.completions.create(model="policy", messages=msgs)
+    first = (await http.get(f"/v1/sessions/{sid}")).json()["pod"]
+    pods.pods[first].down = True
+    msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="policy", messages=msgs)
+    summary = (await http.get(f"/v1/sessions/{sid}")).json()
+    other = [u for u in PODS if u != first][0]
+    assert summary["pod"] == other and summary["segments"] == 1
+    start, event = summary["events"]
+    assert (start["kind"], start["pod"]) == ("pod", first)
+    assert event["kind"] == "pod_switch" and (event["from"], event["to"]) == (first, other)
+    # the other pod got the exact prefix the first one had built
+    assert pods.pods[other].calls[0][0][: len(pods.pods[first].calls[0][0])] == pods.pods[first].calls[0][0]
+    await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.5})
+    [traj] = await _written(app)
+    assert [e["kind"] for e in traj.events] == ["pod", "pod_switch"]
+    # all pods down: a clean 503 on the JSON path and an SSE error event on a started stream
+    pods.pods[other].down = True
+    s2 = await _open(http)
+    c2 = openai.AsyncOpenAI(base_url=s2["openai_base_url"], api_key="EMPTY", http_client=http, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await c2.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 503
+    stream = await c2.chat.completions.create(model="policy", messages=[{"role": "user", "content": "y"}], stream=True)
+    with pytest.raises(openai.APIError, match="no healthy rollout pod"):
+        async for _ in stream:
+            pass
+    an = anthropic.AsyncAnthropic(base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic,
+                                  max_retries=0)
+    with pytest.raises(anthropic.APIStatusError, match="no healthy rollout pod"):
+        async with an.messages.stream(model="policy", max_tokens=4, messages=[{"role": "user", "content": "z"}]) as st:
+            await st.get_final_message()
+
+
+async def test_errors_have_each_wires_shape(env):
+    app, pods, replies, http = env(session={"max_length": 64})
+    s = await _open(http)
+    sid = s["session_id"]
+    r = await http.post(f"/s/{sid}/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await http.post(f"/s/{sid}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = await http.post("/s/nope/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = await http.post("/s/nope/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json() == {"type": "error", "error": {
+        "type": "not_found_error", "message": r.json()["error"]["message"]}}
+    r = await http.post(f"/s/{sid}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await http.post(f"/s/{sid}/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "word " * 100}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = await http.post(f"/s/{sid}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400
+    r = await http.post(f"/v1/sessions/{sid}/finish", json={"reward": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reward"
+    # nothing generated: finishing writes nothing and says so
+    r = await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
+    assert r.json()["written"] is False and await _written(app) == []
+    r = await http.delete(f"/v1/sessions/{sid}")
+    assert r.status_code == 409
+    assert (await http.get("/nope")).status_code == 404
+
+
+async def test_api_keys_isolation_and_limits(env):
+    app, pods, replies, http = env(auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 1})
+    assert (await http.post("/v1/sessions", json={})).status_code == 401
+    assert (await http.post("/v1/sessions", json={}, headers={"authorization": "Bearer bad"})).status_code == 401
+    s = await _open(http, headers={"authorization": "Bearer k1"})
+    r = await http.post("/v1/sessions", json={}, headers={"authorization": "Bearer k1"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "5"
+    other = await http.get(f"/v1/sessions/{s['session_id']}", headers={"x-api-key": "k2"})
+    assert other.status_code == 404
+    an = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key="k1", http_client=http.anthropic)
+    m = await an.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert m.usage.output_tokens > 0
+    bad = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key="k2", http_client=http.anthropic,
+                                   max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        await bad.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert (await http.delete(f"/v1/sessions/{s['session_id']}", headers={"x-api-key": "k1"})).status_code == 200
+    await _open(http, headers={"authorization": "Bearer k1"})  # the slot is free again
+
+
+async def test_episodes_batch_token_turns_and_ttl(env, model):
+    app, pods, replies, http = env(session={"idle_ttl_s": 60})
+    ids = []
+    for i in range(3):
+        s = await _open(http, group_id="grp", sample_index=i)
+        ids.append(s["session_id"])
+    first = await http.post(f"/v1/sessions/{ids[0]}/generate",
+                            json={"messages": [{"role": "user", "content": "hi"}],
+                                  "sampling_params": {"max_tokens": 4}})
+    body = first.json()
+    assert len(body["token_ids"]) == 4 and body["finish_reason"] == "length" and body["num_tokens"] > 4
+    nxt = (await http.post(f"/v1/sessions/{ids[0]}/generate", json={"append_text": "\nok", "append_token_ids": [7]}
+                           )).json()
+    assert nxt["num_tokens"] == body["num_tokens"] + len(model.encode("\nok")) + 1 + len(nxt["token_ids"])
+    await http.post(f"/v1/sessions/{ids[1]}/generate", json={"messages": [{"role": "user", "content": "yo"}]})
+    res = (await http.post("/v1/episodes", json={"episodes": [
+        {"session_id": ids[0], "reward": 1}, {"session_id": ids[1], "reward": 0, "score": 0.5},
+        {"session_id": "missing", "reward": 1}]})).json()
+    assert [r["status"] for r in res["results"]] == [200, 200, 404] and res["written"] == 2
+    trajs = await _written(app)
+    assert sorted(t.sample_index for t in trajs) == [0, 1] and {t.group_id for t in trajs} == {"grp"}
+    t0 = next(t for t in trajs if t.sample_index == 0)
+    assert t0.status == "truncated" and len(t0.segments[0].action_spans) == 2
+    # the third session idles past the TTL: dropped, counted, nothing written
+    assert app.gateway.reap(now=10**9) == 1
+    assert (await http.get(f"/v1/sessions/{ids[2]}")).status_code == 404
+    metrics = (await http.get("/metrics")).text
+    assert 'molt_gateway_sessions_total{outcome="expired"} 1.0' in metrics
+    assert "molt_gateway_added_latency_seconds_bucket" in metrics and "molt_queue_length_entries" in metrics
+
+
+async def test_sessionless_wires_and_models(env):
+    app, pods, replies, http = env()
+    oa = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="EMPTY", http_client=http)
+    r = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2,
+                                         logprobs=True)
+    assert len(r.choices) == 2 and len(r.choices[0].logprobs.content) == len(r.choices[0].logprobs.content)
+    c = await oa.completions.create(model="policy", prompt="Once", max_tokens=3)
+    assert c.choices[0].finish_reason == "length"
+    assert [m.id for m in (await oa.models.list()).data] == ["policy"]
+    assert (await http.get("/readyz")).status_code == 200
+
+
+def test_cli_short_flags_and_loopback_rule():
+    argv = expand_short_flags(["--model", "/m", "--port=9", "--rollout.urls", "http://a:1,http://b:2"])
+    s = parse_settings(GatewaySettings, argv, environ={"MOLT_AUTH__API_KEYS": "x,y"})
+    assert (s.model.path, s.server.port, s.rollout.urls, s.auth.api_keys) == (
+        "/m", 9, ["http://a:1", "http://b:2"], ["x", "y"])
+    with pytest.raises(ValueError, match="without API keys"):
+        GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}})
+    GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}, "auth": {"api_keys": ["k"]}})
+
+
+async def test_stop_strings_and_session_completions(env, model):
+    app, pods, replies, http = env()
+    s = await _open(http)
+    oa = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    replies.queue = ["Hello world. STOP more text after<|im_end|>", " then more.<|im_end|>"]
+    r = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], stop=["STOP"])
+    assert r.choices[0].message.content == "Hello world. " and r.choices[0].finish_reason == "stop"
+    sid = s["session_id"]
+    # the recorded action is the prefix of the sampled tokens up to the one that completes "STOP"
+    seg = app.gateway.sessions[sid].capture.segments[0]
+    (start, end), = seg.spans
+    assert model.decode(seg.token_ids[start:end], skip_special=True).rstrip().endswith("STOP")
+    assert "more text" not in model.decode(seg.token_ids[start:end], skip_special=True)
+    assert "stop" not in _calls(pods)[0][1]  # never sent to the pod (it takes token ids only)
+    # /completions on a session: a prompt that extends the previous prompt + completion stays one segment
+    s2 = await _open(http)
+    oa2 = openai.AsyncOpenAI(base_url=s2["openai_base_url"], api_key="EMPTY", http_client=http)
+    replies.queue = ["Once upon", " a time"]
+    c1 = await oa2.completions.create(model="policy", prompt="Story:", max_tokens=8)
+    await oa2.completions.create(model="policy", prompt="Story:" + c1.choices[0].text + " and", max_tokens=8)
+    seg2 = app.gateway.sessions[s2["session_id"]].capture.segments
+    assert len(seg2) == 1 and len(seg2[0].spans) == 2
+    assert model.decode(seg2[0].token_ids, skip_special=False) == "Story:Once upon and a time"
