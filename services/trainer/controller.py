@@ -61,7 +61,9 @@ class Controller:
         self.metrics = metrics
         self.consumer = settings.train.consumer
         self.assembler = GroupAssembler(settings.rollout.n_samples_per_prompt)
-        self.gate = DispatchGate(settings.rollout.batch_size, max_versions_ahead(settings.train))
+        steps = settings.train.num_steps
+        self.gate = DispatchGate(settings.rollout.batch_size, max_versions_ahead(settings.train),
+                                 steps * settings.rollout.batch_size if steps else None)
         self.dataset, self.dispatcher = dataset, dispatcher
         self.version = 0
         self.position = 0  # prompts dispatched (dataset position)

@@ -103,15 +103,21 @@ class GroupAssembler:
 class DispatchGate:
     """May the controller dispatch another prompt group? (see the module docstring)."""
 
-    def __init__(self, groups_per_step: int, max_ahead: int) -> None:
+    def __init__(self, groups_per_step: int, max_ahead: int, max_groups: int | None = None) -> None:
         self.groups_per_step = groups_per_step
         self.max_ahead = max_ahead
+        # With --train.num_steps, never dispatch more groups than the run will train (plus refills for
+        # failed or filtered groups), so every trajectory produced is trained.
+        self.max_groups = max_groups
         self.dispatched = 0
         self.refills = 0
 
     def allowed(self, trainer_version: int) -> int:
         """Groups that may be dispatched in total by now (dispatched included)."""
-        return (trainer_version + 1 + self.max_ahead) * self.groups_per_step + self.refills
+        ahead = (trainer_version + 1 + self.max_ahead) * self.groups_per_step
+        if self.max_groups is not None:
+            ahead = min(ahead, self.max_groups)
+        return ahead + self.refills
 
     def may_dispatch(self, trainer_version: int) -> bool:
         return self.dispatched < self.allowed(trainer_version)

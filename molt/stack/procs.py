@@ -1,0 +1,111 @@
+"""Local process supervision for `molt up`: start services, wait for /readyz, stop them all cleanly.
+
+Each service runs as its own process group with its log in the run folder. Shutdown goes in reverse
+start order: SIGTERM (services drain and flush), then SIGKILL after a grace period. Only processes this
+supervisor started are ever signalled, by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class ServiceFailed(RuntimeError):
+    """A managed service exited or never became ready; the message points at its log."""
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    ready_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env}, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def check(self) -> None:
+        if self.proc is not None and self.proc.poll() not in (None, 0):
+            raise ServiceFailed(f"{self.name} exited with code {self.proc.returncode}; log {self.log_path}:\n"
+                                f"{self.tail()}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready_url:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check()
+            if not self.alive():
+                raise ServiceFailed(f"{self.name} exited before it was ready; log {self.log_path}:\n{self.tail()}")
+            try:
+                if httpx.get(self.ready_url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise ServiceFailed(f"{self.name} not ready at {self.ready_url} after {timeout_s:.0f}s; log {self.log_path}")
+
+    def signal_group(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)  # the group we created with start_new_session
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        self.signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+
+class Supervisor:
+    """Owns the stack's processes; stop_all() is idempotent and safe from signal handlers' aftermath."""
+
+    def __init__(self) -> None:
+        self.procs: list[ManagedProcess] = []
+
+    def start(self, proc: ManagedProcess, ready_timeout_s: float = 180.0) -> ManagedProcess:
+        self.procs.append(proc)
+        proc.start()
+        proc.wait_ready(ready_timeout_s)
+        return proc
+
+    def check(self) -> None:
+        for p in self.procs:
+            p.check()
+
+    def stop_all(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        codes = {}
+        for p in reversed(self.procs):
+            codes[p.name] = p.stop(grace_s)
+        return codes

