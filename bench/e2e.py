@@ -92,7 +92,9 @@ def ours(recipe: str, steps: int, work: Path, sync: bool) -> dict:
         raise SystemExit(f"molt up failed ({code}); see {work}")
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
     samples = sum(r["samples"] for r in rows)
-    train_s = rows[-1]["elapsed_s"] if rows and "elapsed_s" in rows[-1] else wall_s
+    # Training time = the trainer's step periods (from its start to the last step), like TRL's train():
+    # service start-up and model builds are excluded on both sides.
+    train_s = sum(r["seconds"] for r in rows)
     k = max(1, math.ceil(len(rows) * 0.1))
     return {"impl": "molt (sync)" if sync else "molt (async)", "steps": len(rows), "samples": samples,
             "samples_per_s": samples / train_s, "s_per_step": train_s / max(len(rows), 1),

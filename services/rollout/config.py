@@ -1,0 +1,105 @@
+"""Settings of a rollout pod: `python -m services.rollout --help` lists every flag.
+
+Engine knobs keep Molt's `--vllm.*` names where Molt has the knob. `--model DIR` and `--port N` are
+accepted as short forms of `--model.path` and `--server.port` (the issue's interface); every other
+flag is dotted and unknown flags are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from molt.config import ModelConfig, Section, ServerConfig, parse_settings
+
+
+class VllmKnobs(Section):
+    """Engine arguments passed through to vLLM (unset ones keep vLLM's default)."""
+
+    dtype: str = "auto"
+    """Weight/activation dtype (auto, float32, bfloat16, float16). Use float32 for logprob parity tests."""
+    max_model_len: int | None = None
+    """Context length (prompt + generated tokens). Unset: the model's own limit."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree of one pod."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts across the tensor-parallel ranks (expert parallelism)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step (chunked prefill)."""
+    max_num_seqs: int | None = None
+    """Most requests the engine runs at once."""
+    gpu_memory_utilization: float = 0.9
+    """GPU memory fraction for weights + KV cache (on CPU: fraction of RAM; prefer kv_cache_memory_bytes)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes. On CPU always set this (or VLLM_CPU_KVCACHE_SPACE in GiB); when set it wins
+    over VLLM_CPU_KVCACHE_SPACE."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs (fast start; tests use it)."""
+    enable_prefix_caching: bool = False
+    """Reuse KV of shared prompt prefixes (Molt's default is off). Reset on every weight update."""
+    mtp_num_speculative_tokens: int = 0
+    """MTP speculative tokens (0 = off); models with an MTP head only."""
+    seed: int = 0
+    """Engine seed (requests may pass their own seed)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs"
+    """Which logprob of a sampled token is returned: processed = after temperature/top-k/top-p (the
+    distribution actually sampled from, what importance sampling needs); raw = the model's log-softmax."""
+    enable_return_routed_experts: bool = False
+    """Return per-token routed expert ids of MoE models (needs vLLM's model runner V2; not on CPU)."""
+    multiprocessing: bool | None = None
+    """Run the engine core in its own process (vLLM's default). Unset: in-process on CPU (3 s start,
+    no IPC), multiprocess elsewhere."""
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    """vLLM executor backend. Unset: uni in-process, mp otherwise."""
+
+
+class RolloutSettingsBlock(Section):
+    inflight_on_update: Literal["finish", "abort"] = "finish"
+    """What happens to requests in flight when weights arrive. finish: they complete on the old version and
+    say so, and the update waits for them (Molt without --train.partial_rollout_enable: generation holds
+    the lock the refit takes). abort: they stop at once and come back with finish_reason "abort" and
+    their partial tokens, tagged with the old version (Molt's --train.partial_rollout_enable lets the refit
+    interleave with generation; Molt then mixes weights inside a request, we never do)."""
+    max_n: int = 64
+    """Largest number of samples per request."""
+    max_prompt_tokens: int | None = None
+    """Largest prompt accepted (unset: the context length minus max_tokens is the only limit)."""
+
+
+class GrpcConfig(Section):
+    port: int = 0
+    """Port of the gRPC weight-sync receiver (molt.weightsync.server); 0 = off."""
+
+
+class RolloutSettings(Section):
+    """A rollout pod: one vLLM engine behind token-in/token-out HTTP, with policy versions. Short forms:
+    --model DIR = --model.path DIR, --port N = --server.port N, --host H = --server.host H."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    vllm: VllmKnobs = Field(default_factory=VllmKnobs)
+    rollout: RolloutSettingsBlock = Field(default_factory=RolloutSettingsBlock)
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+
+
+# Short forms from the issue's interface -> dotted flags.
+ALIASES = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
+
+
+def expand_aliases(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        out.append(ALIASES[flag] + eq + value if flag in ALIASES else arg)
+    return out
+
+
+def parse(argv: list[str] | None = None) -> RolloutSettings:
+    import sys
+
+    settings = parse_settings(RolloutSettings, expand_aliases(sys.argv[1:] if argv is None else argv),
+                              prog="python -m services.rollout")
+    if not settings.model.path:
+        raise SystemExit("python -m services.rollout: error: --model.path (or --model) DIR is required")
+    return settings

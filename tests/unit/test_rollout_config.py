@@ -1,0 +1,65 @@
+"""Rollout pod flags and request validation (pure: no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rollout.config import expand_aliases, parse
+from services.rollout.params import Limits, RolloutInputError, check_prompt, check_sampling
+
+LIMITS = Limits(vocab_size=1024, max_model_len=256, max_n=8)
+
+
+def test_short_flags_of_the_issue_map_to_dotted_ones():
+    assert expand_aliases(["--model", "/m", "--port=7", "--vllm.seed", "3"]) == [
+        "--model.path", "/m", "--server.port=7", "--vllm.seed", "3"]
+    s = parse(["--model", "/m", "--port", "7", "--vllm.tensor_parallel_size", "2", "--rollout.inflight_on_update",
+               "abort", "--grpc.port", "9"])
+    assert (s.model.path, s.server.port, s.vllm.tensor_parallel_size) == ("/m", 7, 2)
+    assert s.rollout.inflight_on_update == "abort" and s.grpc.port == 9
+    assert s.vllm.logprobs_mode == "processed_logprobs" and s.vllm.enable_prefix_caching is False
+
+
+def test_unknown_flags_and_bad_values_are_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(["--model", "/m", "--vllm.tensor_paralel_size", "2"])
+    assert exc.value.code == 2
+    assert "did you mean --vllm.tensor_parallel_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--model", "/m", "--rollout.inflight_on_update", "keep"])
+    with pytest.raises(SystemExit, match="--model.path"):
+        parse([])
+
+
+def test_sampling_defaults_and_limits():
+    p = check_sampling({"n": 2, "max_tokens": 10}, prompt_len=5, limits=LIMITS)
+    assert p["n"] == 2 and p["temperature"] == 1.0 and p["top_k"] == -1 and p["logprobs"] is True
+    assert check_sampling(None, 5, LIMITS)["max_tokens"] == 16
+    cases = [
+        ({"n": 9}, "[1, 8]"),
+        ({"n": 0}, "[1, 8]"),
+        ({"max_tokens": 252}, "context length 256"),
+        ({"max_tokens": 0}, ">= 1"),
+        ({"n": True}, "type int"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop_token_ids": [2000]}, "[0, 1024)"),
+        ({"beam_width": 2}, "unknown sampling param"),
+        ({"min_tokens": 20}, "min_tokens"),
+    ]
+    for params, needle in cases:
+        with pytest.raises(RolloutInputError) as exc:
+            check_sampling(params, prompt_len=5, limits=LIMITS)
+        assert needle in str(exc.value), (params, str(exc.value))
+        assert exc.value.param and exc.value.code
+
+
+def test_prompt_checks():
+    assert check_prompt([0, 1023], LIMITS) == [0, 1023]
+    for prompt, needle in [([], "non-empty"), ([1, -1], "outside the vocabulary"), ([1, 1024], "[0, 1024)"),
+                           ([1, 2.5], "not an integer"), ("abc", "list"), ([True], "not an integer")]:
+        with pytest.raises(RolloutInputError, match=None) as exc:
+            check_prompt(prompt, LIMITS)
+        assert needle in str(exc.value)
+    with pytest.raises(RolloutInputError, match="at most 3"):
+        check_prompt([1, 2, 3, 4], Limits(1024, 256, 8, max_prompt_tokens=3))
