@@ -75,6 +75,10 @@ RECIPES: dict[str, Recipe] = {
             "--actor.adam.lr", "3e-3",
             "--data.max_len", "128",
             "--data.apply_chat_template", "true",
+            "--data.label_key", "label",
+            # One optimizer step per rollout batch (train.batch_size = prompts x samples), so pi_old equals the
+            # current weights: skipping Molt's extra old-logprob forward gives the same gradient, a third faster.
+            "--train.force_on_policy", "true",
             "--train.async_queue_size", "2",
             "--algo.advantage.is_correction_level", "token",
             "--algo.advantage.is_correction_mode", "trunc",
@@ -102,6 +106,10 @@ RECIPES: dict[str, Recipe] = {
             "--actor.adam.lr", "2e-5",
             "--data.max_len", "160",
             "--data.apply_chat_template", "true",
+            "--data.label_key", "label",
+            # One optimizer step per rollout batch (train.batch_size = prompts x samples), so pi_old equals the
+            # current weights: skipping Molt's extra old-logprob forward gives the same gradient, a third faster.
+            "--train.force_on_policy", "true",
             "--train.async_queue_size", "2",
             "--algo.advantage.is_correction_level", "token",
             "--algo.advantage.is_correction_mode", "trunc",

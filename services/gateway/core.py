@@ -318,6 +318,12 @@ class Gateway:
                     s.capture.current.truncated = True
                 return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens,
                                   plan.num_tokens, 0)
+            if overrides.get("max_tokens") == 0:
+                # Append-only: Molt appends the env's feedback even after the terminal turn (masked, so it
+                # never reaches the loss but the trajectory holds the whole episode). Nothing is generated.
+                seg = s.capture.commit(plan, Generation([], [], "stop", self.policy_version, s.pod or ""), [])
+                return TurnResult([], [], "stop", self.policy_version, "", "", "", [], plan.num_tokens,
+                                  len(seg.token_ids), s.capture.remaining(len(seg.token_ids)))
             sp = self._sampling(s, overrides, remaining)
             gen, events = await self._generate(s, plan.prompt_ids, sp)
             seg = s.capture.commit(plan, gen, events)

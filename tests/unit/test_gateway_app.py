@@ -273,6 +273,25 @@ async def test_episodes_batch_token_turns_and_ttl(env, model):
     assert "molt_gateway_added_latency_seconds_bucket" in metrics and "molt_queue_length_entries" in metrics
 
 
+async def test_token_turn_with_max_tokens_zero_only_appends(env, model):
+    """Molt appends the env's feedback even after the terminal turn: masked tokens, nothing generated."""
+    app, pods, replies, http = env()
+    sid = (await _open(http))["session_id"]
+    first = (await http.post(f"/v1/sessions/{sid}/generate", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                      "sampling_params": {"max_tokens": 3}})).json()
+    calls = len(pods.pods[app.gateway.sessions[sid].pod].calls)
+    feedback = model.encode("\nCorrect!")
+    last = (await http.post(f"/v1/sessions/{sid}/generate",
+                            json={"append_text": "\nCorrect!", "sampling_params": {"max_tokens": 0}})).json()
+    assert last["token_ids"] == [] and last["num_tokens"] == first["num_tokens"] + len(feedback)
+    assert len(pods.pods[app.gateway.sessions[sid].pod].calls) == calls  # the pod was not asked
+    await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
+    [traj] = await _written(app)
+    [seg] = traj.segments
+    assert seg.token_ids.tolist()[-len(feedback):] == feedback
+    assert seg.action_spans.tolist() == [[first["num_tokens"] - 3, first["num_tokens"]]]  # feedback masked
+
+
 async def test_sessionless_wires_and_models(env):
     app, pods, replies, http = env()
     oa = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="EMPTY", http_client=http)
