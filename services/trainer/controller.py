@@ -148,6 +148,7 @@ class Controller:
                 return
             prompt = self.dataset.get(self.position)
             group_id = f"{self.run_tag}-{self.position}"
+            self.assembler.dispatched(group_id)
             self.position += 1
             self.gate.dispatched = self.position
             self.inflight_groups += 1

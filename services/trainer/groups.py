@@ -10,11 +10,15 @@ dispatcher reported that fewer were written (episodes that failed for good).
 ``DispatchGate`` bounds staleness at the source: prompt groups for batch k are dispatched only while
 the trainer's policy version is at least k - ``max_ahead`` (``--train.async_queue_size``; 0 with
 ``--train.force_sync_mode``). Groups dropped by dynamic filtering are refilled without counting.
+For that bound to hold at training time too, groups the controller dispatched are released in
+dispatch order (``dispatched``): a straggler holds back younger groups instead of being overtaken and
+trained versions later. Groups nobody registered (other producers, entries reclaimed after a restart)
+are released as they complete.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from molt.bus import Delivery
@@ -48,6 +52,14 @@ class GroupAssembler:
         self._ids: set[str] = set()
         self._expected: dict[str, int] = {}
         self._complete: OrderedDict[str, Group] = OrderedDict()
+        self._order: deque[str] = deque()  # groups this trainer dispatched, oldest first
+        self._registered: set[str] = set()
+        self._dropped: set[str] = set()
+
+    def dispatched(self, group_id: str) -> None:
+        """Register a group the controller just dispatched: it is released only after older ones."""
+        self._order.append(group_id)
+        self._registered.add(group_id)
 
     def add(self, delivery: Delivery) -> bool:
         """Hold a delivery; False if its trajectory id is already held (kept as a duplicate)."""
@@ -69,6 +81,7 @@ class GroupAssembler:
         if count == 0:
             self._groups.pop(group_id, None)
             self._expected.pop(group_id, None)
+            self._dropped.add(group_id)
             return
         self._groups.setdefault(group_id, Group(group_id))
         self._check(group_id)
@@ -80,12 +93,22 @@ class GroupAssembler:
             self._expected.pop(group_id, None)
 
     def pop_complete(self, max_groups: int) -> list[Group]:
-        """Up to ``max_groups`` complete groups, oldest completion first; their ids are released."""
-        out = []
-        while self._complete and len(out) < max_groups:
-            _, group = self._complete.popitem(last=False)
+        """Up to ``max_groups`` complete groups; their ids are released. Registered groups come out in
+        dispatch order (an incomplete older one blocks them), unregistered ones in completion order."""
+        out = [g for g in list(self._complete.values()) if g.group_id not in self._registered][:max_groups]
+        while self._order and len(out) < max_groups:
+            head = self._order[0]
+            if head in self._dropped:
+                self._dropped.discard(head)
+            elif head in self._complete:
+                out.append(self._complete[head])
+            else:
+                break  # the oldest dispatched group is still running
+            self._order.popleft()
+            self._registered.discard(head)
+        for group in out:
+            del self._complete[group.group_id]
             self._ids.difference_update(group.trajectory_ids)
-            out.append(group)
         return out
 
     @property

@@ -99,3 +99,36 @@ def test_staleness_histogram_bulk_observe_equals_observe():
         return [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
 
     assert samples(a) == samples(b)
+
+
+def test_dispatched_groups_release_in_dispatch_order():
+    """A straggler holds back younger groups, so no group is trained versions after it was dispatched."""
+    import numpy as np
+
+    from molt.bus import Delivery
+    from molt.schema import Segment, Trajectory
+    from services.trainer.groups import GroupAssembler
+
+    def deliver(group: str, i: int) -> Delivery:
+        seg = Segment(token_ids=np.arange(4), action_spans=np.array([[2, 4]]), logprobs=np.full(2, -1.0),
+                      versions=np.zeros(2))
+        return Delivery(f"{group}-{i}", Trajectory(f"{group}-t{i}", group, i, [seg], 1.0))
+
+    asm = GroupAssembler(n_samples_per_prompt=2)
+    for g in ("g0", "g1", "g2"):
+        asm.dispatched(g)
+    for d in (deliver("g1", 0), deliver("g1", 1), deliver("g2", 0), deliver("g2", 1), deliver("x", 0),
+              deliver("x", 1)):
+        asm.add(d)
+    # g1 and g2 are complete but g0 (older) is not: only the unregistered group "x" may go.
+    assert [g.group_id for g in asm.pop_complete(8)] == ["x"]
+    asm.add(deliver("g0", 0))
+    asm.add(deliver("g0", 1))
+    assert [g.group_id for g in asm.pop_complete(2)] == ["g0", "g1"]
+    asm.dispatched("g3")
+    asm.expect("g3", 0)  # every episode of g3 failed: it must not block what follows
+    asm.dispatched("g4")
+    asm.add(deliver("g4", 0))
+    asm.add(deliver("g4", 1))
+    assert [g.group_id for g in asm.pop_complete(8)] == ["g2", "g4"]
+    assert asm.num_complete == 0 and asm.held_ids() == set()
