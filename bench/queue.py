@@ -68,7 +68,7 @@ async def bench_raw(url: str, n: int, batch: int, payload: bytes) -> tuple[float
     for i in range(0, n, batch):
         pipe = r.pipeline(transaction=False)
         for _ in range(min(batch, n - i)):
-            pipe.xadd(stream, {"d": payload, "id": "x"})
+            pipe.xadd(stream, {"d": payload})
         await pipe.execute()
     t1 = time.perf_counter()
     got = 0

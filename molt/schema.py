@@ -190,16 +190,32 @@ class Trajectory:
 # ---- wire encoding
 
 
+# Encode/decode are on the bus's hot path (tens of thousands of records/s): dtypes are cached and
+# segments decoded in their wire dtypes are built without re-checking them.
+_DTYPES: dict[str, np.dtype] = {}
+_I4, _I2, _F4 = np.dtype("<i4"), np.dtype("<i2"), np.dtype("<f4")
+
+
 def _pack_array(a: np.ndarray) -> dict[str, Any]:
     return {"d": a.dtype.str, "s": list(a.shape), "b": a.tobytes()}
 
 
 def _unpack_array(obj: Any, name: str) -> np.ndarray:
     try:
-        dtype, shape, raw = np.dtype(obj["d"]), tuple(obj["s"]), obj["b"]
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        code = obj["d"]
+        dtype = _DTYPES.get(code) or _DTYPES.setdefault(code, np.dtype(code))
+        return np.frombuffer(obj["b"], dtype=dtype).reshape(obj["s"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(name, f"malformed array ({exc})") from None
+
+
+def _segment(t: np.ndarray, a: np.ndarray, lp: np.ndarray, v: np.ndarray, r: np.ndarray | None) -> Segment:
+    if t.dtype != _I4 or a.dtype != _I4 or lp.dtype != _F4 or v.dtype != _I4 or a.ndim != 2 or (
+            r is not None and r.dtype != _I2):
+        return Segment(t, a, lp, v, r)  # another producer's dtypes: convert
+    seg = object.__new__(Segment)
+    seg.token_ids, seg.action_spans, seg.logprobs, seg.versions, seg.routed_experts = t, a, lp, v, r
+    return seg
 
 
 def encode(traj: Trajectory, validate: bool = True) -> bytes:
@@ -252,12 +268,12 @@ def decode(data: bytes) -> Trajectory:
         segments = []
         for i, s in enumerate(obj["segments"]):
             where = f"segments[{i}]"
-            segments.append(Segment(
-                token_ids=_unpack_array(s["t"], f"{where}.token_ids"),
-                action_spans=_unpack_array(s["a"], f"{where}.action_spans"),
-                logprobs=_unpack_array(s["l"], f"{where}.logprobs"),
-                versions=_unpack_array(s["v"], f"{where}.versions"),
-                routed_experts=_unpack_array(s["r"], f"{where}.routed_experts") if "r" in s else None,
+            segments.append(_segment(
+                _unpack_array(s["t"], f"{where}.token_ids"),
+                _unpack_array(s["a"], f"{where}.action_spans"),
+                _unpack_array(s["l"], f"{where}.logprobs"),
+                _unpack_array(s["v"], f"{where}.versions"),
+                _unpack_array(s["r"], f"{where}.routed_experts") if "r" in s else None,
             ))
         prov = obj.get("prov") or {}
         traj = Trajectory(

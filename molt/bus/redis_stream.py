@@ -1,7 +1,7 @@
 """Redis Streams implementation of the trajectory bus.
 
 Layout, for a stream ``S`` and consumer group ``G``:
-- ``S``: entries ``{d: <encoded trajectory>, id: <trajectory id>}``;
+- ``S``: entries ``{d: <encoded trajectory>}`` (the trajectory id is inside the record);
 - ``S:consumed:G``: set of trajectory ids the group has committed (exactly-once filter);
 - the dead-letter stream (default ``S:dead``): ``{d, error, source_id, source_stream}``.
 
@@ -23,6 +23,16 @@ from redis.exceptions import ResponseError
 from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
 from molt.metrics import Metrics
 from molt.schema import SchemaError, Trajectory, decode, encode
+
+
+# 1-based positions of ARGV ids that are members of KEYS[1]: an empty reply in the common case.
+_COMMITTED_HITS = """
+local hits = {}
+for i, id in ipairs(ARGV) do
+  if redis.call('SISMEMBER', KEYS[1], id) == 1 then hits[#hits + 1] = i end
+end
+return hits
+"""
 
 
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
@@ -57,6 +67,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         self.trim_every = trim_every
         self.put_timeout_s = put_timeout_s
         self.redis = aioredis.from_url(url, decode_responses=False)
+        self._committed_hits = self.redis.register_script(_COMMITTED_HITS)
         self._known_len = 0
         self._acks_since_trim = 0
         self._group_ready = False
@@ -100,7 +111,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
         pipe = self.redis.pipeline(transaction=False)
         for traj, payload in zip(trajectories, payloads):
-            pipe.xadd(self.stream, {"d": payload, "id": traj.trajectory_id})
+            pipe.xadd(self.stream, {"d": payload})
         pipe.xlen(self.stream)
         *ids, self._known_len = await pipe.execute()
         return [_s(i) for i in ids]
@@ -177,7 +188,10 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         ids = list(trajectory_ids)
         if not ids:
             return []
-        return [bool(x) for x in await self.redis.smismember(self.consumed_key, ids)]
+        out = [False] * len(ids)
+        for index in await self._committed_hits(keys=[self.consumed_key], args=ids):
+            out[int(index) - 1] = True
+        return out
 
     async def ack(self, deliveries: Iterable[Delivery]) -> None:
         deliveries = list(deliveries)
