@@ -60,16 +60,10 @@ REQUIRE_ALL = os.environ.get("CI") == "true" or os.environ.get("MOLT_DEPLOY_REQU
 pytestmark = [pytest.mark.redis, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def _load(rel: str, name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
-refs = _load("deploy/metric_refs.py", "deploy_metric_refs")
-tools = _load("deploy/tools.py", "deploy_tools")
+from deploy import metric_refs as refs  # noqa: E402
+from deploy import tools  # noqa: E402
 
 
 def _free_port() -> int:

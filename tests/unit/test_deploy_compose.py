@@ -19,16 +19,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(rel: str, name: str):
-    """Import a deploy/ script by path (deploy/ is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
-tools = _load("deploy/tools.py", "deploy_tools")
+from deploy import tools  # noqa: E402
 ENV = {"MOLT_API_KEY": "sk-test-0123456789abcdef"}
 HTTP_PORTS = {"rollout": 8000, "gateway": 8080, "envs": 8090}
 DOCKERFILES = {"rollout": "rollout.Dockerfile", "trainer": "trainer.Dockerfile", "gateway": "service.Dockerfile",

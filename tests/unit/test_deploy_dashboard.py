@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,18 +18,11 @@ from molt.metrics import CATALOG
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(rel: str, name: str):
-    """Import a deploy/ script by path (deploy/ is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
-refs = _load("deploy/metric_refs.py", "deploy_metric_refs")
-tools = _load("deploy/tools.py", "deploy_tools")
-builder = _load("deploy/grafana/dashboard.py", "deploy_dashboard")
+from deploy import metric_refs as refs  # noqa: E402
+from deploy import tools  # noqa: E402
+from deploy.grafana import dashboard as builder  # noqa: E402
 
 ALERTS = {  # the issue's list, by name
     "MoltQueueBacklogGrowing", "MoltQueueOldestUnackedOld", "MoltMismatchKLHigh", "MoltWeightSyncFailing",

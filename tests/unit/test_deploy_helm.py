@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -18,16 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(rel: str, name: str):
-    """Import a deploy/ script by path (deploy/ is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
-tools = _load("deploy/tools.py", "deploy_tools")
+from deploy import tools  # noqa: E402
 
 VALUE_SETS = {
     "default": {"values": (), "api_versions": ("monitoring.coreos.com/v1",)},
