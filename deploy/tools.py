@@ -25,10 +25,11 @@ COMPOSE = ROOT / "docker-compose.yml"
 TOOLS = ROOT / ".cache" / "tools"
 COMPOSE_WHEEL = "docker-compose==1.29.2"
 
-# service -> (settings module, settings class, argv normaliser or None)
+# service -> (settings module, settings class, argv normaliser or None); molt.config.parse_settings itself
+# expands the short --model / --port / --host forms.
 SETTINGS = {
-    "rollout": ("services.rollout.config", "RolloutSettings", "expand_aliases"),
-    "gateway": ("services.gateway.config", "GatewaySettings", "expand_short_flags"),
+    "rollout": ("services.rollout.config", "RolloutSettings", None),
+    "gateway": ("services.gateway.config", "GatewaySettings", None),
     "envs": ("services.envs.config", "EnvsSettings", "normalize_argv"),
     "trainer": ("services.trainer.config", "TrainerSettings", None),
 }

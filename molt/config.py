@@ -213,6 +213,21 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+# Short forms every service accepts (the issues' command lines): `--model DIR --port N --host H`.
+SHORT_FLAGS = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
+
+
+def expand_short_flags(argv: list[str], known: set[str] | None = None) -> list[str]:
+    """``--port 8000`` / ``--port=8000`` -> ``--server.port ...``. With ``known`` (the model's flags), only
+    where the short name is not a flag of its own and the dotted target exists."""
+    short = {k: v for k, v in SHORT_FLAGS.items() if known is None or (k not in known and v in known)}
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        out.append(short[name] + eq + value if name in short else arg)
+    return out
+
+
 def parse_settings(
     model: type[_S],
     argv: list[str] | None = None,
@@ -225,7 +240,8 @@ def parse_settings(
     the resolved config and exits 0.
     """
     parser = build_parser(model, prog or sys.argv[0])
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    known = {"--" + d for d, _, _ in iter_fields(model)}
+    ns = parser.parse_args(expand_short_flags(sys.argv[1:] if argv is None else argv, known))
     raw = vars(ns)
     dry_run = raw.pop("dry_run", False)
     tree: dict[str, Any] = {}
@@ -252,6 +268,7 @@ __all__ = [
     "ServerConfig",
     "build_parser",
     "env_overrides",
+    "expand_short_flags",
     "iter_fields",
     "parse_settings",
 ]

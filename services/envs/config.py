@@ -71,18 +71,14 @@ class EnvsSettings(Section):
         return dict(spec.partition("=")[::2] for spec in self.agent)
 
 
-# The issue's command line: repeated --agent flags and the short --port / --host.
-SHORT_FLAGS = {"--port": "--server.port", "--host": "--server.host"}
-
-
+# The issue's command line repeats --agent (short --port / --host are expanded by molt.config).
 def normalize_argv(argv: list[str]) -> list[str]:
-    """Expand short flags and merge repeated ``--agent X`` into one list flag (unknown flags stay errors)."""
+    """Merge repeated ``--agent X`` into one list flag (unknown flags stay errors)."""
     out: list[str] = []
     agents: list[str] = []
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
-        name = SHORT_FLAGS.get(name, name)
         if name == "--agent":
             if eq:
                 agents.append(value)

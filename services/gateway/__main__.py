@@ -11,11 +11,10 @@ import uvicorn
 
 from molt.config import parse_settings
 from services.gateway.app import build_app
-from services.gateway.config import GatewaySettings, expand_short_flags
+from services.gateway.config import GatewaySettings
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = expand_short_flags(sys.argv[1:] if argv is None else argv)
     settings = parse_settings(GatewaySettings, argv, prog="python -m services.gateway")
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

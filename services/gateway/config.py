@@ -89,13 +89,3 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-# Short forms from the command line -> dotted flags.
-SHORT_FLAGS = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
-
-
-def expand_short_flags(argv: list[str]) -> list[str]:
-    out = []
-    for arg in argv:
-        name, eq, value = arg.partition("=")
-        out.append(SHORT_FLAGS[name] + eq + value if name in SHORT_FLAGS else arg)
-    return out

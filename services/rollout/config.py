@@ -83,22 +83,12 @@ class RolloutSettings(Section):
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
 
 
-# Short forms from the interface -> dotted flags.
-ALIASES = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
-
-
-def expand_aliases(argv: list[str]) -> list[str]:
-    out = []
-    for arg in argv:
-        flag, eq, value = arg.partition("=")
-        out.append(ALIASES[flag] + eq + value if flag in ALIASES else arg)
-    return out
 
 
 def parse(argv: list[str] | None = None) -> RolloutSettings:
     import sys
 
-    settings = parse_settings(RolloutSettings, expand_aliases(sys.argv[1:] if argv is None else argv),
+    settings = parse_settings(RolloutSettings, sys.argv[1:] if argv is None else argv,
                               prog="python -m services.rollout")
     if not settings.model.path:
         raise SystemExit("python -m services.rollout: error: --model.path (or --model) DIR is required")

@@ -100,3 +100,19 @@ def test_parser_lists_every_leaf():
     text = build_parser(Settings, "x").format_help()
     for flag in ("--redis.url", "--redis.max_len", "--algo.advantage.is_correction_threshold"):
         assert flag in text
+
+
+def test_short_flags_expand_only_where_the_target_exists():
+    from molt.config import ModelConfig, ServerConfig
+
+    class Pod(Section):
+        model: ModelConfig = ModelConfig()
+        server: ServerConfig = ServerConfig()
+
+    s = parse_settings(Pod, ["--model", "/m", "--port=8100", "--host", "0.0.0.0"], environ={})
+    assert (s.model.path, s.server.port, s.server.host) == ("/m", 8100, "0.0.0.0")
+
+    class Push(Section):
+        model: str = ""  # a flag of its own: left alone
+
+    assert parse_settings(Push, ["--model", "/m"], environ={}).model == "/m"

@@ -13,7 +13,8 @@ import pytest
 from molt.config import parse_settings
 from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings, expand_short_flags
+from molt.config import expand_short_flags
+from services.gateway.config import GatewaySettings
 from services.gateway.testing import FakePods, fake_logprob
 
 PODS = ["http://pod-a:1", "http://pod-b:2"]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.config import expand_aliases, parse
+from molt.config import expand_short_flags
+from services.rollout.config import parse
 from services.rollout.params import Limits, RolloutInputError, check_prompt, check_sampling
 
 LIMITS = Limits(vocab_size=1024, max_model_len=256, max_n=8)
 
 
 def test_short_flags_of_the_issue_map_to_dotted_ones():
-    assert expand_aliases(["--model", "/m", "--port=7", "--vllm.seed", "3"]) == [
+    assert expand_short_flags(["--model", "/m", "--port=7", "--vllm.seed", "3"]) == [
         "--model.path", "/m", "--server.port=7", "--vllm.seed", "3"]
     s = parse(["--model", "/m", "--port", "7", "--vllm.tensor_parallel_size", "2", "--rollout.inflight_on_update",
                "abort", "--grpc.port", "9"])
