@@ -11,7 +11,8 @@ Three measurements with identical prompts, seeds, engine knobs and in-flight lim
 (1) and (2) share one engine in the bench process; (1) runs as one command on its engine thread. The
 pod and the in-process engine are both started once and are idle (no CPU) while the other runs;
 rounds interleave the three so machine noise hits all alike, after `--warmup` untimed runs each. The figure
-of merit is http / vllm (target >= 0.90). `--write` puts the table into docs/fragments/BENCH_rollout.md.
+of merit is http / vllm (target >= 0.90). `--write` puts the table into .cache/bench/BENCH_rollout.md
+(for pasting into BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed full runs per engine first")
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
                     help="HTTP client of the load generator")
-    ap.add_argument("--write", action="store_true", help="write docs/fragments/BENCH_rollout.md")
+    ap.add_argument("--write", action="store_true", help="write .cache/bench/BENCH_rollout.md")
     ap.add_argument("--append", action="store_true", help="add this run as a section to that file")
     args = ap.parse_args()
     if args.model is None:
@@ -258,7 +259,8 @@ Load average before/after: {report['loadavg'][0]:.1f} / {report['loadavg'][1]:.1
 All runs (tokens/s): vllm {[round(x) for x in runs['vllm']]}, engine {[round(x) for x in runs['engine']]},
 http {[round(x) for x in runs['http']]}.
 """
-    path = ROOT / "docs" / "fragments" / "BENCH_rollout.md"
+    path = ROOT / ".cache" / "bench" / "BENCH_rollout.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = (path.read_text() if append and path.exists() else head) + section
     path.write_text(text)
     print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""Client of the gateway's session API (docs/fragments/CONTRACTS.md, "Gateway").
+"""Client of the gateway's session API (docs/contracts.md, "Gateway").
 
 A session is one episode: opened with its ids and sampling params, driven turn by turn (token-level
 ``generate`` for the step path, the OpenAI / Anthropic wires for the chat path), then finished with

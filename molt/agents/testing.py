@@ -1,6 +1,6 @@
 """An in-memory fake of the gateway's session API, for testing agents without a model.
 
-``FakeGateway().app`` serves the session routes of docs/fragments/CONTRACTS.md with a scripted
+``FakeGateway().app`` serves the session routes of docs/contracts.md with a scripted
 policy instead of a model: tokens are UTF-8 bytes (token id = byte value), a message list renders as
 ``<|role|>content\\n`` lines plus ``<|assistant|>``, and each turn's answer is ``policy(prompt_text, turn)``
 cut to the turn's max_tokens and the session's remaining budget. Sessions keep the same token / span

@@ -91,9 +91,23 @@ class _GrpcPush(PushStream):
             exc = final
         except asyncio.CancelledError:
             raise PodError(self.client.target, "CANCELLED", "push cancelled") from None
-        if isinstance(exc, grpc.aio.AioRpcError):
-            raise PodError(self.client.target, exc.code().name, exc.details() or "") from None
-        raise PodError(self.client.target, "UNKNOWN", str(exc)) from None
+        code, detail = (exc.code().name, exc.details() or "") if isinstance(exc, grpc.aio.AioRpcError) else (
+            "UNKNOWN", str(exc))
+        if code in ("INTERNAL", "UNAVAILABLE", "UNKNOWN"):
+            # The pod may have refused the sync (e.g. DATA_LOSS on a bad checksum) while this side was still
+            # writing; gRPC then sometimes reports only a transport error. The pod recorded its reason.
+            code, detail = await self._pod_reason(code, detail)
+        raise PodError(self.client.target, code, detail) from None
+
+    async def _pod_reason(self, code: str, detail: str) -> tuple[str, str]:
+        try:
+            status = await self.client.status()
+        except PodError:
+            return code, detail
+        if status.last_error and status.last_error_version == self.client.begun_version:
+            pod_code, _, pod_detail = status.last_error.partition(": ")
+            return pod_code, f"{pod_detail} (the stream ended with {code}: {detail})"
+        return code, detail
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -103,6 +117,7 @@ class GrpcPodClient(PodClient):
     def __init__(self, target: str, timeout_s: float = 600.0, max_message_bytes: int = 64 << 20) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self.begun_version: int | None = None  # version of the last Begin, to match the pod's last error
         self.channel = grpc.aio.insecure_channel(target, options=grpc_options(max_message_bytes))
 
         def unary(name, resp_cls):
@@ -124,6 +139,7 @@ class GrpcPodClient(PodClient):
             raise PodError(self.target, exc.code().name, exc.details() or "") from None
 
     async def begin(self, req):
+        self.begun_version = req.version
         return await self._call(self._begin, req, 60.0)
 
     def open_push(self) -> PushStream:

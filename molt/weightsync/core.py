@@ -112,7 +112,7 @@ class WeightSyncCore:
             if pending.transport == "grpc":  # (a collective receiver thread may still write into its buffer)
                 self._recycle(pending.staging)  # only once: the next Begin may take it right away
         self._failed += 1
-        self._last_error = str(err)
+        self._last_error = f"{err.code.upper()}: {err}"  # the code too: a trainer whose stream broke reads it
         self._last_error_version = pending.version if pending else -1
         self.metrics["molt_weightsync_failures_total"].labels(side="pod", reason=err.reason).inc()
         log.warning("weight sync %s failed (%s): %s", pending.sync_id if pending else "-", err.reason, err)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class EpisodeRequest(BaseModel):
-    """Body of POST /v1/episodes:run (docs/fragments/CONTRACTS.md, "Env worker")."""
+    """Body of POST /v1/episodes:run (docs/contracts.md, "Env worker")."""
 
     model_config = ConfigDict(extra="forbid")
 
