@@ -14,23 +14,35 @@ Alignment, per segment (checked on decode, a bad record is rejected with a messa
 - ``versions``: int32[A], the policy version that generated each action token.
 - ``routed_experts``: optional int16[T, L, K], MoE top-k expert ids per token and layer (-1: unknown).
 
-Wire encoding: msgpack; arrays travel as {dtype, shape, bytes} (little-endian), never as lists, so
-encode/decode is a memcpy. ``SCHEMA_VERSION`` is bumped on any incompatible change; decoders reject
-versions they do not know rather than guess.
+Wire encoding (v2): one msgpack map, the Python field names as keys, decoded by msgspec into typed
+structs (types are checked in C). Each array is one bin of little-endian bytes in the dtype the schema
+fixes for it (above), never a list; ``routed_experts`` carries its shape. Decoding makes numpy views on
+those bytes: no per-element work. v1 records (short keys, arrays as {dtype, shape, bytes}) are still
+read. ``SCHEMA_VERSION`` is bumped on any incompatible change; decoders reject versions they do not know
+rather than guess.
+
+Validation is split in two: the layout (shapes, spans, alignment: plain Python on short lists) and the
+value ranges (numpy reductions). ``encode_many`` / ``decode_many``, the bus's path, check the value
+ranges of a whole batch in three reductions (per record they would cost ~5 us, mostly numpy call
+overhead); a batch that fails is re-checked record by record to name the culprit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("completed", "truncated")
 
 
@@ -92,13 +104,15 @@ class Segment:
         return out
 
     def validate(self, where: str = "segment") -> None:
-        # Hot path (every encode and decode): few numpy reductions, spans checked as a short Python list.
+        self.check_layout(where)
+        self.check_values(where)
+
+    def check_layout(self, where: str = "segment") -> None:
+        """Shapes and spans: plain Python on a short list, no pass over the token arrays."""
         tok, lp, ver = self.token_ids, self.logprobs, self.versions
         t = tok.shape[0] if tok.ndim == 1 else 0
         if t == 0:
             raise SchemaError(f"{where}.token_ids", f"must be a non-empty 1-D array, got shape {tok.shape}")
-        if tok.min() < 0:
-            raise SchemaError(f"{where}.token_ids", "negative token id")
         spans = self.action_spans.tolist()
         if not spans:
             raise SchemaError(f"{where}.action_spans", "no action span: a segment must hold generated tokens")
@@ -113,17 +127,45 @@ class Segment:
         if spans[0][0] < 0 or prev_end > t:
             raise SchemaError(f"{where}.action_spans", f"span outside the sequence of {t} tokens: {spans}")
         if lp.shape != (a,):
-            raise SchemaError(f"{where}.logprobs", f"{lp.shape[0]} logprobs for {a} action tokens")
-        # NaN fails both comparisons; +-inf fails one.
-        if not (lp.max() <= 1e-4 and lp.min() > -np.inf):
-            raise SchemaError(f"{where}.logprobs", "logprobs must be finite and <= 0")
+            raise SchemaError(f"{where}.logprobs", f"{lp.size} logprobs for {a} action tokens")
         if ver.shape != (a,):
-            raise SchemaError(f"{where}.versions", f"{ver.shape[0]} versions for {a} action tokens")
-        if ver.min() < 0:
+            raise SchemaError(f"{where}.versions", f"{ver.size} versions for {a} action tokens")
+        experts = self.routed_experts
+        if experts is not None and (experts.ndim != 3 or experts.shape[0] != t):
+            raise SchemaError(f"{where}.routed_experts", f"shape {experts.shape} is not (tokens={t}, layers, top_k)")
+
+    def check_values(self, where: str = "segment") -> None:
+        """The value ranges (one numpy reduction each); ``check_values_many`` does a whole batch at once."""
+        if self.token_ids.min() < 0:
+            raise SchemaError(f"{where}.token_ids", "negative token id")
+        if not _logprobs_ok(self.logprobs):
+            raise SchemaError(f"{where}.logprobs", "logprobs must be finite and <= 0")
+        if self.versions.min() < 0:
             raise SchemaError(f"{where}.versions", "negative policy version")
-        re = self.routed_experts
-        if re is not None and (re.ndim != 3 or re.shape[0] != t):
-            raise SchemaError(f"{where}.routed_experts", f"shape {re.shape} is not (tokens={t}, layers, top_k)")
+
+
+def _logprobs_ok(lp: np.ndarray) -> bool:
+    # NaN fails both comparisons; +-inf fails one. 1e-4 of slack for rounding in the engine.
+    return bool(lp.max() <= 1e-4 and lp.min() > -np.inf)
+
+
+_VALUES_CHUNK = 1 << 20  # tokens per concatenated pass in check_values_many
+
+
+def check_values_many(segments: list[Segment]) -> bool:
+    """Whether every segment passes ``check_values``, with three reductions per ~1M tokens of the batch
+    (per-segment reductions cost ~1 us each, mostly numpy call overhead). False: check one by one."""
+    start, size = 0, 0
+    for k, seg in enumerate(segments):
+        size += seg.token_ids.size
+        if size < _VALUES_CHUNK and k + 1 < len(segments):
+            continue
+        chunk = segments[start:k + 1]  # bounded, so the concatenated copies stay a few MB
+        ints = np.concatenate([a for s in chunk for a in (s.token_ids, s.versions)])
+        if ints.min() < 0 or not _logprobs_ok(np.concatenate([s.logprobs for s in chunk])):
+            return False
+        start, size = k + 1, 0
+    return True
 
 
 @dataclass
@@ -166,16 +208,20 @@ class Trajectory:
         return min(int(s.versions.min()) for s in self.segments)
 
     def validate(self) -> None:
-        if not self.trajectory_id:
-            raise SchemaError("trajectory_id", "must be non-empty")
-        if not self.group_id:
-            raise SchemaError("group_id", "must be non-empty")
+        self._validate_fields()
+        for i, seg in enumerate(self.segments):
+            seg.validate(f"segments[{i}]")
+
+    def _validate_fields(self) -> None:
+        """Everything but the segments' arrays."""
+        if not self.trajectory_id or not isinstance(self.trajectory_id, str):
+            raise SchemaError("trajectory_id", f"must be a non-empty string, got {self.trajectory_id!r}")
+        if not self.group_id or not isinstance(self.group_id, str):
+            raise SchemaError("group_id", f"must be a non-empty string, got {self.group_id!r}")
         if self.sample_index < 0:
             raise SchemaError("sample_index", f"must be >= 0, got {self.sample_index}")
         if not self.segments:
             raise SchemaError("segments", "a trajectory needs at least one segment")
-        for i, seg in enumerate(self.segments):
-            seg.validate(f"segments[{i}]")
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise SchemaError("reward", f"must be a finite number, got {self.reward!r}")
         if self.score is not None and not math.isfinite(self.score):
@@ -188,34 +234,48 @@ class Trajectory:
 
 
 # ---- wire encoding
+#
+# v2 structs. Bins decode to bytes (one copy) rather than memoryviews: memoryviews are tracked by the
+# cyclic GC, which cost more than the copy, and bytes give aligned arrays. The structs themselves are
+# short-lived: gc=False.
 
-
-# Encode/decode are on the bus's hot path (tens of thousands of records/s): dtypes are cached and
-# segments decoded in their wire dtypes are built without re-checking them.
-_DTYPES: dict[str, np.dtype] = {}
 _I4, _I2, _F4 = np.dtype("<i4"), np.dtype("<i2"), np.dtype("<f4")
 
 
-def _pack_array(a: np.ndarray) -> dict[str, Any]:
-    return {"d": a.dtype.str, "s": list(a.shape), "b": a.tobytes()}
+class _SegmentWire(msgspec.Struct, omit_defaults=True, gc=False):
+    token_ids: bytes  # <i4[T]
+    action_spans: bytes  # <i4[S, 2]
+    logprobs: bytes  # <f4[A]
+    versions: bytes  # <i4[A]
+    routed_experts: bytes | None = None  # <i2[T, L, K]
+    routed_experts_shape: tuple[int, int, int] | None = None
 
 
-def _unpack_array(obj: Any, name: str) -> np.ndarray:
-    try:
-        code = obj["d"]
-        dtype = _DTYPES.get(code) or _DTYPES.setdefault(code, np.dtype(code))
-        return np.frombuffer(obj["b"], dtype=dtype).reshape(obj["s"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SchemaError(name, f"malformed array ({exc})") from None
+class _TrajectoryWire(msgspec.Struct, gc=False):
+    schema: int  # first, so a decoder can tell the version from the record's first bytes
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    segments: list[_SegmentWire]
+    reward: float
+    score: float | None
+    info: dict[str, Any]
+    status: str
+    provenance: Provenance
+    events: list[dict[str, Any]]
+    created_at: float
 
 
-def _segment(t: np.ndarray, a: np.ndarray, lp: np.ndarray, v: np.ndarray, r: np.ndarray | None) -> Segment:
-    if t.dtype != _I4 or a.dtype != _I4 or lp.dtype != _F4 or v.dtype != _I4 or a.ndim != 2 or (
-            r is not None and r.dtype != _I2):
-        return Segment(t, a, lp, v, r)  # another producer's dtypes: convert
-    seg = object.__new__(Segment)
-    seg.token_ids, seg.action_spans, seg.logprobs, seg.versions, seg.routed_experts = t, a, lp, v, r
-    return seg
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_TrajectoryWire)
+_V2_PREFIX = b"\xa6schema" + msgspec.msgpack.encode(SCHEMA_VERSION)  # after the map header byte
+
+
+def _wire_bytes(a: np.ndarray, dtype: np.dtype) -> memoryview:
+    view = a.data
+    if a.dtype is not dtype or not view.c_contiguous:  # `is`: numpy reuses its builtin dtype objects
+        view = np.ascontiguousarray(a, dtype=dtype).data
+    return view
 
 
 def encode(traj: Trajectory, validate: bool = True) -> bytes:
@@ -224,37 +284,123 @@ def encode(traj: Trajectory, validate: bool = True) -> bytes:
         traj.validate()
     segs = []
     for s in traj.segments:
-        seg = {"t": _pack_array(s.token_ids), "a": _pack_array(s.action_spans),
-               "l": _pack_array(s.logprobs), "v": _pack_array(s.versions)}
-        if s.routed_experts is not None:
-            seg["r"] = _pack_array(s.routed_experts)
-        segs.append(seg)
-    p = traj.provenance
-    return msgpack.packb(
-        {
-            "schema": SCHEMA_VERSION,
-            "id": traj.trajectory_id,
-            "group": traj.group_id,
-            "idx": traj.sample_index,
-            "segments": segs,
-            "reward": float(traj.reward),
-            "score": None if traj.score is None else float(traj.score),
-            "info": {k: float(v) for k, v in traj.info.items()},
-            "status": traj.status,
-            "prov": {
-                "model": p.model, "weight_version": p.weight_version, "tokenizer_hash": p.tokenizer_hash,
-                "chat_template_hash": p.chat_template_hash, "sampling_params": p.sampling_params,
-                "env_name": p.env_name, "env_version": p.env_version,
-            },
-            "events": traj.events,
-            "created_at": traj.created_at,
-        },
-        use_bin_type=True,
-    )
+        experts = s.routed_experts
+        segs.append(_SegmentWire(
+            _wire_bytes(s.token_ids, _I4), _wire_bytes(s.action_spans, _I4), _wire_bytes(s.logprobs, _F4),
+            _wire_bytes(s.versions, _I4), None if experts is None else _wire_bytes(experts, _I2),
+            None if experts is None else experts.shape))
+    return _ENCODER.encode(_TrajectoryWire(
+        SCHEMA_VERSION, traj.trajectory_id, traj.group_id, int(traj.sample_index), segs, float(traj.reward),
+        None if traj.score is None else float(traj.score), {k: float(v) for k, v in traj.info.items()},
+        traj.status, traj.provenance, traj.events, float(traj.created_at)))
+
+
+def encode_many(trajectories: list[Trajectory]) -> list[bytes]:
+    """``encode`` for a batch, its value ranges checked in one pass; raises on the first bad record."""
+    for traj in trajectories:
+        traj._validate_fields()
+        for i, seg in enumerate(traj.segments):
+            seg.check_layout(f"segments[{i}]")
+    if not check_values_many([s for t in trajectories for s in t.segments]):
+        for traj in trajectories:
+            traj.validate()  # raises, naming the record's field
+    return [encode(t, validate=False) for t in trajectories]
 
 
 def decode(data: bytes) -> Trajectory:
     """bytes -> validated Trajectory; raises SchemaError naming the field on any problem."""
+    traj = _decode_layout(data)
+    for i, seg in enumerate(traj.segments):
+        seg.check_values(f"segments[{i}]")
+    return traj
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """A batch decode allocates thousands of objects that all stay alive: the cyclic collector's young-generation
+    passes over them find nothing and cost ~1 us per record (bench/queue.py). Paused for the batch only."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def decode_many(payloads: list[bytes]) -> list[Trajectory | SchemaError]:
+    """``decode`` for a batch, value ranges checked in one pass; a bad record yields its SchemaError in place."""
+    out: list[Trajectory | SchemaError] = []
+    with _no_gc():
+        for data in payloads:
+            try:
+                out.append(_decode_layout(data))
+            except SchemaError as exc:
+                out.append(exc)
+    if not check_values_many([s for t in out if isinstance(t, Trajectory) for s in t.segments]):
+        out = [_values_checked(t) if isinstance(t, Trajectory) else t for t in out]
+    return out
+
+
+def _values_checked(traj: Trajectory) -> Trajectory | SchemaError:
+    try:
+        for i, seg in enumerate(traj.segments):
+            seg.check_values(f"segments[{i}]")
+    except SchemaError as exc:
+        return exc
+    return traj
+
+
+def _decode_layout(data: bytes) -> Trajectory:
+    """Decode and check everything but the arrays' value ranges."""
+    return _decode_v2(data) if data[1:9] == _V2_PREFIX else _decode_other(data)
+
+
+def _decode_v2(data: bytes) -> Trajectory:
+    try:
+        wire = _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(_msgspec_field(str(exc)), str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError("record", f"not a msgpack trajectory ({exc})") from None
+    segments = [_segment_from_wire(w, i) for i, w in enumerate(wire.segments)]
+    traj = Trajectory(wire.trajectory_id, wire.group_id, wire.sample_index, segments, wire.reward, wire.score,
+                      wire.info, wire.status, wire.provenance, wire.events, wire.created_at)
+    traj._validate_fields()
+    return traj
+
+
+def _segment_from_wire(w: _SegmentWire, i: int) -> Segment:
+    # The arrays are already in the wire dtypes and shapes: skip __post_init__'s conversions.
+    seg = object.__new__(Segment)
+    try:
+        seg.token_ids = np.frombuffer(w.token_ids, _I4)
+        seg.action_spans = np.frombuffer(w.action_spans, _I4).reshape(-1, 2)
+        seg.logprobs = np.frombuffer(w.logprobs, _F4)
+        seg.versions = np.frombuffer(w.versions, _I4)
+        seg.routed_experts = None if w.routed_experts is None else np.frombuffer(
+            w.routed_experts, _I2).reshape(w.routed_experts_shape)
+    except (TypeError, ValueError):
+        sizes = {"token_ids": (w.token_ids, 4), "action_spans": (w.action_spans, 8), "logprobs": (w.logprobs, 4),
+                 "versions": (w.versions, 4)}
+        name = next((k for k, (b, n) in sizes.items() if len(b) % n), "routed_experts")
+        raise SchemaError(f"segments[{i}].{name}", "byte length does not match the dtype and shape") from None
+    seg.check_layout(f"segments[{i}]")
+    return seg
+
+
+def _msgspec_field(message: str) -> str:
+    """The field a msgspec validation message points at: "... - at `$.segments[0]`" -> "segments[0]"."""
+    at = re.search(r" - at `\$\.?(.*)`$", message)
+    path = at.group(1) if at else ""
+    missing = re.search(r"missing required field `(\w+)`", message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or "record"
+
+
+def _decode_other(data: bytes) -> Trajectory:
+    """Anything but a v2 record: a v1 record, another version (rejected) or garbage (rejected)."""
     try:
         obj = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage input
@@ -262,32 +408,37 @@ def decode(data: bytes) -> Trajectory:
     if not isinstance(obj, dict):
         raise SchemaError("record", f"expected a map, got {type(obj).__name__}")
     version = obj.get("schema")
-    if version != SCHEMA_VERSION:
-        raise SchemaError("schema", f"unsupported schema version {version!r} (this decoder reads {SCHEMA_VERSION})")
+    if version == SCHEMA_VERSION:  # a v2 record whose writer put its keys in another order
+        return _decode_v2(data)
+    if version != 1:
+        raise SchemaError("schema", f"unsupported schema version {version!r} (this decoder reads 1 and 2)")
+    return _decode_v1(obj)
+
+
+def _unpack_array_v1(obj: Any, name: str) -> np.ndarray:
+    try:
+        return np.frombuffer(obj["b"], dtype=np.dtype(obj["d"])).reshape(obj["s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SchemaError(name, f"malformed array ({exc})") from None
+
+
+def _decode_v1(obj: dict) -> Trajectory:
     try:
         segments = []
         for i, s in enumerate(obj["segments"]):
             where = f"segments[{i}]"
-            segments.append(_segment(
-                _unpack_array(s["t"], f"{where}.token_ids"),
-                _unpack_array(s["a"], f"{where}.action_spans"),
-                _unpack_array(s["l"], f"{where}.logprobs"),
-                _unpack_array(s["v"], f"{where}.versions"),
-                _unpack_array(s["r"], f"{where}.routed_experts") if "r" in s else None,
+            segments.append(Segment(
+                _unpack_array_v1(s["t"], f"{where}.token_ids"),
+                _unpack_array_v1(s["a"], f"{where}.action_spans"),
+                _unpack_array_v1(s["l"], f"{where}.logprobs"),
+                _unpack_array_v1(s["v"], f"{where}.versions"),
+                _unpack_array_v1(s["r"], f"{where}.routed_experts") if "r" in s else None,
             ))
-        prov = obj.get("prov") or {}
         traj = Trajectory(
-            trajectory_id=obj["id"],
-            group_id=obj["group"],
-            sample_index=obj["idx"],
-            segments=segments,
-            reward=obj["reward"],
-            score=obj.get("score"),
-            info=obj.get("info") or {},
-            status=obj.get("status", "completed"),
-            provenance=Provenance(**prov),
-            events=obj.get("events") or [],
-            created_at=obj.get("created_at", 0.0),
+            trajectory_id=obj["id"], group_id=obj["group"], sample_index=obj["idx"], segments=segments,
+            reward=obj["reward"], score=obj.get("score"), info=obj.get("info") or {},
+            status=obj.get("status", "completed"), provenance=Provenance(**(obj.get("prov") or {})),
+            events=obj.get("events") or [], created_at=obj.get("created_at", 0.0),
         )
     except KeyError as exc:
         raise SchemaError(str(exc.args[0]), "missing required field") from None

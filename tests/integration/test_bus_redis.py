@@ -86,6 +86,33 @@ async def test_redelivery_of_committed_id_is_skipped(queue):
     assert (await queue.lag()).pending == 0
 
 
+async def test_committed_and_in_batch_repeats_are_skipped(queue):
+    await queue.put_many([traj("c1"), traj("c2"), traj("c3")])
+    await queue.ack(await queue.read("c", 10, block_s=0.1))
+    assert await queue.consumed(["c0", "c1", "x", "c3", "c2"]) == [False, True, False, True, True]
+    await queue.put_many([traj("c2"), traj("n1"), traj("n1"), traj("c3"), traj("n2")])
+    got = await queue.read("c", 10, block_s=0.1)
+    assert [d.trajectory.trajectory_id for d in got] == ["n1", "n2"]
+    assert (await queue.lag()).pending == 2  # the repeats were acked, not left pending
+
+
+async def test_v1_entry_from_an_older_writer_is_delivered(queue, stream_name):
+    """Entries written by the previous codec (schema 1) stay readable across an upgrade."""
+    import msgpack
+
+    t = traj("old1")
+    seg = t.segments[0]
+    arr = lambda a: {"d": a.dtype.str, "s": list(a.shape), "b": a.tobytes()}  # noqa: E731
+    v1 = msgpack.packb({"schema": 1, "id": "old1", "group": "gold", "idx": 0, "reward": 1.0,
+                        "segments": [{"t": arr(seg.token_ids), "a": arr(seg.action_spans), "l": arr(seg.logprobs),
+                                      "v": arr(seg.versions)}]}, use_bin_type=True)
+    await queue.ensure_group()
+    await queue.redis.xadd(stream_name, {"d": v1})
+    got = await queue.read("c", 10, block_s=0.1)
+    assert [d.trajectory.trajectory_id for d in got] == ["old1"]
+    np.testing.assert_array_equal(got[0].trajectory.segments[0].logprobs, seg.logprobs)
+
+
 async def test_corrupt_entry_lands_in_dead_letter(queue, stream_name):
     await queue.put(traj("good"))
     await queue.redis.xadd(stream_name, {"d": b"\x93not-a-trajectory", "id": "bad"})

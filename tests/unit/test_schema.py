@@ -4,7 +4,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from molt.schema import SCHEMA_VERSION, Provenance, SchemaError, Segment, Trajectory, decode, encode
+from molt.schema import (SCHEMA_VERSION, Provenance, SchemaError, Segment, Trajectory, decode, decode_many, encode,
+                         encode_many)
 
 
 def make_segment(t=10, spans=((3, 5), (7, 10)), experts=False) -> Segment:
@@ -55,9 +56,74 @@ def test_round_trip_every_field():
 
 
 def test_arrays_travel_as_bytes_not_lists():
+    traj = make_traj()
+    obj = msgpack.unpackb(encode(traj), raw=False)
+    assert obj["schema"] == SCHEMA_VERSION == 2
+    seg = obj["segments"][0]
+    assert seg["token_ids"] == traj.segments[0].token_ids.astype("<i4").tobytes()
+    assert seg["action_spans"] == np.array([[3, 5], [7, 10]], "<i4").tobytes()
+    assert seg["routed_experts_shape"] == [10, 2, 2] and len(seg["routed_experts"]) == 10 * 2 * 2 * 2
+    assert "routed_experts" not in obj["segments"][1]  # absent, not null
+
+
+def test_v1_records_still_decode():
+    """Records written before the v2 codec (short keys, arrays as {d, s, b}) are still read."""
+    traj = make_traj()
+
+    def arr(a, dtype):
+        a = np.ascontiguousarray(a, dtype)
+        return {"d": a.dtype.str, "s": list(a.shape), "b": a.tobytes()}
+
+    segs = []
+    for s in traj.segments:
+        seg = {"t": arr(s.token_ids, "<i4"), "a": arr(s.action_spans, "<i4"), "l": arr(s.logprobs, "<f4"),
+               "v": arr(s.versions, "<i4")}
+        if s.routed_experts is not None:
+            seg["r"] = arr(s.routed_experts, "<i2")
+        segs.append(seg)
+    p = traj.provenance
+    v1 = msgpack.packb({"schema": 1, "id": "t1", "group": "g1", "idx": 2, "segments": segs, "reward": 1.5,
+                        "score": 0.5, "info": {"turns": 2.0, "len": 16.0}, "status": "truncated",
+                        "prov": {"model": p.model, "weight_version": 3, "tokenizer_hash": "th",
+                                 "chat_template_hash": "ch", "sampling_params": p.sampling_params,
+                                 "env_name": "math", "env_version": "1"},
+                        "events": traj.events, "created_at": 123.5}, use_bin_type=True)
+    back = decode(v1)
+    assert (back.trajectory_id, back.sample_index, back.provenance, back.info) == ("t1", 2, p, traj.info)
+    np.testing.assert_array_equal(back.segments[0].routed_experts, traj.segments[0].routed_experts)
+    np.testing.assert_array_equal(back.segments[1].logprobs, traj.segments[1].logprobs)
+
+
+def test_batch_codec_isolates_the_bad_record():
+    good = [make_traj(trajectory_id=f"t{i}") for i in range(4)]
+    bad = make_traj(trajectory_id="bad")
+    bad.segments[1].versions = np.array([3, -1], "<i4")
+    with pytest.raises(SchemaError) as err:
+        encode_many(good[:2] + [bad] + good[2:])
+    assert err.value.field == "segments[1].versions"
+    out = decode_many([encode(good[0]), encode(bad, validate=False), b"garbage", encode(good[1])])
+    assert [t.trajectory_id for t in (out[0], out[3])] == ["t0", "t1"]
+    assert isinstance(out[1], SchemaError) and out[1].field == "segments[1].versions"
+    assert isinstance(out[2], SchemaError) and out[2].field == "record"
+    assert [decode(b).trajectory_id for b in encode_many(good)] == ["t0", "t1", "t2", "t3"]
+
+
+def test_wire_type_and_length_errors_name_the_field():
     obj = msgpack.unpackb(encode(make_traj()), raw=False)
-    assert obj["schema"] == SCHEMA_VERSION
-    assert isinstance(obj["segments"][0]["t"]["b"], bytes)
+    obj["segments"][1]["logprobs"] = obj["segments"][1]["logprobs"][:-1]  # 7 bytes: not whole float32s
+    with pytest.raises(SchemaError) as err:
+        decode(msgpack.packb(obj, use_bin_type=True))
+    assert err.value.field == "segments[1].logprobs"
+    obj = msgpack.unpackb(encode(make_traj()), raw=False)
+    obj["sample_index"] = "two"
+    with pytest.raises(SchemaError) as err:
+        decode(msgpack.packb(obj, use_bin_type=True))
+    assert err.value.field == "sample_index"
+    del obj["segments"][0]["versions"]
+    obj["sample_index"] = 2
+    with pytest.raises(SchemaError) as err:
+        decode(msgpack.packb(obj, use_bin_type=True))
+    assert err.value.field == "segments[0].versions"
 
 
 def test_masks_and_per_token_views():
@@ -122,8 +188,11 @@ def test_garbage_and_unknown_version_rejected():
     obj["schema"] = 99
     with pytest.raises(SchemaError, match="unsupported schema version 99"):
         decode(msgpack.packb(obj, use_bin_type=True))
-    del obj["id"]
+    del obj["trajectory_id"]
     obj["schema"] = SCHEMA_VERSION
     with pytest.raises(SchemaError) as err:
         decode(msgpack.packb(obj, use_bin_type=True))
-    assert err.value.field == "id"
+    assert err.value.field == "trajectory_id"
+    # A v2 record whose writer ordered the keys differently is still read.
+    reordered = {k: v for k, v in reversed(list(msgpack.unpackb(encode(make_traj()), raw=False).items()))}
+    assert decode(msgpack.packb(reordered, use_bin_type=True)).trajectory_id == "t1"
