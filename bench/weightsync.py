@@ -5,10 +5,13 @@
 Part 1 pushes a synthetic state dict (--gib GiB of fp32 tensors) to a pod process whose engine
 only stages (a null engine: the bench measures the data path, not vLLM), and copies the same
 bytes over a plain TCP socket into a preallocated buffer in another process: the limit of this
-machine's loopback for one stream. Part 2 (when --model exists; build it with
-``python -m molt.models smollm2 --out .cache/models/smollm2``) runs a real rollout pod
-(``python -m services.rollout``) and times gather + transfer + load of the model's weights over
-gRPC and over the gloo collective. Prints one markdown table per part.
+machine's loopback for one stream. It also prints the CPU seconds per GB each side spends (all
+threads) and the page faults per MB: on a shared machine the rates follow the CPU that other jobs
+leave over, while CPU per byte barely moves, so it shows where a change helps.
+
+Part 2 (when --model exists; build it with ``python -m molt.models smollm2 --out
+.cache/models/smollm2``) runs a real rollout pod (``python -m services.rollout``) and times
+gather + transfer + load of the model's weights over gRPC and over the gloo collective. Prints one markdown table per part.
 """
 
 from __future__ import annotations
@@ -98,6 +101,22 @@ def _spawn(*args: str) -> tuple[subprocess.Popen, int]:
 # ---- part 1
 
 
+def _cpu_s(pid: int | None = None) -> tuple[float, int]:
+    """(user + system CPU seconds, minor page faults) of this process (all threads) or of child ``pid``."""
+    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
+def _timed(fn, peer: int, total: int, cpu: dict, key: str):
+    """Run fn(), adding (sender, receiver) CPU seconds per GB and page faults per MB to cpu[key]."""
+    c0, p0 = _cpu_s(), _cpu_s(peer)
+    out = fn()
+    c1, p1 = _cpu_s(), _cpu_s(peer)
+    cpu.setdefault(key, []).append(((c1[0] - c0[0]) / total * 1e9, (p1[0] - p0[0]) / total * 1e9,
+                                    (c1[1] - c0[1]) / total * 2**20, (p1[1] - p0[1]) / total * 2**20))
+    return out
+
+
 def raw_copy(port: int, state: dict[str, torch.Tensor], fresh: bool = False) -> float:
     from molt.weightsync.layout import tensor_bytes
 
@@ -121,14 +140,15 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
     pod, pod_port = _spawn("_null_pod", str(spec_path))
     sink, sink_port = _spawn("_raw_sink")
     pusher = WeightPusher([f"127.0.0.1:{pod_port}"], bucket_bytes=bucket_bytes, chunk_bytes=chunk_bytes)
-    grpc_rates, raw_rates, fresh_rates, e2e = [], [], [], []
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    grpc_rates, raw_rates, fresh_rates, e2e, cpu = [], [], [], [], {}
     try:
         raw_copy(sink_port, state)  # warm both paths (buffers allocated and touched once)
         pusher.push(state, version=1)
         for i in range(reps):  # interleaved so both see the same machine load
-            raw_rates.append(raw_copy(sink_port, state))
+            raw_rates.append(_timed(lambda: raw_copy(sink_port, state), sink.pid, total, cpu, "raw"))
             fresh_rates.append(raw_copy(sink_port, state, fresh=True))
-            r = pusher.push(state, version=i + 2)
+            r = _timed(lambda: pusher.push(state, version=i + 2), pod.pid, total, cpu, "grpc")
             grpc_rates.append(r.bytes / r.transfer_s / 1e9)
             e2e.append(r.total_s)
     finally:
@@ -139,7 +159,6 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
         pod.wait(30)
         sink.wait(30)
         spec_path.unlink(missing_ok=True)
-    total = sum(t.numel() * t.element_size() for t in state.values())
     g, raw, fresh = (statistics.median(x) for x in (grpc_rates, raw_rates, fresh_rates))
     return [
         f"Part 1: {total / (1 << 30):.2f} GiB ({len(state)} fp32 tensors), bucket {bucket_bytes >> 20} MiB, "
@@ -154,9 +173,14 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
         f"{100 * g / raw:.0f}% |",
         "",
         f"all reps (GB/s): raw {[round(x, 2) for x in raw_rates]}, raw fresh {[round(x, 2) for x in fresh_rates]}, "
-        f"gRPC {[round(x, 2) for x in grpc_rates]}; "
+        f"gRPC {[round(x, 2) for x in grpc_rates]} (gRPC / the same rep's raw: "
+        f"{[round(a / b, 2) for a, b in zip(grpc_rates, raw_rates)]}); "
         f"gRPC sync end to end (gather + transfer + commit on a null engine): "
         f"{statistics.median(e2e):.2f} s",
+        "CPU s/GB and page faults/MB (sender, receiver; all threads, medians; gRPC: the whole sync): " + "; ".join(
+            f"{k} {statistics.median(x[0] for x in v):.2f}, {statistics.median(x[1] for x in v):.2f} s/GB, "
+            f"{statistics.median(x[2] for x in v):.0f}, {statistics.median(x[3] for x in v):.0f} faults/MB"
+            for k, v in cpu.items()),
     ]
 
 

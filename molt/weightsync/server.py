@@ -14,7 +14,7 @@ import grpc
 from molt._proto import weightsync_pb2 as pb
 from molt.metrics import Metrics
 from molt.weightsync.core import SyncError, WeightSyncCore
-from molt.weightsync.wire import SERVICE, decode_chunk, grpc_options, identity, layout_from_begin
+from molt.weightsync.wire import SERVICE, decode_chunk, grpc_options, identity, keep_malloc_hot, layout_from_begin
 
 log = logging.getLogger("molt.weightsync")
 
@@ -116,6 +116,7 @@ async def start_weightsync_server(engine, host: str, port: int, *, metrics: Metr
     ``reuse_staging`` keeps a finished sync's staging buffer for the next one (another 1x, saves
     the page faults of a fresh buffer). Stop with ``await server.stop(grace)``.
     """
+    keep_malloc_hot()
     core = WeightSyncCore(engine, metrics=metrics, keep_rollback_copy=keep_rollback_copy,
                           reuse_staging=reuse_staging)
     server = grpc.aio.server(options=grpc_options(max_message_bytes))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from molt.weightsync.layout import (ALIGN, Hasher, checksum, iter_buckets, iter_
                                     view_tensors)
 from molt.weightsync.manifest import ManifestError, select_tensors, verify_manifest
 from molt.weightsync.pusher import make_chunks
-from molt.weightsync.wire import decode_chunk, encode_chunk, layout_from_begin, layout_to_begin
+from molt.weightsync.wire import decode_chunk, encode_chunk, keep_malloc_hot, layout_from_begin, layout_to_begin
 
 
 def _state():
@@ -99,6 +101,12 @@ def test_make_chunks_checksums_match_buckets():
     sums = [msg.checksum for msg in map(pb.Chunk.FromString, make_chunks(layout, state, "s", 200))
             if msg.checksum]
     assert sums == [checksum(memoryview(b.numpy())) for b in buckets]
+
+
+def test_keep_malloc_hot_is_idempotent_and_applies_on_glibc():
+    first = keep_malloc_hot()
+    assert keep_malloc_hot() is first
+    assert first == (platform.libc_ver()[0] == "glibc")
 
 
 def test_begin_message_roundtrip():
