@@ -1,17 +1,20 @@
 """Gateway overhead: added latency p50/p99 and requests/s, gateway vs calling the rollout pod directly.
 
-    python bench/gateway.py [--model DIR] [--requests 256] [--concurrency 1 64] [--max-tokens 4]
+    python bench/gateway.py [--model DIR] [--requests 256] [--concurrency 1 64] [--max-tokens 4] [--group-size 1]
 
 Starts one real rollout pod (vLLM, tiny model, CPU) and one gateway (subprocesses; ``--pod-url`` reuses
-a running pod), then, in the same run and alternating rounds, sends the same prompt
+a running pod), then, in the same run and alternating rounds, sends the same prompts
   - direct: POST pod /v1/generate with the prompt's token ids;
   - gateway: POST /s/{id}/v1/chat/completions (OpenAI wire, captured session opened beforehand), which
     renders the chat template, tokenizes, routes, calls the same pod, decodes and records the turn.
 Both generate exactly ``--max-tokens`` tokens (ignore_eos); ``--instant-pod`` swaps the vLLM pod for a
 model-free one that answers at once, which isolates what the gateway itself costs and carries.
+Every session's first turn is a different prompt unless ``--group-size N`` lets N sessions share one (as
+the n samples of a GRPO group do; the gateway caches a first turn's render and tokens); both sides send
+the same prompts, each (round, side) its own, so the pod's prefix cache favours neither.
 "Added" latency is the gateway's own Server-Timing figure (accept to response, minus the time waiting
-on the pod). CPU seconds per request of the gateway and of the pod (psutil) are reported too: on a
-shared 2-core box they are the figures that do not depend on the neighbours' load. Targets: added
+on the pod). CPU seconds per request of the gateway, the pod and this load generator (psutil) are reported
+too: on a shared 2-core box they are the figures that do not depend on the neighbours' load. Targets: added
 p50 < 2 ms, p99 < 10 ms, gateway throughput >= 90% of direct.
 """
 
@@ -40,7 +43,9 @@ import psutil  # noqa: E402
 from services.gateway.chat import ChatModel  # noqa: E402
 from services.gateway.testing import start_gateway, start_instant_pod, start_rollout_pod, stop  # noqa: E402
 
-MESSAGES = [{"role": "user", "content": "What is 2 + 2? Answer in one word."}]
+def messages(k: int) -> list[dict]:
+    """Prompt number ``k``: same shape and length class for every k, different text."""
+    return [{"role": "user", "content": f"What is {k} + 2? Answer in one word."}]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,18 +79,32 @@ def cpu_s(pid: int | None) -> float:
     return t.user + t.system
 
 
-async def bench(pod: str, gw: str, prompt_ids: list[int], args, pod_pid: int | None, gw_pid: int) -> list[dict]:
+async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int) -> list[dict]:
     sp = {"max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
-    body = json.dumps({"prompt_token_ids": prompt_ids, "sampling_params": sp}).encode()
     headers = {"content-type": "application/json"}
+    me = os.getpid()
     rows = []
+    # Prompt numbers: every (round, side) gets its own, so neither side meets the other's prompts in the pod's
+    # prefix cache; sessions i and j share a first turn when i // group_size == j // group_size (GRPO's n).
+    next_prompt = iter(range(1 << 30))
+
+    def prompts(n: int) -> list[int]:
+        base = [next(next_prompt) for _ in range(-(-n // args.group_size))]
+        return [base[i // args.group_size] for i in range(n)]
+
     # aiohttp on the load side too: an httpx client would burn more CPU than the gateway on this 2-core box.
+    # Both sides do the same client work per request: one POST of a prepared body, read the whole answer.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as client:
-        async def direct(_: int):
-            async with client.post(pod + "/v1/generate", data=body, headers=headers) as r:
-                assert r.status == 200, await r.text()
-                await r.read()
-            return None
+        def direct(ks: list[int]):
+            bodies = [json.dumps({"prompt_token_ids": model.encode(model.render(messages(k), None, True)),
+                                  "sampling_params": sp}).encode() for k in ks]
+
+            async def one(i: int):
+                async with client.post(pod + "/v1/generate", data=bodies[i], headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                return None
+            return one
 
         async def open_sessions(n: int) -> list[str]:
             out = []
@@ -94,11 +113,12 @@ async def bench(pod: str, gw: str, prompt_ids: list[int], args, pod_pid: int | N
                     out.append((await r.json())["session_id"])
             return out
 
-        chat = json.dumps({"model": "policy", "messages": MESSAGES, "max_tokens": args.max_tokens}).encode()
+        def via_gateway(sids: list[str], ks: list[int]):
+            bodies = [json.dumps({"model": "policy", "messages": messages(k), "max_tokens": args.max_tokens}).encode()
+                      for k in ks]
 
-        def via_gateway(sids: list[str]):
             async def one(i: int):
-                async with client.post(f"{gw}/s/{sids[i]}/v1/chat/completions", data=chat, headers=headers) as r:
+                async with client.post(f"{gw}/s/{sids[i]}/v1/chat/completions", data=bodies[i], headers=headers) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
                     timing = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
@@ -107,36 +127,43 @@ async def bench(pod: str, gw: str, prompt_ids: list[int], args, pod_pid: int | N
 
         for c in args.concurrency:
             n = max(args.requests, 4 * c)
-            await run_load(2 * c, c, direct)  # warm-up both paths
-            await run_load(2 * c, c, via_gateway(await open_sessions(2 * c)))
+            await run_load(2 * c, c, direct(prompts(2 * c)))  # warm-up both paths
+            await run_load(2 * c, c, via_gateway(await open_sessions(2 * c), prompts(2 * c)))
             d_lat, g_lat, g_added, d_rps, g_rps = [], [], [], [], []
-            gw_cpu = pod_cpu_direct = pod_cpu_gw = 0.0
+            gw_cpu = pod_cpu_direct = pod_cpu_gw = client_direct = client_gw = 0.0
             for _ in range(args.rounds):  # alternate so drift on a shared machine hits both paths alike
-                p0 = cpu_s(pod_pid)
-                lat, _, rps = await run_load(n, c, direct)
+                one = direct(prompts(n))
+                p0, m0 = cpu_s(pod_pid), cpu_s(me)
+                lat, _, rps = await run_load(n, c, one)
                 pod_cpu_direct += cpu_s(pod_pid) - p0
+                client_direct += cpu_s(me) - m0
                 d_lat += lat
                 d_rps.append(rps)
                 sids = await open_sessions(n)
-                p0, g0 = cpu_s(pod_pid), cpu_s(gw_pid)
-                lat, added, rps = await run_load(n, c, via_gateway(sids))
+                one = via_gateway(sids, prompts(n))
+                p0, g0, m0 = cpu_s(pod_pid), cpu_s(gw_pid), cpu_s(me)
+                lat, added, rps = await run_load(n, c, one)
                 pod_cpu_gw += cpu_s(pod_pid) - p0
                 gw_cpu += cpu_s(gw_pid) - g0
+                client_gw += cpu_s(me) - m0
                 g_lat += lat
                 g_added += added
                 g_rps.append(rps)
                 async with client.post(gw + "/v1/episodes", json={"episodes": [
                         {"session_id": s, "reward": 0.0} for s in sids]}) as r:
                     assert r.status == 200, await r.text()
+            per_req = 1e3 / (n * args.rounds)
             rows.append({
-                "concurrency": c, "requests": n * args.rounds,
+                "concurrency": c, "requests": n * args.rounds, "group_size": args.group_size,
                 "direct_p50_ms": pct(d_lat, 0.5), "direct_p99_ms": pct(d_lat, 0.99),
                 "gateway_p50_ms": pct(g_lat, 0.5), "gateway_p99_ms": pct(g_lat, 0.99),
                 "added_p50_ms": pct(g_added, 0.5), "added_p99_ms": pct(g_added, 0.99),
                 "direct_rps": statistics.median(d_rps), "gateway_rps": statistics.median(g_rps),
-                "gateway_cpu_ms_per_req": gw_cpu * 1e3 / (n * args.rounds),
-                "pod_cpu_ms_per_req_direct": pod_cpu_direct * 1e3 / (n * args.rounds),
-                "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * 1e3 / (n * args.rounds),
+                "gateway_cpu_ms_per_req": gw_cpu * per_req,
+                "pod_cpu_ms_per_req_direct": pod_cpu_direct * per_req,
+                "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * per_req,
+                "client_cpu_ms_per_req_direct": client_direct * per_req,
+                "client_cpu_ms_per_req_via_gateway": client_gw * per_req,
             })
             rows[-1]["throughput_ratio"] = rows[-1]["gateway_rps"] / rows[-1]["direct_rps"]
     return rows
@@ -145,14 +172,15 @@ async def bench(pod: str, gw: str, prompt_ids: list[int], args, pod_pid: int | N
 def table(rows: list[dict]) -> str:
     lines = ["| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms (target < 2 / < 10) "
              "| direct req/s | gateway req/s | ratio (target >= 0.90) | gateway CPU ms/req "
-             "| pod CPU ms/req direct / via gw |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| pod CPU ms/req direct / via gw | client CPU ms/req direct / via gw |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
                      f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | "
                      f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
                      f"{r['gateway_rps']:.0f} | {r['throughput_ratio']:.2f} | {r['gateway_cpu_ms_per_req']:.2f} | "
-                     f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} |")
+                     f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} | "
+                     f"{r['client_cpu_ms_per_req_direct']:.2f} / {r['client_cpu_ms_per_req_via_gateway']:.2f} |")
     return "\n".join(lines)
 
 
@@ -164,6 +192,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=1,
+                   help="Sessions that share a first turn (GRPO's n samples per prompt); 1: every prompt differs, so "
+                        "the gateway's first-turn prompt cache never hits.")
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     p.add_argument("--instant-pod", action="store_true",
                    help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
@@ -199,14 +230,14 @@ def main() -> None:
                                   "--session.max_length", "1024"], logs / "gateway.log", prefix=gw_prefix)
         procs.append(proc)
         model = ChatModel(args.model)
-        prompt_ids = model.encode(model.render(MESSAGES, None, True))
         gc.collect()
         gc.freeze()  # keep full collections of the torch/transformers import graph off the timed path
-        rows = asyncio.run(bench(pod, gw, prompt_ids, args, pod_pid, procs[-1].pid))
+        rows = asyncio.run(bench(pod, gw, model, args, pod_pid, procs[-1].pid))
     finally:
         for proc in reversed(procs):
             stop(proc)
-    print(f"# gateway vs direct, {args.max_tokens} generated tokens per request, {os.cpu_count()} CPUs, "
+    print(f"# gateway vs direct, {args.max_tokens} generated tokens per request, group size {args.group_size}, "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
           f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
           f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, logs {logs}")
     print(table(rows))

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.server.host, settings.server.port))
     host, port = sock.getsockname()[:2]
+    sock.listen(2048)  # before the line below: a client that connects at once is queued, not refused
     # One line a supervisor (or a test) can parse for the chosen port.
     print(f"molt-envs listening on http://{host}:{port}", flush=True)
     # uvicorn handles SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.

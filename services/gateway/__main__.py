@@ -12,6 +12,7 @@ import uvicorn
 from molt.config import parse_settings
 from services.gateway.app import build_app
 from services.gateway.config import GatewaySettings
+from services.gateway.server import CoalescingHttpToolsProtocol
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,10 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.server.host, settings.server.port))
     host, port = sock.getsockname()[:2]
+    sock.listen(2048)  # before the line below: a client that connects at once is queued, not refused
     # One line a supervisor (or a test) can parse for the chosen port.
     print(f"molt-gateway listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
-                            http="httptools", timeout_graceful_shutdown=10)
+                            http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -18,7 +18,7 @@ from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError, error_body, error_headers, wire_of_path
 from services.gateway.metrics import Telemetry, gateway_metrics
 from services.gateway.pods import PodPool
-from services.gateway.transport import AiohttpTransport, PodTransport
+from services.gateway.transport import HttpTransport, PodTransport
 from services.gateway.routes import Handlers, routes
 
 log = logging.getLogger("molt.gateway")
@@ -35,7 +35,7 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     model = model or ChatModel(settings.model.path)  # type: ignore[arg-type]
     metrics = gateway_metrics()
     rc = settings.rollout
-    client = transport or AiohttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
+    client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
     pool = PodPool(rc.urls, client, metrics, rc.health_interval_s)
     queue = queue or open_queue(settings.redis, metrics)
     gw = Gateway(settings, model, pool, queue, metrics)

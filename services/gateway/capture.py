@@ -89,9 +89,14 @@ class Capture:
 
     # ---- planning
 
-    def plan_chat(self, model: ChatModel, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
-        full = model.render(messages, tools, generation_prompt=True)
+    def plan_chat(self, model: ChatModel, messages: list[dict], tools: list[dict] | None,
+                  key: str | None = None) -> TurnPlan:
+        """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it."""
         cur, st = self.current, self.chat
+        if cur is None and key is not None:
+            full, ids = model.prompt(key, messages, tools)
+            return TurnPlan(ids, ids, True, "first", full, messages, tools)
+        full = model.render(messages, tools, generation_prompt=True)
         reason = "first" if cur is None else "history_rewrite"
         if cur is not None and st is not None and tools == st.tools:
             k = len(st.messages)

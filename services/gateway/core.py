@@ -264,12 +264,12 @@ class Gateway:
                     raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
                 key = request_key(messages, tools)
                 if key == s.last_key and s.last_result is not None:
-                    _resolve(ready, value=s.last_result.prompt_tokens)
+                    resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
-                plan = s.capture.plan_chat(self.model, messages, tools)
+                plan = s.capture.plan_chat(self.model, messages, tools, key)
                 remaining = s.capture.check_room(plan, hard=True)
                 sp = self._sampling(s, overrides, remaining)
-                _resolve(ready, value=plan.num_tokens)
+                resolve_future(ready, value=plan.num_tokens)
                 gen, events = await self._generate(s, plan.prompt_ids, sp)
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
                 gen = self._apply_stop(gen, stop)
@@ -280,7 +280,7 @@ class Gateway:
                 self._after_turn(s, plan, key, result)
                 return result
         except BaseException as exc:
-            _resolve(ready, exc)
+            resolve_future(ready, exc)
             raise
 
     def _after_turn(self, s: Session, plan: TurnPlan, key: str | None, result: TurnResult) -> None:
@@ -498,7 +498,8 @@ class Gateway:
                 log.info("expired %d idle sessions", n)
 
 
-def _resolve(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:
+def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:
+    """Settle ``fut`` once (a later call, or one on a future its waiter cancelled, does nothing)."""
     if fut is None or fut.done():
         return
     if exc is None:

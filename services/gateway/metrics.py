@@ -41,6 +41,9 @@ class Telemetry:
         self.errors = metrics["molt_gateway_errors_total"]
         self.added = metrics["molt_gateway_added_latency_seconds"]
         self.total = metrics["molt_gateway_request_seconds"]
+        # prometheus_client's .labels() validates and locks on every call; the label sets are few, so the
+        # children are looked up once per (path, status) and kept.
+        self._children: dict[tuple[str, int], tuple] = {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -74,8 +77,15 @@ class Telemetry:
         if path in UNTIMED:
             return
         wire = wire_label(path)
-        self.requests.labels(wire, str(status)).inc()
-        if status >= 400:
-            self.errors.labels(str(status)).inc()
-        self.total.labels(wire).observe(total_s)
-        self.added.labels(wire).observe(max(0.0, total_s - pod_wait_s))
+        children = self._children.get((wire, status))
+        if children is None:
+            children = (self.requests.labels(wire, str(status)),
+                        self.errors.labels(str(status)) if status >= 400 else None,
+                        self.total.labels(wire), self.added.labels(wire))
+            self._children[(wire, status)] = children
+        requests, errors, total, added = children
+        requests.inc()
+        if errors is not None:
+            errors.inc()
+        total.observe(total_s)
+        added.observe(max(0.0, total_s - pod_wait_s))

@@ -14,10 +14,11 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from molt.metrics import Metrics
 from services.gateway.errors import GatewayError, PodUnavailable
-from services.gateway.transport import PodConnectionError, PodTransport
+from services.gateway.transport import PodConnectionError, PodTransport, generate_body, json_loads
 
 log = logging.getLogger("molt.gateway.pods")
 
@@ -30,6 +31,8 @@ class Pod:
     sessions: int = 0
     policy_version: int | None = None
     last_error: str = ""
+    inflight_gauge: Any = field(default=None, repr=False, compare=False)
+    """This pod's ``molt_gateway_pod_inflight_requests`` child, looked up once (``.labels`` is slow)."""
 
     @property
     def load(self) -> tuple[int, int]:
@@ -82,7 +85,8 @@ class PodPool:
         self.policy_version = 0
         for pod in self.pods.values():
             metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1)
-            metrics["molt_gateway_pod_inflight_requests"].labels(pod.url).set(0)
+            pod.inflight_gauge = metrics["molt_gateway_pod_inflight_requests"].labels(pod.url)
+            pod.inflight_gauge.set(0)
 
     def get(self, url: str) -> Pod:
         return self.pods[url]
@@ -106,20 +110,20 @@ class PodPool:
 
     async def generate(self, pod: Pod, prompt_ids: list[int], sampling_params: dict) -> list[Generation]:
         """One /v1/generate call; one Generation per output (n > 1 only for session-less requests)."""
-        body = json.dumps({"prompt_token_ids": prompt_ids, "sampling_params": sampling_params}).encode()
-        gauge = self.metrics["molt_gateway_pod_inflight_requests"].labels(pod.url)
+        body = generate_body(prompt_ids, sampling_params)
+        gauge = pod.inflight_gauge
         pod.inflight += 1
         gauge.set(pod.inflight)
         start = time.perf_counter()
         try:
-            status, raw = await self.client.post_json(pod.url + "/v1/generate", body)
+            status, raw, answered = await self.client.post_json(pod.url + "/v1/generate", body)
         except PodConnectionError as exc:
             self.set_health(pod, False, str(exc))
             raise PodFailed(pod, str(exc)) from None
         finally:
             pod.inflight -= 1
             gauge.set(pod.inflight)
-        wait_s = time.perf_counter() - start
+        wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
         if status >= 500:
             self.set_health(pod, False, f"HTTP {status}")
             raise PodFailed(pod, f"HTTP {status}: {raw[:200]!r}")
@@ -130,7 +134,7 @@ class PodPool:
                 msg = raw[:500].decode(errors="replace")
             raise GatewayError(400, f"rollout pod rejected the request: {msg}", code="invalid_request")
         try:
-            data = json.loads(raw)
+            data = json_loads(raw)
             version = int(data.get("policy_version", 0))
             gens = []
             for out in data["outputs"]:

@@ -14,10 +14,20 @@ from starlette.routing import Route
 from services.gateway import anthropic_wire as an
 from services.gateway import openai_wire as oa
 from services.gateway.chat import bad_request
-from services.gateway.core import Gateway, TurnResult
+from services.gateway.core import Gateway, TurnResult, resolve_future
 from services.gateway.errors import GatewayError
+from services.gateway.transport import json_loads
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class _JSON(JSONResponse):
+    """Starlette's JSONResponse (same bytes, NaN still refused) with its encoder built once, not per response."""
+
+    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+    def render(self, content: Any) -> bytes:
+        return self.encoder.encode(content).encode("utf-8")
 
 
 class Handlers:
@@ -26,6 +36,7 @@ class Handlers:
         self.keys = [k.encode() for k in gw.settings.auth.api_keys]
         self.max_body = gw.settings.session.max_body_bytes
         self.model_name = gw.settings.served_model_name
+        self.turns: set[asyncio.Task] = set()
 
     # ---- helpers
 
@@ -50,7 +61,7 @@ class Handlers:
         if len(raw) > self.max_body:
             raise GatewayError(413, f"request body is over the {self.max_body}-byte limit", code="request_too_large")
         try:
-            data = json.loads(raw) if raw else {}
+            data = json_loads(raw) if raw else {}
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON ({exc})") from None
         if not isinstance(data, dict):
@@ -59,17 +70,32 @@ class Handlers:
 
     def json(self, data: Any, version: int | None = None, status: int = 200) -> JSONResponse:
         headers = {"x-molt-policy-version": str(version)} if version is not None else None
-        return JSONResponse(data, status_code=status, headers=headers)
+        return _JSON(data, status_code=status, headers=headers)
 
-    @staticmethod
-    def start(request: Request, turn: Callable[[asyncio.Future], Awaitable[TurnResult]]
-              ) -> tuple[asyncio.Future, asyncio.Future]:
-        """Run a turn as its own task, so a client that disconnects cannot cancel a commit half-way."""
-        ready = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(turn(ready))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        ready.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return ready, task
+    def start(self, turn: Callable[[asyncio.Future], Awaitable[TurnResult]]) -> tuple[asyncio.Future, asyncio.Future]:
+        """Run a streamed turn as its own task, so a client that disconnects mid-stream (Starlette then cancels
+        the stream) cannot abandon a generation whose answer an identical retry would get from the cache.
+
+        Returns plain futures: ``ready`` (the turn was accepted; the stream sends its headers then) and ``done``
+        (its result or error); a waiter cancelled on them leaves the task running.
+        """
+        loop = asyncio.get_running_loop()
+        ready, done = loop.create_future(), loop.create_future()
+
+        async def run() -> None:
+            try:
+                resolve_future(done, value=await turn(ready))
+            except BaseException as exc:
+                resolve_future(done, exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+        task = asyncio.ensure_future(run())
+        self.turns.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self.turns.discard)
+        for fut in (ready, done):
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return ready, done
 
     # ---- control plane
 
@@ -144,12 +170,16 @@ class Handlers:
                                          media_type="text/event-stream", headers=SSE_HEADERS)
             return self.json(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
         s = self.gw.get_session(sid, owner)
-        ready, task = self.start(request, lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
-        await asyncio.shield(ready)
         if req.stream:
-            return StreamingResponse(oa.chat_stream(task, req, self.gw.model, self.model_name, request.state),
+            ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
+            await ready
+            return StreamingResponse(oa.chat_stream(done, req, self.gw.model, self.model_name, request.state),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        r = await asyncio.shield(task)
+        # Not streamed: the turn runs in this request's task (uvicorn does not cancel it when a client goes;
+        # a cancellation could only land while waiting for the pod, before anything is committed). A separate
+        # task cost a hop back here per turn, queued behind every other ready callback: when a pod answers a
+        # batch of 64 at once, the last reply left only after all 64 turns had been committed.
+        r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
         request.state.pod_wait_s = r.pod_wait_s
         return self.json(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
 
@@ -181,18 +211,21 @@ class Handlers:
         if sid is None:
             ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
             r = (await self.gw.plain_generate(ids, req.overrides))[0]
-            ready, task = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+            ready, done = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
             ready.set_result(r.prompt_tokens)
-            task.set_result(r)
+            done.set_result(r)
         else:
             s = self.gw.get_session(sid, owner)
-            ready, task = self.start(request, lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides,
-                                                                           rd))
-        input_tokens = await asyncio.shield(ready)
+            if not req.stream:  # in this task, as in chat()
+                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
+                request.state.pod_wait_s = r.pod_wait_s
+                return self.json(an.messages_response(r, self.model_name), r.policy_version)
+            ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
         if req.stream:
-            return StreamingResponse(an.messages_stream(task, input_tokens, self.model_name, request.state),
+            input_tokens = await ready
+            return StreamingResponse(an.messages_stream(done, input_tokens, self.model_name, request.state),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        r = await asyncio.shield(task)
+        r = await done
         request.state.pod_wait_s = r.pod_wait_s
         return self.json(an.messages_response(r, self.model_name), r.policy_version)
 
@@ -204,24 +237,25 @@ class Handlers:
 
 
 def routes(h: Handlers) -> list[Route]:
+    # Starlette tries routes in order (a regex match each): the per-turn routes come first.
     return [
-        Route("/healthz", h.healthz, methods=["GET"]),
-        Route("/readyz", h.readyz, methods=["GET"]),
-        Route("/metrics", h.metrics, methods=["GET"]),
-        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/s/{sid}/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
+        Route("/s/{sid}/v1/messages", h.messages, methods=["POST"]),
+        Route("/s/{sid}/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/sessions", h.open_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
+        Route("/v1/episodes", h.episodes, methods=["POST"]),
         Route("/v1/sessions/{sid}", h.get_session, methods=["GET"]),
         Route("/v1/sessions/{sid}", h.delete_session, methods=["DELETE"]),
-        Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
-        Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
-        Route("/v1/episodes", h.episodes, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/messages", h.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
-        Route("/s/{sid}/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/s/{sid}/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
         Route("/s/{sid}/v1/models", h.models, methods=["GET"]),
-        Route("/s/{sid}/v1/messages", h.messages, methods=["POST"]),
         Route("/s/{sid}/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
+        Route("/healthz", h.healthz, methods=["GET"]),
+        Route("/readyz", h.readyz, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
     ]

@@ -50,7 +50,7 @@ class FakePods(PodTransport):
         self._pod(url)
         return 200
 
-    async def post_json(self, url: str, body: bytes) -> tuple[int, bytes]:
+    async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         pod, _ = self._pod(url)
         req = json.loads(body)
         prompt, sp = req["prompt_token_ids"], req.get("sampling_params", {})
@@ -64,7 +64,7 @@ class FakePods(PodTransport):
                 ids, finish = ids[:max_tokens], "length"
             outputs.append({"token_ids": ids, "logprobs": [fake_logprob(t, i) for i, t in enumerate(ids)],
                             "finish_reason": finish, "policy_version": pod.version})
-        return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode()
+        return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode(), time.perf_counter()
 
 
 # ---- real processes

@@ -114,3 +114,36 @@ def test_token_level_turns(model):
     assert p2.delta_ids[-2:] == [5, 6] and not p2.new_segment
     with pytest.raises(GatewayError):
         cap.plan_tokens(model, canonical_messages([{"role": "user", "content": "again"}]), None, None)
+
+
+def test_render_is_what_apply_chat_template_renders(model):
+    # ChatModel.render calls the compiled template directly; it must match transformers' own entry point.
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    chats = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "3 + 3?"}],
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    ]
+    for messages in chats:
+        for tl in (None, tools):
+            for gp in (False, True):
+                want = model.tokenizer.apply_chat_template(messages, tools=tl, tokenize=False, add_generation_prompt=gp)
+                assert model.render(messages, tl, gp) == want
+
+
+def test_first_turn_prompt_cache_is_keyed_by_the_request_and_hands_out_copies(model):
+    from services.gateway.chat import request_key
+
+    m1, m2 = [{"role": "user", "content": "One"}], [{"role": "user", "content": "Two"}]
+    k1, k2 = request_key(m1, None), request_key(m2, None)
+    text, ids = model.prompt(k1, m1, None)
+    assert text == model.render(m1, None, True) and ids == model.encode(text)
+    ids.append(-1)  # a caller mutating its list must not change the cache
+    assert model.prompt(k1, m1, None) == (text, model.encode(text))
+    assert model.prompt(k2, m2, None)[0] == model.render(m2, None, True)
+    plan = Capture(max_length=1024).plan_chat(model, m1, None, k1)
+    assert plan.new_segment and plan.reason == "first" and plan.prompt_ids == model.encode(text)
