@@ -1,11 +1,13 @@
 """End-to-end: our stack (`molt up`) vs TRL's GRPOTrainer (CPU, no vLLM), same run, same task.
 
-    .venv/bin/python bench/e2e.py --recipe tiny --steps 20 [--skip-trl] [--skip-ours] [--sync-too]
+    .venv/bin/python bench/e2e.py --recipe tiny --steps 20 [--skip-trl] [--skip-ours] [--sync-too] [--trl-threads 1,2]
 
 Both sides train the recipe's model on the recipe's prompts and reward with the same batch shape
 (prompts per step x samples per prompt x max new tokens, same learning rate). For each side it
 reports samples/s, seconds per step, mean reward over the first and last 10% of steps, and the peak
-memory of the whole process tree (all services together), sampled every 0.2 s with psutil.
+memory of the whole process tree (all services together), sampled every 0.2 s with psutil. TRL runs once
+per ``--trl-threads`` entry (torch intra-op threads; default: one run with torch's own default, i.e. every
+core, as a TRL user would run it); the ratio column is against the fastest TRL run.
 Prints a markdown table; `--json PATH` also writes the raw figures.
 """
 
@@ -69,10 +71,10 @@ class PeakMemory:
         return self.peak_bytes / 2**30
 
 
-def run_measured(cmd: list[str], log: Path) -> tuple[int, float, float]:
+def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float]:
     start = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         mem = PeakMemory(proc.pid)
         code = proc.wait()
     return code, time.monotonic() - start, mem.stop()
@@ -102,7 +104,7 @@ def ours(recipe: str, steps: int, work: Path, sync: bool) -> dict:
             "reward_last": _mean([r["reward_mean"] for r in rows[-k:]]), "peak_gb": peak_gb, "wall_s": wall_s}
 
 
-def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Path) -> None:
+def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Path, threads: int) -> None:
     """Runs inside its own process (so its memory is measured alone)."""
     import importlib.util
 
@@ -110,7 +112,8 @@ def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Pa
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
     recipe = RECIPES[recipe_name]
     n = int(_flag(recipe.trainer, "--rollout.n_samples_per_prompt"))
     prompts_per_step = int(_flag(recipe.trainer, "--rollout.batch_size"))
@@ -153,23 +156,27 @@ def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Pa
     t0 = time.monotonic()
     trainer.train()
     out.write_text(json.dumps({"log": log, "train_s": time.monotonic() - t0, "setup_s": t0 - start,
-                               "samples": steps * prompts_per_step * n}))
+                               "samples": steps * prompts_per_step * n, "threads": torch.get_num_threads()}))
 
 
-def trl(recipe: str, steps: int, work: Path) -> dict:
+def trl(recipe: str, steps: int, work: Path, threads: int) -> dict:
     prompts = write_prompts(RECIPES[recipe], work / "prompts.jsonl")
     from molt.stack.up import build_model
 
     model = build_model(RECIPES[recipe], ROOT / ".cache" / "models")
-    out = work / "trl.json"
+    out, log = work / f"trl-{threads}.json", work / f"trl-{threads}.log"
+    # TRL's process gets the machine's threads unless told otherwise (molt up pins its services to one each).
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     code, wall_s, peak_gb = run_measured([sys.executable, __file__, "--trl-worker", recipe, str(steps), str(prompts),
-                                          str(model), str(out)], work / "trl.log")
+                                          str(model), str(out), str(threads)], log, env)
     if code != 0:
-        raise SystemExit(f"TRL run failed ({code}); see {work / 'trl.log'}")
+        raise SystemExit(f"TRL run failed ({code}); see {log}")
     res = json.loads(out.read_text())
     rewards = [r["reward"] for r in res["log"]]
     k = max(1, math.ceil(len(rewards) * 0.1))
-    return {"impl": "TRL GRPOTrainer", "steps": steps, "samples": res["samples"],
+    return {"impl": f"TRL GRPOTrainer ({res['threads']} thread{'s' if res['threads'] > 1 else ''})", "steps": steps, "samples": res["samples"],
             "samples_per_s": res["samples"] / res["train_s"], "s_per_step": res["train_s"] / steps,
             "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]), "peak_gb": peak_gb,
             "wall_s": wall_s}
@@ -177,8 +184,8 @@ def trl(recipe: str, steps: int, work: Path) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        recipe, steps, prompts, model, out = sys.argv[2:7]
-        trl_worker(recipe, int(steps), Path(prompts), Path(model), Path(out))
+        recipe, steps, prompts, model, out, threads = sys.argv[2:8]
+        trl_worker(recipe, int(steps), Path(prompts), Path(model), Path(out), int(threads))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
@@ -186,6 +193,8 @@ def main() -> None:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--sync-too", action="store_true", help="also run our stack strictly on-policy")
+    ap.add_argument("--trl-threads", default="0",
+                    help="comma list of torch thread counts, one TRL run each (0: torch's default, every core)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix=f"molt-bench-e2e-{args.recipe}-"))
@@ -195,8 +204,10 @@ def main() -> None:
         if args.sync_too:
             results.append(ours(args.recipe, args.steps, work, sync=True))
     if not args.skip_trl:
-        results.append(trl(args.recipe, args.steps, work))
-    base = next((r for r in results if r["impl"].startswith("TRL")), None)
+        for threads in args.trl_threads.split(","):
+            results.append(trl(args.recipe, args.steps, work, int(threads)))
+    trl_runs = [r for r in results if r["impl"].startswith("TRL")]
+    base = max(trl_runs, key=lambda r: r["samples_per_s"]) if trl_runs else None
     print(f"recipe {args.recipe}, {args.steps} steps; logs in {work}")
     print("| impl | samples/s | s/step | reward first 10% | reward last 10% | peak memory GB | vs TRL samples/s |")
     print("|---|---|---|---|---|---|---|")

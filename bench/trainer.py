@@ -7,7 +7,10 @@
 2. One train step (``Learner.train_step``: old-logprob pass + advantages + fwd/bwd/AdamW through
    FSDP2 in a world of one), vs the limit: a bare transformers loop doing one fwd/bwd/AdamW over the
    same padded tokens with the same micro-batch size. Reported with and without
-   ``--train.force_on_policy`` (which skips the old-logprob forward, as in Molt).
+   ``--train.force_on_policy`` (which skips the old-logprob forward, as in Molt), and with shared-prefix
+   packing off (``--train.pack_shared_prefix false``). The trajectories are GRPO-shaped: groups of 4
+   samples share their prompt (the first quarter of the tokens), so packing computes it once per group;
+   tokens/s counts the plain layout's tokens on every row, so the ratios compare wall time.
 Prints a markdown table (tokens/s, ratio to the limit).
 """
 
@@ -33,11 +36,13 @@ from molt.schema import Segment, Trajectory, decode, encode  # noqa: E402
 def make(n: int, tokens: int, vocab: int) -> list[Trajectory]:
     rng = np.random.default_rng(0)
     out = []
+    prompt = tokens // 4
     for i in range(n):
+        if i % 4 == 0:
+            shared = rng.integers(3, vocab, prompt)
         t = tokens - (i % 7) * 8
-        prompt = t // 4
-        seg = Segment(rng.integers(3, vocab, t), [[prompt, t]], -rng.uniform(0.1, 3, t - prompt),
-                      np.zeros(t - prompt, dtype=int))
+        ids = np.concatenate([shared, rng.integers(3, vocab, t - prompt)])
+        seg = Segment(ids, [[prompt, t]], -rng.uniform(0.1, 3, t - prompt), np.zeros(t - prompt, dtype=int))
         out.append(Trajectory(f"t{i}", f"g{i // 4}", i % 4, [seg], float(i % 2)))
     return out
 
@@ -89,7 +94,9 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
 
     result = {"bare": tokens / best(bare, repeat)}
     info = init_distributed()
-    for name, extra in (("learner", []), ("learner_force_on_policy", ["--train.force_on_policy"])):
+    for name, extra in (("learner", []), ("learner_force_on_policy", ["--train.force_on_policy"]),
+                        ("learner_force_on_policy_plain_layout", ["--train.force_on_policy",
+                                                                  "--train.pack_shared_prefix", "false"])):
         s = parse_settings(TrainerSettings, [
             "--actor.model_name_or_path", model_dir, "--train.dispatch", "false", "--algo.kl.init_coef", "0",
             "--train.batch_size", str(len(samples)), "--train.micro_batch_size", str(micro),
@@ -118,7 +125,7 @@ def main() -> None:
     n = len(trajs)
     print(f"| batch assembly (traj/s) | {n / ours_s:,.0f} | {n / dec_s:,.0f} (schema decode only) | "
           f"{dec_s / ours_s:.2f} |")
-    for name in ("learner", "learner_force_on_policy"):
+    for name in ("learner", "learner_force_on_policy", "learner_force_on_policy_plain_layout"):
         print(f"| train step, {name} (tokens/s) | {steps[name]:,.0f} | {steps['bare']:,.0f} (bare fwd/bwd/AdamW) | "
               f"{steps[name] / steps['bare']:.2f} |")
 

@@ -123,7 +123,8 @@ def run_stack(opts: UpOptions) -> dict:
             trainer_flags += ["--train.async_queue_size", "1", "--train.force_sync_mode", "true"]
         trainer = sup.start(ManagedProcess("trainer", _py("services.trainer", *trainer_flags,
                                                           *extra.get("trainer", [])),
-                                           run_dir / "trainer.log", None, env))
+                                           run_dir / "trainer.log", None,
+                                           {**env, "OMP_NUM_THREADS": str(recipe.trainer_threads)}))
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         while trainer.alive():
             for p in sup.procs:

@@ -107,6 +107,12 @@ class TrainConfig(Section):
     """Strictly on-policy dispatch: batch k is dispatched only after step k-1's weights are pushed."""
     routing_replay: bool = False
     """Replay the rollout's MoE top-k expert choice (Trajectory routed_experts) in training forwards."""
+    pack_shared_prefix: bool = True
+    """Compute each group's common prompt prefix once per micro-batch (rows of prefix + each sample's rest under
+    a 4-D attention mask) and the LM head only at action steps. Same log-probs, fewer tokens; needs sdpa or eager
+    attention (otherwise, and under routing replay, the plain padded layout is used)."""
+    pack_max_tokens: int = Field(2048, gt=0)
+    """Longest packed row in tokens; a group that does not fit is split over rows that repeat its prefix."""
     dispatch: bool = True
     """Drive rollouts: dispatch prompts to --envs.urls. False: only consume what others put on the stream."""
     plugins: list[str] = []

@@ -38,6 +38,7 @@ from molt.algorithms import (
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
 from services.trainer.config import TrainerSettings, needs_critic, needs_reference
 from services.trainer.model import DistInfo, freeze_router, load_causal_lm, load_critic
+from services.trainer.packing import pack, packed_token_logprobs, plan_group_chunks
 
 log = logging.getLogger("molt.trainer")
 
@@ -97,6 +98,7 @@ class Learner:
                 freeze_router(self.critic)
             self.critic_optim, self.critic_sched = _optimizer(
                 [p for p in self.critic.parameters() if p.requires_grad], settings.critic, total_steps)
+        self.packing = self._packing_usable()
         self.policy_loss = build_policy_loss(a, settings.algo)
         self.kl_ctl = build_kl_controller(settings.algo)
         self.global_step = 0
@@ -104,7 +106,27 @@ class Learner:
 
     # ---- forwards
 
-    def _logp(self, model, mb: MicroBatch, replay: bool):
+    def _packing_usable(self) -> bool:
+        """``--train.pack_shared_prefix``, where the model and the flags allow a 4-D mask (module docstring)."""
+        if not self.s.train.pack_shared_prefix:
+            return False
+        attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
+        why = None
+        if attn not in ("sdpa", "eager"):
+            why = f"attention implementation {attn!r} takes no 4-D mask"
+        elif self.replay is not None:
+            why = "routing replay needs the plain token layout"
+        elif self.s.actor.aux_loss_coef > 0:
+            why = "the MoE aux loss needs the plain token layout"
+        if why:
+            log.info("--train.pack_shared_prefix: off (%s)", why)
+        return why is None
+
+    def _logp(self, model, mb: MicroBatch, replay: bool, chunk: list[Sample]):
+        if self.packing and chunk:
+            rows = pack(chunk, self.s.train.pack_max_tokens)
+            logp, entropy = packed_token_logprobs(model, rows, len(chunk), mb.action_mask.shape[1], self.temperature)
+            return logp, entropy, None
         ctx = self.replay.active(mb.routed_experts) if (replay and self.replay) else contextlib.nullcontext()
         kwargs = {"output_router_logits": True} if (model is self.actor and self.s.actor.aux_loss_coef > 0) else {}
         with ctx:
@@ -115,6 +137,9 @@ class Learner:
     def _my_chunks(self, samples: list[Sample], indices: list[int]) -> list[list[int]]:
         """This rank's micro-batches of ``indices``, padded to the count of the busiest rank."""
         mbs = self.s.train.micro_batch_size
+        if self.packing:  # keep each group's samples in one micro-batch, so they share a prefix row
+            mine, count = plan_group_chunks(samples, indices, self.dp_size, self.dp_rank, mbs)
+            return mine + [[] for _ in range(count - len(mine))]
         ranks = partition([samples[i].num_tokens for i in indices], self.dp_size)
         count = max(math.ceil(len(r) / mbs) for r in ranks)
         return micro_batches([indices[j] for j in ranks[self.dp_rank]], mbs, count)
@@ -126,12 +151,13 @@ class Learner:
         want_old = not (s.train.force_on_policy and beta == 0)
         mine: dict[int, dict] = {}
         for chunk in self._my_chunks(samples, list(range(len(samples)))):
-            mb = collate([samples[i] for i in chunk] or [padding_sample()]).to(self.info.device)
+            batch = [samples[i] for i in chunk] or [padding_sample()]
+            mb = collate(batch).to(self.info.device)
             res = {}
             if want_old:
-                res["old_logp"] = self._logp(self.actor, mb, replay=True)[0]
+                res["old_logp"] = self._logp(self.actor, mb, replay=True, chunk=batch)[0]
             if self.ref is not None:
-                res["ref_logp"] = self._logp(self.ref, mb, replay=False)[0]
+                res["ref_logp"] = self._logp(self.ref, mb, replay=False, chunk=batch)[0]
             if self.critic is not None:
                 res["values"] = self.critic(mb.input_ids, mb.attention_mask)
             for row, i in enumerate(chunk):
@@ -179,9 +205,11 @@ class Learner:
                 chunks = self._my_chunks(samples, window)
                 for j, chunk in enumerate(chunks):
                     last = j == len(chunks) - 1
-                    mb = collate([samples[i] for i in chunk] or [padding_sample()]).to(self.info.device)
+                    batch = [samples[i] for i in chunk] or [padding_sample()]
+                    mb = collate(batch).to(self.info.device)
                     if train_actor:
-                        self._actor_micro(mb, n_window, last, sums, pods if epoch == 0 else None, samples, chunk)
+                        self._actor_micro(mb, batch, n_window, last, sums, pods if epoch == 0 else None, samples,
+                                          chunk)
                     if self.critic is not None:
                         self._critic_micro(mb, n_window, last, sums)
                 if train_actor:
@@ -203,10 +231,10 @@ class Learner:
         self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
         return metrics
 
-    def _actor_micro(self, mb, n_window, last, sums, pods, samples, chunk) -> None:
+    def _actor_micro(self, mb, batch, n_window, last, sums, pods, samples, chunk) -> None:
         s, world = self.s, self.dp_size
         _set_sync(self.actor, last)
-        logp, entropy, aux = self._logp(self.actor, mb, replay=True)
+        logp, entropy, aux = self._logp(self.actor, mb, replay=True, chunk=batch)
         mask = mb.action_mask
         out = self.policy_loss(logp, mb.old_logp, mb.advantages, mask, num_window_tokens=n_window, dp_size=world,
                                rollout_logp=mb.rollout_logp, entropy=entropy.detach())

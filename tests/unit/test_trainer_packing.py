@@ -1,0 +1,74 @@
+"""Shared-prefix packing layout (services/trainer/packing.py): hand-checked rows, masks and positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.trainer.batch import Sample, padding_sample
+from services.trainer.packing import common_prefix_len, pack, plan_group_chunks
+
+
+def _sample(tokens, group, actions_from):
+    t = torch.tensor(tokens)
+    mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
+    mask[actions_from - 1:] = True  # steps that predict tokens actions_from..
+    return Sample(f"t{tokens}", group, 0, 0.0, None, "p", t, mask, torch.zeros(len(tokens) - 1),
+                  torch.zeros(len(tokens) - 1, dtype=torch.long))
+
+
+def test_common_prefix_len():
+    a, b = np.array([1, 2, 3, 4]), np.array([1, 2, 9])
+    assert common_prefix_len([a, b]) == 2
+    assert common_prefix_len([a, a[:3]]) == 3
+    assert common_prefix_len([a, np.array([7])]) == 0
+
+
+def test_group_shares_one_row():
+    s = [_sample([5, 6, 7, 10, 11], "g", 3), _sample([5, 6, 7, 20], "g", 3)]
+    rows = pack(s, 2048)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 10, 11, 20]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    m = rows.attention_mask[0, 0].int().tolist()
+    assert m == [[1, 0, 0, 0, 0, 0],
+                 [1, 1, 0, 0, 0, 0],
+                 [1, 1, 1, 0, 0, 0],
+                 [1, 1, 1, 1, 0, 0],
+                 [1, 1, 1, 1, 1, 0],
+                 [1, 1, 1, 0, 0, 1]]
+    # Sample 0 predicts tokens 3, 4 from row positions 2 (shared prefix end) and 3; sample 1 token 3 from 2.
+    assert rows.flat_index.tolist() == [2, 3, 2]
+    assert rows.targets.tolist() == [10, 11, 20]
+    assert rows.sample_row.tolist() == [0, 0, 1]
+    assert rows.step.tolist() == [2, 3, 2]
+
+
+def test_groups_without_a_common_prefix_get_plain_rows_and_padding_attends_to_itself():
+    s = [_sample([1, 2, 3], "a", 1), _sample([4, 5], "b", 1)]
+    rows = pack(s, 2048)
+    assert rows.input_ids.tolist() == [[1, 2, 3], [4, 5, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert rows.attention_mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    assert rows.flat_index.tolist() == [0, 1, 3]  # row 1 starts at flat position 3
+
+
+def test_a_long_group_splits_over_rows_that_repeat_the_prefix():
+    s = [_sample([9, 9, 1, 1, 1], "g", 2), _sample([9, 9, 2, 2, 2], "g", 2), _sample([9, 9, 3, 3, 3], "g", 2)]
+    rows = pack(s, 8)  # prefix 2 + rests of 3: two rests per row
+    assert rows.input_ids.tolist() == [[9, 9, 1, 1, 1, 2, 2, 2], [9, 9, 3, 3, 3, 0, 0, 0]]
+    assert sorted(set(rows.sample_row.tolist())) == [0, 1, 2]
+
+
+def test_padding_sample_packs_to_an_empty_selection():
+    rows = pack([padding_sample()], 2048)
+    assert rows.flat_index.numel() == 0 and rows.input_ids.shape == (1, 2)
+
+
+def test_group_chunks_keep_groups_together_over_ranks():
+    s = [_sample([1, 2, 3], f"g{i // 4}", 1) for i in range(16)]
+    plans = [plan_group_chunks(s, list(range(16)), 2, r, 8) for r in range(2)]
+    for chunks, count in plans:
+        assert count == 1 and len(chunks) == 1
+        groups = [s[i].group_id for i in chunks[0]]
+        assert len(set(groups)) == 2 and all(groups.count(g) == 4 for g in set(groups))
+    assert sorted(i for chunks, _ in plans for c in chunks for i in c) == list(range(16))
