@@ -11,8 +11,9 @@ Only the log-probs of action steps are needed (step k predicts token k+1, see ``
 states of just those positions go through the LM head and the log-softmax (``select_hidden``): with a
 49k vocabulary that is most of the head's cost on prompt-heavy batches.
 
-Rows never exceed ``max_row_tokens``: a group too long for one row is split over several rows that each
-repeat the prefix. The 4-D mask is ``rows x L x L`` booleans, so keep the cap in the low thousands.
+Rows never exceed ``max_row_tokens`` and never cost more attention than their members unpacked (the 4-D mask
+is dense: a row's attention grows with its length squared); a group that does not fit is split over rows
+that each repeat the prefix. The mask is ``rows x L x L`` booleans, so keep the cap in the low thousands.
 Needs an attention implementation that takes a 4-D mask (sdpa, eager); the learner falls back to the
 plain layout otherwise (flash attention on GPU), and for routing replay (routing is per token of the
 plain layout).
@@ -64,16 +65,20 @@ def common_prefix_len(seqs: list[np.ndarray]) -> int:
 
 
 def _rows_of_group(lengths: list[int], prefix: int, max_row_tokens: int) -> list[list[int]]:
-    """Split a group's members over rows of at most ``max_row_tokens`` (a member always fits alone)."""
+    """Greedy rows of a group's members. A member joins the current row while the row stays within
+    ``max_row_tokens`` and its attention work (row length squared: the 4-D mask is dense) stays within what
+    its members cost unpacked (the sum of their lengths squared). So packing only removes work: short rests
+    after a long shared prompt pack; long rests after a short prompt stay one per row (the plain layout)."""
     rows: list[list[int]] = []
-    used = max_row_tokens + 1
+    row_len = plain = 0
     for j, n in enumerate(lengths):
-        rest = n - prefix
-        if used + rest > max_row_tokens:
-            rows.append([])
-            used = prefix
-        rows[-1].append(j)
-        used += rest
+        grown = row_len + n - prefix
+        if rows and grown <= max_row_tokens and grown * grown <= plain + n * n:
+            rows[-1].append(j)
+            row_len, plain = grown, plain + n * n
+        else:
+            rows.append([j])
+            row_len, plain = n, n * n
     return rows
 
 

@@ -53,10 +53,17 @@ def test_groups_without_a_common_prefix_get_plain_rows_and_padding_attends_to_it
 
 
 def test_a_long_group_splits_over_rows_that_repeat_the_prefix():
-    s = [_sample([9, 9, 1, 1, 1], "g", 2), _sample([9, 9, 2, 2, 2], "g", 2), _sample([9, 9, 3, 3, 3], "g", 2)]
-    rows = pack(s, 8)  # prefix 2 + rests of 3: two rests per row
-    assert rows.input_ids.tolist() == [[9, 9, 1, 1, 1, 2, 2, 2], [9, 9, 3, 3, 3, 0, 0, 0]]
+    s = [_sample([9] * 6 + [k, k], "g", 6) for k in (1, 2, 3)]
+    rows = pack(s, 10)  # prefix 6 + rests of 2: two rests per row
+    assert rows.input_ids.tolist() == [[9] * 6 + [1, 1, 2, 2], [9] * 6 + [3, 3, 0, 0]]
     assert sorted(set(rows.sample_row.tolist())) == [0, 1, 2]
+
+
+def test_long_rests_after_a_short_prefix_stay_unpacked():
+    # Packing two would make one row of 2 + 6 + 6 = 14 tokens: 196 attention pairs against 64 + 64 unpacked.
+    s = [_sample([9, 9] + [k] * 6, "g", 2) for k in (1, 2)]
+    rows = pack(s, 2048)
+    assert rows.input_ids.tolist() == [[9, 9] + [1] * 6, [9, 9] + [2] * 6]
 
 
 def test_padding_sample_packs_to_an_empty_selection():
