@@ -25,7 +25,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from molt.algorithms import (
     approx_kl,
@@ -38,7 +37,7 @@ from molt.algorithms import (
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
 from services.trainer.config import TrainerSettings, needs_critic, needs_reference
 from services.trainer.model import DistInfo, freeze_router, load_causal_lm, load_critic
-from services.trainer.packing import pack, packed_token_logprobs, plan_group_chunks
+from services.trainer.packing import logprobs_and_entropy, pack, packed_token_logprobs, plan_group_chunks
 
 log = logging.getLogger("molt.trainer")
 
@@ -58,10 +57,7 @@ def _optimizer(params, cfg, total_steps: int):
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float):
     """(log-prob of each next token [B, T-1], entropy [B, T-1]) on logits / temperature."""
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
 # Key of the staleness-free mismatch accumulator inside the per-pod sums (never a pod name).

@@ -134,6 +134,13 @@ def pack(samples: list[Sample], max_row_tokens: int) -> PackedRows:
                       cat(flat), cat(targets), cat(sample_row), cat(steps))
 
 
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log-prob of ``targets``, entropy), both shaped like ``targets``, on fp32 logits / temperature."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    picked = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked, -(logp_all.exp() * logp_all).sum(-1)
+
+
 @contextlib.contextmanager
 def select_hidden(head: nn.Module, flat_index: Tensor):
     """While active, ``head`` (the LM head) sees only the hidden states at ``flat_index`` ([1, N, D])."""
@@ -159,10 +166,7 @@ def packed_token_logprobs(model: nn.Module, rows: PackedRows, num_samples: int, 
     with select_hidden(model.get_output_embeddings(), index):
         out = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
                     use_cache=False)
-    logits = out.logits[0, : rows.flat_index.numel()].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(-1, rows.targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    picked, entropy = logprobs_and_entropy(out.logits[0, : rows.flat_index.numel()], rows.targets, temperature)
     logp = torch.zeros(num_samples, num_steps, dtype=picked.dtype)
     ent = torch.zeros(num_samples, num_steps, dtype=entropy.dtype)
     logp = logp.index_put((rows.sample_row, rows.step), picked)
