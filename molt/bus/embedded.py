@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from molt.net import free_port
+
 
 def find_redis_server() -> str:
     path = shutil.which("redis-server")
@@ -32,17 +34,11 @@ def find_redis_server() -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url`` runs a private redis-server for the block."""
 
     def __init__(self, port: int | None = None, log_dir: str | Path | None = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.log_dir = Path(log_dir) if log_dir else None
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None

@@ -17,15 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from molt.net import free_port
 from molt.stack.procs import ManagedProcess, ServiceFailed, Supervisor
 from molt.stack.recipes import RECIPES, ROOT, Recipe, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(recipe: Recipe, cache: Path) -> Path:
@@ -162,4 +157,4 @@ def _wait_tcp(port: int, timeout_s: float = 10.0) -> None:
     raise ServiceFailed(f"redis did not listen on {port}")
 
 
-__all__ = ["UpOptions", "free_port", "run_stack"]
+__all__ = ["UpOptions", "run_stack"]

@@ -68,12 +68,6 @@ def _gloo(store, rank: int, world_size: int, group_name: str, timeout_s: float, 
     return ProcessGroupGloo(PrefixStore(f"molt-weightsync/{group_name}", store), rank, world_size, opts)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def host_store(host: str, world_size: int, timeout_s: float, port: int = 0):
     """The trainer's TCPStore (gloo); returns (store, bound port)."""
     from torch.distributed import TCPStore

@@ -28,6 +28,7 @@ import torch
 
 from molt._proto import weightsync_pb2 as pb
 from molt.metrics import Metrics
+from molt.net import free_port
 from molt.weightsync import collective as coll
 from molt.weightsync.client import GrpcPodClient, PodClient, PodError
 from molt.weightsync.layout import (DEFAULT_BUCKET_BYTES, DEFAULT_CHECKSUM, DEFAULT_CHUNK_BYTES, Hasher, Layout,
@@ -308,7 +309,7 @@ class WeightPusher:
         if backend == "gloo":
             store, port = coll.host_store(host, world, timeout_s)
         else:
-            port = coll.free_port(host)
+            port = free_port(host)
         name = uuid.uuid4().hex[:12]
         loop = asyncio.get_running_loop()
         mine = loop.run_in_executor(None, lambda: coll.join(backend, host, port, 0, world, name, timeout_s,

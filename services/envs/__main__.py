@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 
 import uvicorn
 
 from molt.config import parse_settings
+from molt.net import listening_socket
 from services.envs.app import build_app
 from services.envs.config import EnvsSettings, normalize_argv
 
@@ -22,13 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         app = build_app(settings)
     except ValueError as exc:
         sys.exit(f"python -m services.envs: error: {exc}")
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.server.host, settings.server.port))
-    host, port = sock.getsockname()[:2]
-    sock.listen(2048)  # before the line below: a client that connects at once is queued, not refused
-    # One line a supervisor (or a test) can parse for the chosen port.
-    print(f"molt-envs listening on http://{host}:{port}", flush=True)
+    sock = listening_socket("envs", settings.server.host, settings.server.port)
     # uvicorn handles SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False,
                             timeout_graceful_shutdown=int(settings.envs.episode_timeout_s) + 5)

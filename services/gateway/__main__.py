@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
-import socket
 import sys
 
 import uvicorn
 
 from molt.config import parse_settings
+from molt.net import listening_socket
 from services.gateway.app import build_app
 from services.gateway.config import GatewaySettings
 from services.gateway.server import CoalescingHttpToolsProtocol
@@ -24,13 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     # garbage collection would walk again (tens of ms, a p99 spike on the request path). Freeze them.
     gc.collect()
     gc.freeze()
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.server.host, settings.server.port))
-    host, port = sock.getsockname()[:2]
-    sock.listen(2048)  # before the line below: a client that connects at once is queued, not refused
-    # One line a supervisor (or a test) can parse for the chosen port.
-    print(f"molt-gateway listening on http://{host}:{port}", flush=True)
+    sock = listening_socket("gateway", settings.server.host, settings.server.port)
     config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
                             http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10)
     uvicorn.Server(config).run(sockets=[sock])
