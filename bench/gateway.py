@@ -72,6 +72,18 @@ async def run_load(n: int, concurrency: int, one) -> tuple[list[float], list[flo
     return lat, added, n / (time.perf_counter() - start)
 
 
+async def pod_stats(client, pod: str) -> dict | None:
+    """The pod's engine counters (steps, seconds in step()); None for a pod without them (instant pod)."""
+    async with client.get(pod + "/v1/stats") as r:
+        return await r.json() if r.status == 200 else None
+
+
+def add_steps(steps: dict, step_s: dict, side: str, before: dict | None, after: dict | None) -> None:
+    if before and after and "steps" in before:
+        steps[side] += after["steps"] - before["steps"]
+        step_s[side] += after["step_s"] - before["step_s"]
+
+
 def cpu_s(pid: int | None) -> float:
     if pid is None:
         return 0.0
@@ -131,19 +143,23 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int
             await run_load(2 * c, c, via_gateway(await open_sessions(2 * c), prompts(2 * c)))
             d_lat, g_lat, g_added, d_rps, g_rps = [], [], [], [], []
             gw_cpu = pod_cpu_direct = pod_cpu_gw = client_direct = client_gw = 0.0
+            steps = {"direct": 0.0, "gw": 0.0}
+            step_s = {"direct": 0.0, "gw": 0.0}
             for _ in range(args.rounds):  # alternate so drift on a shared machine hits both paths alike
                 one = direct(prompts(n))
-                p0, m0 = cpu_s(pod_pid), cpu_s(me)
+                p0, m0, s0 = cpu_s(pod_pid), cpu_s(me), await pod_stats(client, pod)
                 lat, _, rps = await run_load(n, c, one)
                 pod_cpu_direct += cpu_s(pod_pid) - p0
+                add_steps(steps, step_s, "direct", s0, await pod_stats(client, pod))
                 client_direct += cpu_s(me) - m0
                 d_lat += lat
                 d_rps.append(rps)
                 sids = await open_sessions(n)
                 one = via_gateway(sids, prompts(n))
-                p0, g0, m0 = cpu_s(pod_pid), cpu_s(gw_pid), cpu_s(me)
+                p0, g0, m0, s0 = cpu_s(pod_pid), cpu_s(gw_pid), cpu_s(me), await pod_stats(client, pod)
                 lat, added, rps = await run_load(n, c, one)
                 pod_cpu_gw += cpu_s(pod_pid) - p0
+                add_steps(steps, step_s, "gw", s0, await pod_stats(client, pod))
                 gw_cpu += cpu_s(gw_pid) - g0
                 client_gw += cpu_s(me) - m0
                 g_lat += lat
@@ -164,6 +180,10 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int
                 "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * per_req,
                 "client_cpu_ms_per_req_direct": client_direct * per_req,
                 "client_cpu_ms_per_req_via_gateway": client_gw * per_req,
+                "pod_steps_per_req_direct": steps["direct"] / (n * args.rounds),
+                "pod_steps_per_req_via_gateway": steps["gw"] / (n * args.rounds),
+                "pod_step_ms_direct": 1e3 * step_s["direct"] / max(steps["direct"], 1),
+                "pod_step_ms_via_gateway": 1e3 * step_s["gw"] / max(steps["gw"], 1),
             })
             rows[-1]["throughput_ratio"] = rows[-1]["gateway_rps"] / rows[-1]["direct_rps"]
     return rows
@@ -172,15 +192,18 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int
 def table(rows: list[dict]) -> str:
     lines = ["| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms (target < 2 / < 10) "
              "| direct req/s | gateway req/s | ratio (target >= 0.90) | gateway CPU ms/req "
-             "| pod CPU ms/req direct / via gw | client CPU ms/req direct / via gw |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pod CPU ms/req direct / via gw | client CPU ms/req direct / via gw "
+             "| pod steps/req (ms/step) direct / via gw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
                      f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | "
                      f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
                      f"{r['gateway_rps']:.0f} | {r['throughput_ratio']:.2f} | {r['gateway_cpu_ms_per_req']:.2f} | "
                      f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} | "
-                     f"{r['client_cpu_ms_per_req_direct']:.2f} / {r['client_cpu_ms_per_req_via_gateway']:.2f} |")
+                     f"{r['client_cpu_ms_per_req_direct']:.2f} / {r['client_cpu_ms_per_req_via_gateway']:.2f} | "
+                     f"{r['pod_steps_per_req_direct']:.3f} ({r['pod_step_ms_direct']:.2f}) / "
+                     f"{r['pod_steps_per_req_via_gateway']:.3f} ({r['pod_step_ms_via_gateway']:.2f}) |")
     return "\n".join(lines)
 
 
@@ -195,6 +218,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=1,
                    help="Sessions that share a first turn (GRPO's n samples per prompt); 1: every prompt differs, so "
                         "the gateway's first-turn prompt cache never hits.")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request per call.")
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     p.add_argument("--instant-pod", action="store_true",
                    help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
@@ -227,7 +252,7 @@ def main() -> None:
             procs.append(proc)
             pod_pid = proc.pid
         proc, gw = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
-                                  "--session.max_length", "1024"], logs / "gateway.log", prefix=gw_prefix)
+                                  "--session.max_length", "1024", *args.gateway_arg], logs / "gateway.log", prefix=gw_prefix)
         procs.append(proc)
         model = ChatModel(args.model)
         gc.collect()

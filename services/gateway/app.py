@@ -36,7 +36,7 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     metrics = gateway_metrics()
     rc = settings.rollout
     client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
-    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s)
+    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream)
     queue = queue or open_queue(settings.redis, metrics)
     gw = Gateway(settings, model, pool, queue, metrics)
 
@@ -49,6 +49,7 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            pool.close()
             await client.close()
             await queue.close()
 

@@ -20,6 +20,10 @@ class RolloutClientConfig(Section):
     """Seconds between /readyz probes of every pod (an unhealthy pod gets no new sessions)."""
     max_connections: int = 4096
     """Connection pool size shared by all pods."""
+    stream: bool = True
+    """Send generate calls to each pod over one long-lived full-duplex stream (POST /v1/generate_stream): each
+    call is one line written at once, each answer one line back the moment it is done. Saves both ends the
+    per-request HTTP work; pods without the endpoint get single calls. Off: one HTTP request per call."""
 
     @model_validator(mode="after")
     def _split(self) -> "RolloutClientConfig":

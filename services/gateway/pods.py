@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.metrics import Metrics
+from services.gateway.channel import UNSUPPORTED, PodChannel
 from services.gateway.errors import GatewayError, PodUnavailable
 from services.gateway.transport import PodConnectionError, PodTransport, generate_body, json_loads
 
@@ -33,6 +34,8 @@ class Pod:
     last_error: str = ""
     inflight_gauge: Any = field(default=None, repr=False, compare=False)
     """This pod's ``molt_gateway_pod_inflight_requests`` child, looked up once (``.labels`` is slow)."""
+    channel: PodChannel | None = field(default=None, repr=False, compare=False)
+    """This pod's generate stream; None: one HTTP request per call (--rollout.stream off, or a test transport)."""
 
     @property
     def load(self) -> tuple[int, int]:
@@ -59,6 +62,19 @@ class PodFailed(Exception):
         self.reason = reason
 
 
+def _error_text(answer: dict | bytes | None) -> str:
+    """A pod error's message: from the OpenAI error object of a stream answer line or a JSON body, else the raw text."""
+    if isinstance(answer, bytes):
+        try:
+            answer = json.loads(answer)
+        except ValueError:
+            return answer[:500].decode(errors="replace")
+    try:
+        return str(answer["error"]["message"])  # type: ignore[index]
+    except (KeyError, TypeError):
+        return repr(answer)[:500]
+
+
 def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
     """Accept plain floats, or per-token {id: logprob} / {"logprob": x} entries."""
     if not isinstance(raw, list) or len(raw) != len(token_ids):
@@ -77,7 +93,7 @@ def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
 
 class PodPool:
     def __init__(self, urls: list[str], client: PodTransport, metrics: Metrics,
-                 health_interval_s: float = 2.0) -> None:
+                 health_interval_s: float = 2.0, stream: bool = True) -> None:
         self.pods = {u: Pod(u) for u in urls}
         self.client = client
         self.metrics = metrics
@@ -87,6 +103,7 @@ class PodPool:
             metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1)
             pod.inflight_gauge = metrics["molt_gateway_pod_inflight_requests"].labels(pod.url)
             pod.inflight_gauge.set(0)
+            pod.channel = client.channel(pod.url) if stream else None
 
     def get(self, url: str) -> Pod:
         return self.pods[url]
@@ -109,14 +126,22 @@ class PodPool:
         self.metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1 if healthy else 0)
 
     async def generate(self, pod: Pod, prompt_ids: list[int], sampling_params: dict) -> list[Generation]:
-        """One /v1/generate call; one Generation per output (n > 1 only for session-less requests)."""
+        """One generate call, over the pod's stream where it has one; one Generation per output (n > 1 only
+        for session-less requests)."""
         body = generate_body(prompt_ids, sampling_params)
         gauge = pod.inflight_gauge
         pod.inflight += 1
         gauge.set(pod.inflight)
-        start = time.perf_counter()
         try:
-            status, raw, answered = await self.client.post_json(pod.url + "/v1/generate", body)
+            answer: dict | bytes | None
+            channel = pod.channel
+            streamed = await channel.generate(body) if channel is not None and channel.supported is not False \
+                else UNSUPPORTED
+            if streamed is UNSUPPORTED:
+                start = time.perf_counter()
+                status, answer, answered = await self.client.post_json(pod.url + "/v1/generate", body)
+            else:
+                status, answer, start, answered = streamed  # type: ignore[misc]
         except PodConnectionError as exc:
             self.set_health(pod, False, str(exc))
             raise PodFailed(pod, str(exc)) from None
@@ -126,15 +151,11 @@ class PodPool:
         wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
         if status >= 500:
             self.set_health(pod, False, f"HTTP {status}")
-            raise PodFailed(pod, f"HTTP {status}: {raw[:200]!r}")
+            raise PodFailed(pod, f"HTTP {status}: {_error_text(answer)}")
         if status >= 400:
-            try:
-                msg = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = raw[:500].decode(errors="replace")
-            raise GatewayError(400, f"rollout pod rejected the request: {msg}", code="invalid_request")
+            raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code="invalid_request")
         try:
-            data = json_loads(raw)
+            data = json_loads(answer) if isinstance(answer, bytes) else answer
             version = int(data.get("policy_version", 0))
             gens = []
             for out in data["outputs"]:
@@ -146,13 +167,18 @@ class PodPool:
                                        int(out.get("policy_version", version)), pod.url, wait_s))
             if not gens:
                 raise ValueError("no outputs")
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             # Never record tokens we cannot align with logprobs: treat it as a failed pod.
             self.set_health(pod, False, f"malformed answer: {exc}")
             raise PodFailed(pod, f"malformed /v1/generate answer ({exc})") from None
         pod.policy_version = version
         self.policy_version = max(self.policy_version, version)
         return gens
+
+    def close(self) -> None:
+        for pod in self.pods.values():
+            if pod.channel is not None:
+                pod.channel.close()
 
     # ---- health
 

@@ -53,6 +53,11 @@ class PodTransport(abc.ABC):
         so time spent queued on the event loop afterwards counts as the gateway's, not the pod's).
         Raises PodConnectionError on transport failure."""
 
+    def channel(self, url: str) -> Any:
+        """A ``PodChannel`` (one full-duplex generate stream) to the pod at ``url``, or None where this
+        transport has none: the pool then sends one request per call."""
+        return None
+
     @abc.abstractmethod
     async def get(self, url: str, timeout_s: float) -> int:
         """GET; the status. Raises PodConnectionError on transport failure."""
@@ -230,6 +235,11 @@ class HttpTransport(PodTransport):
                     conn.close()
                 return answer
         raise AssertionError("unreachable")
+
+    def channel(self, url: str) -> Any:
+        from services.gateway.channel import PodChannel  # it builds on this module
+
+        return PodChannel(url, self.connect_timeout_s, self.timeout_s)
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         head = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)

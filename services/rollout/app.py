@@ -16,6 +16,7 @@ from services.rollout.engine import RolloutEngine
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.params import RolloutInputError
 from services.rollout.routes import generate, router
+from services.rollout.stream import generate_stream
 
 log = logging.getLogger("molt.rollout")
 
@@ -70,6 +71,7 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     app.state.metrics = RolloutMetrics()
     app.state.grpc_server, app.state.grpc_port = None, None
     app.router.add_route("/v1/generate", generate, methods=["POST"])
+    app.router.add_route("/v1/generate_stream", generate_stream, methods=["POST"])
     app.include_router(router)
 
     @app.exception_handler(RolloutInputError)

@@ -58,7 +58,12 @@ async def generate(request: Request) -> Response:
         gone.cancel()
     generated = sum(len(s.token_ids) for s in result.samples)
     metrics.request_done("ok", result.prompt_token_count, generated)
-    return _json({
+    return _json(result_json(result))
+
+
+def result_json(result) -> dict:
+    """The answer to one generate call (a GenerateResult), as /v1/generate and each /v1/generate_batch line carry it."""
+    return {
         "request_id": result.request_id,
         "policy_version": result.policy_version,
         "prompt_token_count": result.prompt_token_count,
@@ -68,7 +73,7 @@ async def generate(request: Request) -> Response:
              **({"routed_experts": _array(s.routed_experts, "int16")} if s.routed_experts is not None else {})}
             for i, s in enumerate(result.samples)
         ],
-    })
+    }
 
 
 def _array(values, dtype: str) -> dict:

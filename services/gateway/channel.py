@@ -1,0 +1,228 @@
+"""One long-lived, full-duplex generate stream per pod (``POST /v1/generate_stream``, see services/rollout/stream.py).
+
+Each call is written as one NDJSON line of a chunked request body the moment it is ready, and its
+answer comes back as one NDJSON line of the response the moment the pod has it. Against one HTTP
+request per call this saves both ends the per-request HTTP work, and the pod reads calls that arrive
+together in one go, so they join the same engine step. Nothing waits for company: a lone call costs
+one write, as before.
+
+Failure model (the same as single calls, so ``PodPool`` treats both alike): a refused connection, a
+dropped stream, a stream the pod ends early or a call that times out raises ``PodConnectionError``
+for the calls it carried; the next call opens a new stream. A pod that does not know the endpoint
+(404/405, an older pod) makes every call come back as ``UNSUPPORTED``, and the pool sends single calls
+to it from then on. A cancelled call is aborted on the pod with an ``{"abort": [id]}`` line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import ssl
+import time
+from urllib.parse import urlsplit
+
+import httptools
+
+from services.gateway.transport import PodConnectionError, json_loads
+
+log = logging.getLogger("molt.gateway.channel")
+
+UNSUPPORTED = object()
+"""A call's result when the pod has no stream endpoint: send it as a single /v1/generate call."""
+
+PATH = "/v1/generate_stream"
+
+
+class _Stream(asyncio.Protocol):
+    """One open stream: writes call lines as chunks, parses answer lines as they arrive."""
+
+    def __init__(self, channel: PodChannel) -> None:
+        self.channel = channel
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.calls: dict[str, asyncio.Future] = {}
+        self.partial = b""
+        self.status = 0
+        self.error_body: list[bytes] = []
+        self.closed = False
+
+    # ---- writing
+
+    def write_line(self, line: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(b"%x\r\n%s\r\n" % (len(line), line))
+
+    # ---- asyncio.Protocol / httptools callbacks
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        transport.write(b"POST " + self.channel.path + b" HTTP/1.1\r\n" + self.channel.host_header
+                        + b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            # httptools wraps what a callback raised (our _BadLine) in a parser error
+            bad = exc.__context__ if isinstance(exc.__context__, _BadLine) else None
+            self._end(PodConnectionError(f"malformed answer line from the pod: {bad}" if bad is not None else
+                                         f"malformed generate stream from the pod: {exc}"))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            self.error_body.append(body)
+            return
+        data = self.partial + body if self.partial else body
+        end = data.rfind(b"\n")
+        if end < 0:
+            self.partial = data
+            return
+        self.partial = data[end + 1:]
+        at = time.perf_counter()
+        for line in data[:end].split(b"\n"):
+            if line:
+                self._answer(line, at)
+
+    def on_message_complete(self) -> None:
+        if self.status in (404, 405):
+            self.channel.supported = False
+            self._end(None)
+        elif self.status != 200:
+            text = b"".join(self.error_body)[:300].decode(errors="replace")
+            self._end(PodConnectionError(f"generate stream refused: HTTP {self.status}: {text}"))
+        else:
+            self._end(PodConnectionError("the pod ended the generate stream"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(PodConnectionError("the pod closed the generate stream" if exc is None else
+                                     f"generate stream lost: {type(exc).__name__}: {exc}"))
+
+    # ----
+
+    def _answer(self, line: bytes, at: float) -> None:
+        try:
+            answer = json_loads(line)
+            call_id = answer["id"]
+            status = int(answer["status"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _BadLine(f"{exc}: {line[:200]!r}") from None
+        future = self.calls.pop(call_id, None) if isinstance(call_id, str) else None
+        if future is None:
+            if call_id is None:  # the pod could not read a line we sent: never guess which call it was
+                raise _BadLine(f"the pod rejected a call line: {line[:300]!r}")
+            return  # a call we gave up on (cancelled, timed out)
+        if not future.done():
+            future.set_result((status, answer, at))
+
+    def _end(self, exc: PodConnectionError | None) -> None:
+        """Fail every call still on this stream (``exc`` None: the pod has no stream endpoint) and close it."""
+        if self.channel.stream is self:
+            self.channel.stream = None
+        self.closed = True
+        calls, self.calls = self.calls, {}
+        for future in calls.values():
+            if not future.done():
+                if exc is None:
+                    future.set_result(UNSUPPORTED)
+                else:
+                    future.set_exception(exc)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _BadLine(Exception):
+    pass
+
+
+class PodChannel:
+    """The generate stream to one pod, opened on first use and reopened after a failure."""
+
+    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"unsupported pod URL {url!r}: expected http(s)://HOST:PORT")
+        self.url = url
+        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host_header = f"Host: {f'[{self.host}]' if ':' in self.host else self.host}:{self.port}\r\n".encode()
+        self.path = ((parts.path.rstrip("/") or "") + PATH).encode()
+        self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
+        self.supported: bool | None = None
+        """None until known; False: the pod has no stream endpoint (it is then never tried again)."""
+        self.stream: _Stream | None = None
+        self._opening: asyncio.Future | None = None
+        self._ids = itertools.count()
+        self._prefix = os.urandom(4).hex()
+        self.opened = 0
+
+    async def _open(self) -> _Stream:
+        if self.stream is not None and not self.stream.closed:
+            return self.stream
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._connect())
+        opening = self._opening
+        try:
+            return await asyncio.shield(opening)
+        finally:
+            if opening.done() and self._opening is opening:
+                self._opening = None
+
+    async def _connect(self) -> _Stream:
+        loop = asyncio.get_running_loop()
+        try:
+            _, stream = await asyncio.wait_for(
+                loop.create_connection(lambda: _Stream(self), self.host, self.port, ssl=self.ssl),
+                self.connect_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
+        self.stream = stream
+        self.opened += 1
+        return stream
+
+    async def generate(self, body: bytes) -> tuple[int, dict, float, float] | object:
+        """``body``: one /v1/generate request. (status, answer line, sent, answered) or ``UNSUPPORTED``.
+
+        Raises PodConnectionError when the stream fails or the call runs past the timeout."""
+        stream = await self._open()
+        if stream.closed:  # it failed while this call waited for it to open
+            if self.supported is False:
+                return UNSUPPORTED
+            raise PodConnectionError("the generate stream closed as it opened")
+        loop = asyncio.get_running_loop()
+        call_id = f"{self._prefix}-{next(self._ids)}"
+        future = loop.create_future()
+        stream.calls[call_id] = future
+        stream.write_line(b'{"id":"%s",%s\n' % (call_id.encode(), body[1:]))
+        sent = time.perf_counter()
+        timer = loop.call_at(loop.time() + self.timeout_s, self._timed_out, stream, call_id, future)
+        try:
+            result = await future
+        except asyncio.CancelledError:
+            self._abort(stream, call_id)
+            raise
+        finally:
+            timer.cancel()
+        if result is UNSUPPORTED:
+            return UNSUPPORTED
+        status, answer, answered = result
+        return status, answer, sent, answered
+
+    def _abort(self, stream: _Stream, call_id: str) -> None:
+        if stream.calls.pop(call_id, None) is not None and not stream.closed:
+            stream.write_line(b'{"abort":["%s"]}\n' % call_id.encode())
+
+    def _timed_out(self, stream: _Stream, call_id: str, future: asyncio.Future) -> None:
+        self._abort(stream, call_id)
+        if not future.done():
+            future.set_exception(PodConnectionError(f"no answer within {self.timeout_s:g} s"))
+
+    def close(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None and not stream.closed and stream.transport is not None:
+            stream.transport.write(b"0\r\n\r\n")  # end of calls; the pod answers what runs, then ends
+            stream._end(PodConnectionError("the gateway is shutting down"))
