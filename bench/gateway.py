@@ -224,7 +224,8 @@ def main() -> None:
                    help="Sessions that share a first turn (GRPO's n samples per prompt); 1: every prompt differs, so "
                         "the gateway's first-turn prompt cache never hits.")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
-                   help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request per call.")
+                   help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request "
+                        "per call.")
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     p.add_argument("--instant-pod", action="store_true",
                    help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
@@ -257,7 +258,8 @@ def main() -> None:
             procs.append(proc)
             pod_pid = proc.pid
         proc, gw = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
-                                  "--session.max_length", "1024", *args.gateway_arg], logs / "gateway.log", prefix=gw_prefix)
+                                  "--session.max_length", "1024", *args.gateway_arg], logs / "gateway.log",
+                             prefix=gw_prefix)
         procs.append(proc)
         model = ChatModel(args.model)
         gc.collect()

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
-import ssl
 import time
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING
 
 import httptools
 
 from services.gateway.transport import PodConnectionError, json_loads
 
-log = logging.getLogger("molt.gateway.channel")
+if TYPE_CHECKING:
+    from services.gateway.transport import _Origin
 
 UNSUPPORTED = object()
 """A call's result when the pod has no stream endpoint: send it as a single /v1/generate call."""
@@ -58,7 +57,7 @@ class _Stream(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
-        transport.write(b"POST " + self.channel.path + b" HTTP/1.1\r\n" + self.channel.host_header
+        transport.write(b"POST " + self.channel.path + b" HTTP/1.1\r\n" + self.channel.origin.host_header
                         + b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
 
     def data_received(self, data: bytes) -> None:
@@ -142,15 +141,10 @@ class _BadLine(Exception):
 class PodChannel:
     """The generate stream to one pod, opened on first use and reopened after a failure."""
 
-    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"unsupported pod URL {url!r}: expected http(s)://HOST:PORT")
-        self.url = url
-        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
-        self.host_header = f"Host: {f'[{self.host}]' if ':' in self.host else self.host}:{self.port}\r\n".encode()
-        self.path = ((parts.path.rstrip("/") or "") + PATH).encode()
+    def __init__(self, origin: _Origin, base_path: bytes, connect_timeout_s: float, timeout_s: float) -> None:
+        """``origin`` and ``base_path``: the pod's base URL as HttpTransport parsed it (``HttpTransport.channel``)."""
+        self.origin = origin
+        self.path = base_path.rstrip(b"/") + PATH.encode()
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.supported: bool | None = None
         """None until known; False: the pod has no stream endpoint (it is then never tried again)."""
@@ -176,7 +170,8 @@ class PodChannel:
         loop = asyncio.get_running_loop()
         try:
             _, stream = await asyncio.wait_for(
-                loop.create_connection(lambda: _Stream(self), self.host, self.port, ssl=self.ssl),
+                loop.create_connection(lambda: _Stream(self), self.origin.host, self.origin.port,
+                                       ssl=self.origin.ssl),
                 self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None

@@ -62,7 +62,7 @@ class PodFailed(Exception):
         self.reason = reason
 
 
-def _error_text(answer: dict | bytes | None) -> str:
+def _error_text(answer: dict | bytes) -> str:
     """A pod error's message: from the OpenAI error object of a stream answer line or a JSON body, else the raw text."""
     if isinstance(answer, bytes):
         try:
@@ -133,7 +133,7 @@ class PodPool:
         pod.inflight += 1
         gauge.set(pod.inflight)
         try:
-            answer: dict | bytes | None
+            answer: dict | bytes
             channel = pod.channel
             streamed = await channel.generate(body) if channel is not None and channel.supported is not False \
                 else UNSUPPORTED

@@ -239,7 +239,8 @@ class HttpTransport(PodTransport):
     def channel(self, url: str) -> Any:
         from services.gateway.channel import PodChannel  # it builds on this module
 
-        return PodChannel(url, self.connect_timeout_s, self.timeout_s)
+        origin, path = self._target(url)
+        return PodChannel(origin, path, self.connect_timeout_s, self.timeout_s)
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         head = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)

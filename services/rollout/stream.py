@@ -54,23 +54,19 @@ def _error(exc: BaseException) -> tuple[int, dict, str]:
                  "code": "internal_error"}, "error"
 
 
-def _check_call(call: object) -> str:
-    """The call's id; raises RolloutInputError (with the id when there is one) for a malformed call line."""
+def _check_call(call: object) -> tuple[str | None, RolloutInputError | None]:
+    """(the call's id, what is wrong with the line or None); the id is None where the line has none."""
     if not isinstance(call, dict):
-        raise RolloutInputError("each line must be a JSON object: a call or {\"abort\": [ids]}", param=None)
+        return None, RolloutInputError('each line must be a JSON object: a call or {"abort": [ids]}', param=None)
     call_id = call.get("id")
     if not isinstance(call_id, str) or not call_id:
-        raise RolloutInputError("a call needs a non-empty string 'id' (its answer line carries it back)", param="id")
+        return None, RolloutInputError("a call needs a non-empty string 'id' (its answer line carries it back)",
+                                       param="id")
     unknown = sorted(set(call) - CALL_KEYS)
     if unknown:
-        raise _WithId(call_id, RolloutInputError(f"unknown field(s) {unknown}; expected {sorted(CALL_KEYS)}",
-                                                 param=unknown[0], code="unknown_parameter"))
-    return call_id
-
-
-class _WithId(Exception):
-    def __init__(self, call_id: str, error: RolloutInputError) -> None:
-        self.call_id, self.error = call_id, error
+        return call_id, RolloutInputError(f"unknown field(s) {unknown}; expected {sorted(CALL_KEYS)}",
+                                          param=unknown[0], code="unknown_parameter")
+    return call_id, None
 
 
 async def generate_stream(request: Request) -> Response:
@@ -126,13 +122,9 @@ class _Stream(Response):
                 if task is not None:
                     task.cancel()  # RolloutEngine.generate aborts the engine requests; the answer says 499
             return
-        try:
-            call_id = _check_call(msg)
-        except _WithId as bad:
-            self._refuse(bad.call_id, bad.error)
-            return
-        except RolloutInputError as exc:
-            self._refuse(None, exc)
+        call_id, bad = _check_call(msg)
+        if bad is not None:
+            self._refuse(call_id, bad)
             return
         if call_id in self.calls:
             self._refuse(call_id, RolloutInputError(f"call id {call_id!r} is already running on this stream",

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from services.gateway.channel import PodChannel
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodFailed, PodPool
 from services.gateway.transport import HttpTransport, PodConnectionError, generate_body
@@ -52,7 +51,8 @@ class StreamPod:
                     self.streams += 1
                     await self._stream(reader, writer)
                     return
-                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                              if h.lower().startswith(b"content-length"))
                 call = json.loads(await reader.readexactly(length))
                 self.singles += 1
                 body = json.dumps(answer_for({"id": "x", **call})).encode()
@@ -102,6 +102,10 @@ class StreamPod:
                     asyncio.ensure_future(later(delay, line))
 
 
+def channel(url: str, timeout_s: float = 10.0):
+    return HttpTransport(16, timeout_s, 2.0).channel(url)
+
+
 def body(max_tokens: int = 2) -> bytes:
     return generate_body([1, 2, 3], {"max_tokens": max_tokens})
 
@@ -110,7 +114,7 @@ async def test_calls_share_one_stream_and_answers_come_back_out_of_order():
     slow_first = lambda call: (0.3 if call["sampling_params"]["max_tokens"] == 9 else 0.0,  # noqa: E731
                                json.dumps(answer_for(call)).encode())
     async with StreamPod(reply=slow_first) as pod:
-        ch = PodChannel(pod.url, 2.0, 10.0)
+        ch = channel(pod.url)
         results = await asyncio.gather(ch.generate(body(9)), ch.generate(body(2)), ch.generate(body(3)))
         ch.close()
     assert [len(r[1]["outputs"][0]["token_ids"]) for r in results] == [9, 2, 3]
@@ -132,7 +136,7 @@ async def test_a_pod_without_the_endpoint_gets_single_calls():
 async def test_a_dropped_stream_fails_its_calls_and_the_next_call_opens_a_new_one():
     async with StreamPod(reply=lambda call: "drop" if call["sampling_params"]["max_tokens"] == 7
                          else (0.2, json.dumps(answer_for(call)).encode())) as pod:
-        ch = PodChannel(pod.url, 2.0, 10.0)
+        ch = channel(pod.url)
         waiting = asyncio.ensure_future(ch.generate(body(2)))
         await asyncio.sleep(0.05)
         with pytest.raises(PodConnectionError):
@@ -155,7 +159,7 @@ async def test_the_pool_marks_the_pod_unhealthy_when_its_stream_fails():
 
 async def test_cancelled_and_timed_out_calls_are_aborted_on_the_pod():
     async with StreamPod(reply=lambda call: (0.0, None)) as pod:  # never answers
-        ch = PodChannel(pod.url, 2.0, 0.3)
+        ch = channel(pod.url, timeout_s=0.3)
         task = asyncio.ensure_future(ch.generate(body(2)))
         await asyncio.sleep(0.05)
         task.cancel()
@@ -172,12 +176,12 @@ async def test_cancelled_and_timed_out_calls_are_aborted_on_the_pod():
 
 async def test_garbage_or_an_early_end_fails_the_calls_in_flight():
     async with StreamPod(reply=lambda call: (0.0, b"{oops")) as pod:
-        ch = PodChannel(pod.url, 2.0, 10.0)
+        ch = channel(pod.url)
         with pytest.raises(PodConnectionError, match="malformed answer line"):
             await ch.generate(body(2))
     async with StreamPod(mode="end") as pod:
-        ch = PodChannel(pod.url, 2.0, 10.0)
+        ch = channel(pod.url)
         with pytest.raises(PodConnectionError, match="ended the generate stream"):
             await ch.generate(body(2))
     with pytest.raises(PodConnectionError):  # nothing listens there any more
-        await PodChannel(pod.url, 2.0, 10.0).generate(body(2))
+        await channel(pod.url).generate(body(2))

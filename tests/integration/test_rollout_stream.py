@@ -12,8 +12,7 @@ import httpx
 import pytest
 from rollout_testlib import PROMPT, ServerThread, hf_token_logprobs, max_abs_diff, tiny_settings
 
-from services.gateway.channel import PodChannel
-from services.gateway.transport import generate_body
+from services.gateway.transport import HttpTransport, generate_body
 from services.rollout.app import build_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,7 +68,7 @@ class RawStream:
 
 async def test_one_stream_carries_many_calls_each_answered_when_done(pod, tiny_qwen3):
     url, app = pod
-    channel = PodChannel(url, 5.0, 60.0)
+    channel = HttpTransport(16, 60.0, 5.0).channel(url)
     sp = {"temperature": 1.0, "ignore_eos": True}
     try:
         calls = [channel.generate(generate_body(PROMPT[: 4 + i], {**sp, "max_tokens": 2 if i % 2 else 48, "seed": i}))
