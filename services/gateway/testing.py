@@ -170,13 +170,30 @@ _INSTANT = json.dumps({"policy_version": 0, "outputs": [{"token_ids": [100, 200,
 
 
 async def _instant_pod(scope, receive, send) -> None:
-    """Raw ASGI app answering /v1/generate at once with 4 fixed tokens (no model): the cheapest pod."""
+    """Raw ASGI app answering /v1/generate (and each call of /v1/generate_stream) at once with 4 fixed tokens
+    (no model): the cheapest pod."""
     if scope["type"] == "lifespan":
         while True:
             msg = await receive()
             done = "lifespan.startup.complete" if msg["type"] == "lifespan.startup" else "lifespan.shutdown.complete"
             await send({"type": done})
             if done == "lifespan.shutdown.complete":
+                return
+    if scope["path"] == "/v1/generate_stream":  # one answer line per call line, at once
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        pending = b""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            *lines, pending = (pending + msg.get("body", b"")).split(b"\n")
+            answers = [b'{"id":%s,"status":200,%s\n' % (json.dumps(json.loads(line)["id"]).encode(), _INSTANT[1:])
+                       for line in lines if line.strip() and b'"abort"' not in line[:10]]
+            if answers or not msg.get("more_body"):
+                await send({"type": "http.response.body", "body": b"".join(answers),
+                            "more_body": bool(msg.get("more_body"))})
+            if not msg.get("more_body"):
                 return
     while (await receive()).get("more_body"):
         pass
@@ -200,6 +217,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["instant-pod"]:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)  # before announcing: a client that connects at once is queued, not refused
     print(f"ROLLOUT_READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     uvicorn.Server(uvicorn.Config(_instant_pod, log_level="warning", access_log=False, loop="uvloop",
                                   http="httptools")).run(sockets=[sock])
