@@ -7,7 +7,8 @@ from fastapi.testclient import TestClient
 
 from services.rollout.app import build_app
 from services.rollout.config import RolloutSettings
-from services.rollout.engine import EngineStats, GenerateResult, Sample
+from services.rollout.engine import GenerateResult, Sample
+from services.rollout.stats import EngineStats
 from services.rollout.params import Limits, RolloutInputError, check_prompt, check_sampling
 
 
