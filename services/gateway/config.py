@@ -23,7 +23,8 @@ class RolloutClientConfig(Section):
     stream: bool = True
     """Send generate calls to each pod over one long-lived full-duplex stream (POST /v1/generate_stream): each
     call is one line written at once, each answer one line back the moment it is done. Saves both ends the
-    per-request HTTP work; pods without the endpoint get single calls. Off: one HTTP request per call."""
+    per-request HTTP work; pods without the endpoint get single calls. Off: one HTTP request per call. Each URL
+    must name one pod: behind a load-balancing URL the one stream would pin every call to one replica."""
 
     @model_validator(mode="after")
     def _split(self) -> "RolloutClientConfig":
