@@ -135,29 +135,34 @@ class _Stream(Response):
         task.add_done_callback(lambda t, call_id=call_id: self._answer(call_id, t))
 
     async def _read(self, receive) -> None:
-        pending = b""
+        parts: list[bytes] = []  # the unterminated line so far, joined only once its newline arrives
+        size = 0
         try:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     self.gone = True
                     return
-                data = pending + message.get("body", b"")
-                end = data.rfind(b"\n")
+                body = message.get("body", b"")
+                end = body.rfind(b"\n")
                 if end >= 0:
-                    for line in data[:end].split(b"\n"):
+                    data, parts, size = b"".join(parts) + body[:end], [body[end + 1:]], len(body) - end - 1
+                    for line in data.split(b"\n"):
                         if line.strip():
                             self._line(line)
-                    data = data[end + 1:]
-                if len(data) > MAX_LINE_BYTES:
+                elif body:
+                    parts.append(body)
+                    size += len(body)
+                if size > MAX_LINE_BYTES:  # the rest of the stream cannot be framed: answer what runs, then end
                     self._refuse(None, RolloutInputError(f"a line is longer than {MAX_LINE_BYTES} bytes",
                                                          param=None, code="line_too_long"))
-                    self.gone = True  # the rest of the stream cannot be framed: end it
+                    for task in list(self.calls.values()):
+                        task.cancel()
                     return
-                pending = data
                 if not message.get("more_body", False):
-                    if pending.strip():
-                        self._line(pending)
+                    last = b"".join(parts)
+                    if last.strip():
+                        self._line(last)
                     return
         finally:
             self.input_done = True

@@ -125,3 +125,18 @@ def test_a_dropped_stream_aborts_its_running_calls(pod):
           "a dropped stream left calls running")
     assert httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}},
                       timeout=60).status_code == 200
+
+
+def test_a_line_too_long_to_frame_ends_the_stream_cleanly(pod, monkeypatch):
+    import services.rollout.stream as stream
+
+    monkeypatch.setattr(stream, "MAX_LINE_BYTES", 4096)
+    url, app = pod
+    s = RawStream(url)
+    s.send({"id": "running", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 200, "ignore_eos": True}})
+    _wait(lambda: app.state.engine.stats.running >= 1, "the call never started")
+    s.sock.sendall(b"%x\r\n%s\r\n" % (5000, b"x" * 5000))  # no newline in sight
+    answers = s.answers()  # the pod ends the response by itself: no end of body was sent
+    assert {a["id"]: a["status"] for a in answers} == {"running": 499, None: 400}
+    assert [a["error"]["code"] for a in answers if a["id"] is None] == ["line_too_long"]
+    s.sock.close()
