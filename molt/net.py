@@ -1,4 +1,4 @@
-"""Loopback/port helpers every service and the local stack share."""
+"""Loopback/port helpers every service and the local stack share, and NDJSON line framing."""
 
 from __future__ import annotations
 
@@ -23,3 +23,31 @@ def listening_socket(service: str, host: str, port: int, backlog: int = 2048) ->
     bound_host, bound_port = sock.getsockname()[:2]
     print(f"molt-{service} listening on http://{bound_host}:{bound_port}", flush=True)
     return sock
+
+
+class LineSplitter:
+    """Complete lines out of a byte stream that arrives in arbitrary pieces (NDJSON over chunked HTTP: the
+    gateway's and the pod's ends of the generate stream). The unterminated tail is kept as pieces and joined
+    once its newline arrives, so a long line that trickles in is copied once, not once per piece."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self.pending_bytes = 0
+        """Bytes of the unterminated tail (a caller caps it to refuse a line that never ends)."""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The lines ``data`` completes, blank ones dropped, without their newlines."""
+        end = data.rfind(b"\n")
+        if end < 0:
+            if data:
+                self._parts.append(data)
+                self.pending_bytes += len(data)
+            return []
+        head = b"".join(self._parts) + data[:end] if self._parts else data[:end]
+        tail = data[end + 1:]
+        self._parts, self.pending_bytes = ([tail] if tail else []), len(tail)
+        return [line for line in head.split(b"\n") if line.strip()]
+
+    def rest(self) -> bytes:
+        """The unterminated tail (the last line of a stream that ended without a newline)."""
+        return b"".join(self._parts)

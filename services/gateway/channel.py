@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from molt.net import LineSplitter
 from services.gateway.transport import PodConnectionError, json_loads
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class _Stream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.calls: dict[str, asyncio.Future] = {}
-        self.partial = b""
+        self.lines = LineSplitter()
         self.status = 0
         self.error_body: list[bytes] = []
         self.closed = False
@@ -76,16 +77,10 @@ class _Stream(asyncio.Protocol):
         if self.status != 200:
             self.error_body.append(body)
             return
-        data = self.partial + body if self.partial else body
-        end = data.rfind(b"\n")
-        if end < 0:
-            self.partial = data
-            return
-        self.partial = data[end + 1:]
+        lines = self.lines.feed(body)
         at = time.perf_counter()
-        for line in data[:end].split(b"\n"):
-            if line:
-                self._answer(line, at)
+        for line in lines:
+            self._answer(line, at)
 
     def on_message_complete(self) -> None:
         if self.status in (404, 405):
@@ -217,7 +212,7 @@ class PodChannel:
             future.set_exception(PodConnectionError(f"no answer within {self.timeout_s:g} s"))
 
     def close(self) -> None:
+        """Fail the calls in flight and drop the stream; the pod aborts what was still running for it."""
         stream, self.stream = self.stream, None
-        if stream is not None and not stream.closed and stream.transport is not None:
-            stream.transport.write(b"0\r\n\r\n")  # end of calls; the pod answers what runs, then ends
+        if stream is not None and not stream.closed:
             stream._end(PodConnectionError("the gateway is shutting down"))

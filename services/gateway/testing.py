@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from molt.net import LineSplitter
 from services.gateway.transport import PodConnectionError, PodTransport
 
 Script = Callable[[list[int], dict], list[int]]
@@ -182,14 +183,13 @@ async def _instant_pod(scope, receive, send) -> None:
     if scope["path"] == "/v1/generate_stream":  # one answer line per call line, at once
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/x-ndjson")]})
-        pending = b""
+        lines = LineSplitter()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
-            *lines, pending = (pending + msg.get("body", b"")).split(b"\n")
             answers = [b'{"id":%s,"status":200,%s\n' % (json.dumps(json.loads(line)["id"]).encode(), _INSTANT[1:])
-                       for line in lines if line.strip() and b'"abort"' not in line[:10]]
+                       for line in lines.feed(msg.get("body", b"")) if b'"abort"' not in line[:10]]
             if answers or not msg.get("more_body"):
                 await send({"type": "http.response.body", "body": b"".join(answers),
                             "more_body": bool(msg.get("more_body"))})

@@ -30,6 +30,8 @@ import json
 
 from fastapi import Request, Response
 
+from molt.net import LineSplitter
+
 from services.rollout.params import RolloutInputError
 from services.rollout.routes import result_json
 
@@ -135,32 +137,23 @@ class _Stream(Response):
         task.add_done_callback(lambda t, call_id=call_id: self._answer(call_id, t))
 
     async def _read(self, receive) -> None:
-        parts: list[bytes] = []  # the unterminated line so far, joined only once its newline arrives
-        size = 0
+        lines = LineSplitter()
         try:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     self.gone = True
                     return
-                body = message.get("body", b"")
-                end = body.rfind(b"\n")
-                if end >= 0:
-                    data, parts, size = b"".join(parts) + body[:end], [body[end + 1:]], len(body) - end - 1
-                    for line in data.split(b"\n"):
-                        if line.strip():
-                            self._line(line)
-                elif body:
-                    parts.append(body)
-                    size += len(body)
-                if size > MAX_LINE_BYTES:  # the rest of the stream cannot be framed: answer what runs, then end
+                for line in lines.feed(message.get("body", b"")):
+                    self._line(line)
+                if lines.pending_bytes > MAX_LINE_BYTES:  # the rest cannot be framed: answer what runs, then end
                     self._refuse(None, RolloutInputError(f"a line is longer than {MAX_LINE_BYTES} bytes",
                                                          param=None, code="line_too_long"))
                     for task in list(self.calls.values()):
                         task.cancel()
                     return
                 if not message.get("more_body", False):
-                    last = b"".join(parts)
+                    last = lines.rest()
                     if last.strip():
                         self._line(last)
                     return
