@@ -42,7 +42,8 @@ class PodUnavailable(GatewayError):
 
 
 def error_body(err: GatewayError, wire: Wire) -> dict:
-    oa_type, an_type = _TYPES.get(err.status, ("server_error", "api_error"))
+    default = ("invalid_request_error", "invalid_request_error") if err.status < 500 else ("server_error", "api_error")
+    oa_type, an_type = _TYPES.get(err.status, default)
     if wire == "anthropic":
         return {"type": "error", "error": {"type": an_type, "message": err.message}}
     return {"error": {"message": err.message, "type": oa_type, "param": err.param, "code": err.code}}

@@ -14,7 +14,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from molt.metrics import Metrics
 from services.gateway.channel import UNSUPPORTED, PodChannel
@@ -32,8 +31,6 @@ class Pod:
     sessions: int = 0
     policy_version: int | None = None
     last_error: str = ""
-    inflight_gauge: Any = field(default=None, repr=False, compare=False)
-    """This pod's ``molt_gateway_pod_inflight_requests`` child, looked up once (``.labels`` is slow)."""
     channel: PodChannel | None = field(default=None, repr=False, compare=False)
     """This pod's generate stream; None: one HTTP request per call (--rollout.stream off, or a test transport)."""
 
@@ -101,8 +98,8 @@ class PodPool:
         self.policy_version = 0
         for pod in self.pods.values():
             metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1)
-            pod.inflight_gauge = metrics["molt_gateway_pod_inflight_requests"].labels(pod.url)
-            pod.inflight_gauge.set(0)
+            # read when /metrics is scraped, not set twice per call (each set takes the gauge's lock)
+            metrics["molt_gateway_pod_inflight_requests"].labels(pod.url).set_function(lambda p=pod: p.inflight)
             pod.channel = client.channel(pod.url) if stream else None
 
     def get(self, url: str) -> Pod:
@@ -129,9 +126,7 @@ class PodPool:
         """One generate call, over the pod's stream where it has one; one Generation per output (n > 1 only
         for session-less requests)."""
         body = generate_body(prompt_ids, sampling_params)
-        gauge = pod.inflight_gauge
         pod.inflight += 1
-        gauge.set(pod.inflight)
         try:
             answer: dict | bytes
             channel = pod.channel
@@ -147,7 +142,6 @@ class PodPool:
             raise PodFailed(pod, str(exc)) from None
         finally:
             pod.inflight -= 1
-            gauge.set(pod.inflight)
         wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
         if status >= 500:
             self.set_health(pod, False, f"HTTP {status}")

@@ -15,6 +15,7 @@ from services.gateway import anthropic_wire as an
 from services.gateway import openai_wire as oa
 from services.gateway.chat import bad_request
 from services.gateway.core import Gateway, TurnResult, resolve_future
+from services.gateway.edge import Endpoint
 from services.gateway.errors import GatewayError
 from services.gateway.transport import json_loads
 
@@ -239,23 +240,23 @@ class Handlers:
 def routes(h: Handlers) -> list[Route]:
     # Starlette tries routes in order (a regex match each): the per-turn routes come first.
     return [
-        Route("/s/{sid}/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
-        Route("/s/{sid}/v1/messages", h.messages, methods=["POST"]),
-        Route("/s/{sid}/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/sessions", h.open_session, methods=["POST"]),
-        Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
-        Route("/v1/episodes", h.episodes, methods=["POST"]),
-        Route("/v1/sessions/{sid}", h.get_session, methods=["GET"]),
-        Route("/v1/sessions/{sid}", h.delete_session, methods=["DELETE"]),
-        Route("/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/messages", h.messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
-        Route("/v1/models", h.models, methods=["GET"]),
-        Route("/s/{sid}/v1/models", h.models, methods=["GET"]),
-        Route("/s/{sid}/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
-        Route("/healthz", h.healthz, methods=["GET"]),
-        Route("/readyz", h.readyz, methods=["GET"]),
-        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/s/{sid}/v1/chat/completions", Endpoint(h.chat), methods=["POST"]),
+        Route("/v1/sessions/{sid}/generate", Endpoint(h.generate), methods=["POST"]),
+        Route("/s/{sid}/v1/messages", Endpoint(h.messages), methods=["POST"]),
+        Route("/s/{sid}/v1/completions", Endpoint(h.completions), methods=["POST"]),
+        Route("/v1/sessions", Endpoint(h.open_session), methods=["POST"]),
+        Route("/v1/sessions/{sid}/finish", Endpoint(h.finish), methods=["POST"]),
+        Route("/v1/episodes", Endpoint(h.episodes), methods=["POST"]),
+        Route("/v1/sessions/{sid}", Endpoint(h.get_session), methods=["GET"]),
+        Route("/v1/sessions/{sid}", Endpoint(h.delete_session), methods=["DELETE"]),
+        Route("/v1/chat/completions", Endpoint(h.chat), methods=["POST"]),
+        Route("/v1/completions", Endpoint(h.completions), methods=["POST"]),
+        Route("/v1/messages", Endpoint(h.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", Endpoint(h.count_tokens), methods=["POST"]),
+        Route("/v1/models", Endpoint(h.models), methods=["GET"]),
+        Route("/s/{sid}/v1/models", Endpoint(h.models), methods=["GET"]),
+        Route("/s/{sid}/v1/messages/count_tokens", Endpoint(h.count_tokens), methods=["POST"]),
+        Route("/healthz", Endpoint(h.healthz), methods=["GET"]),
+        Route("/readyz", Endpoint(h.readyz), methods=["GET"]),
+        Route("/metrics", Endpoint(h.metrics), methods=["GET"]),
     ]

@@ -220,7 +220,33 @@ async def test_errors_have_each_wires_shape(env):
     assert r.json()["written"] is False and await _written(app) == []
     r = await http.delete(f"/v1/sessions/{sid}")
     assert r.status_code == 409
-    assert (await http.get("/nope")).status_code == 404
+    r = await http.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await http.get(f"/s/{sid}/v1/messages")  # routing errors too come in the path's wire shape
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["type"] == "error"
+
+
+async def test_unexpected_error_is_a_500_in_the_wire_shape(env):
+    app, pods, replies, http = env()
+    s = await _open(http)
+
+    def broken(prompt, sp):
+        raise RuntimeError("pod script exploded")
+
+    for pod in pods.pods.values():
+        pod.script = broken
+    r = await http.post(f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "pod script exploded" in r.json()["error"]["message"]
+    r = await http.post(f"/s/{s['session_id']}/v1/messages", json={"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"}]})
+    assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+    # the session is still usable once the pod behaves
+    for pod in pods.pods.values():
+        pod.script = replies
+    r = await http.post(f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200
 
 
 async def test_api_keys_isolation_and_limits(env):

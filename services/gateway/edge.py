@@ -1,0 +1,131 @@
+"""The gateway's ASGI edge: routing, the one place errors become wire-shaped responses, and request timing.
+
+Starlette's ``Router`` matches the routes; the rest of a Starlette app is left out on purpose. Its
+middleware stack (server-error and exception middleware, plus an exception wrapper around every
+endpoint) wraps ``send`` three more times per request, and its error handlers would be a second place
+that maps exceptions to responses. Here one layer does it all: ``Edge`` times the request, stamps the
+policy version, and answers any exception raised before the response started in the error shape of
+the request's wire (routing's 404/405 included). Per-turn cost: BENCHMARKS.md "Gateway overhead".
+
+Timing: added time = accept to last body byte, minus ``scope["state"]["pod_wait_s"]`` (set by handlers
+to the time spent waiting on the rollout pod). Turns also get ``server-timing: gateway;dur=MS,
+pod;dur=MS`` (accept to response start).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Awaitable, Callable
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Router
+
+from molt.metrics import Metrics
+from services.gateway.errors import GatewayError, error_body, error_headers, wire_of_path
+from services.gateway.metrics import UNTIMED, wire_label
+
+log = logging.getLogger("molt.gateway")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Endpoint:
+    """An ASGI app for one handler ``async (Request) -> Response``; exceptions go up to ``Edge``.
+
+    Starlette's ``Route`` calls an endpoint that is not a plain function as an ASGI app as is, so this
+    replaces its per-request wrapper (which would look up exception handlers this app does not use)."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        response = await self.handler(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
+def error_response(exc: BaseException, path: str) -> JSONResponse:
+    """What the client gets for ``exc``: a GatewayError as is, an HTTP error (404/405 from routing) with its
+    status, anything else as a logged 500, each in the error body of the path's wire."""
+    if isinstance(exc, GatewayError):
+        err, headers = exc, error_headers(exc)
+    elif isinstance(exc, HTTPException):
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        err, headers = GatewayError(exc.status_code, str(exc.detail), code=code), dict(exc.headers or {})
+    else:
+        log.error("unhandled error on %s", path, exc_info=exc)
+        err, headers = GatewayError(500, f"internal gateway error: {type(exc).__name__}: {exc}",
+                                    code="internal_error"), {}
+    return JSONResponse(error_body(err, wire_of_path(path)), status_code=err.status, headers=headers)
+
+
+class Edge:
+    """The whole ASGI app: ``Edge(Router(routes, lifespan=...), metrics, policy_version)``."""
+
+    def __init__(self, router: Router, metrics: Metrics, policy_version: Callable[[], int]) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.policy_version = policy_version
+        self.requests = metrics["molt_gateway_requests_total"]
+        self.errors = metrics["molt_gateway_errors_total"]
+        self.added = metrics["molt_gateway_added_latency_seconds"]
+        self.total = metrics["molt_gateway_request_seconds"]
+        # prometheus_client's .labels() validates and locks on every call; the label sets are few, so the
+        # children are looked up once per (wire, status) and kept.
+        self._children: dict[tuple[str, int], tuple] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan
+            await self.router(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        path = scope["path"]
+        state = scope.setdefault("state", {})
+        scope["app"] = self  # routing then raises HTTPException for 404/405, answered below in the wire's shape
+        status = 0
+
+        async def timed_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = message.get("headers", [])
+                extra = [] if any(k == b"x-molt-policy-version" for k, _ in headers) else [
+                    (b"x-molt-policy-version", str(self.policy_version()).encode())]
+                if "pod_wait_s" in state:  # a turn: say how the time split (standard Server-Timing header)
+                    total_ms = (time.perf_counter() - t0) * 1e3
+                    pod_ms = state["pod_wait_s"] * 1e3
+                    extra.append((b"server-timing", f"gateway;dur={total_ms - pod_ms:.3f}, pod;dur={pod_ms:.3f}"
+                                  .encode()))
+                if extra:
+                    message = {**message, "headers": [*headers, *extra]}
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._record(path, status, time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+
+        try:
+            await self.router(scope, receive, timed_send)
+        except Exception as exc:
+            if status:  # the response has started (a stream): nothing can be sent in its place
+                raise
+            await error_response(exc, path)(scope, receive, timed_send)
+
+    def _record(self, path: str, status: int, total_s: float, pod_wait_s: float) -> None:
+        if path in UNTIMED:
+            return
+        wire = wire_label(path)
+        children = self._children.get((wire, status))
+        if children is None:
+            children = (self.requests.labels(wire, str(status)),
+                        self.errors.labels(str(status)) if status >= 400 else None,
+                        self.total.labels(wire), self.added.labels(wire))
+            self._children[(wire, status)] = children
+        requests, errors, total, added = children
+        requests.inc()
+        if errors is not None:
+            errors.inc()
+        total.observe(total_s)
+        added.observe(max(0.0, total_s - pod_wait_s))
