@@ -14,6 +14,7 @@ from services.gateway.core import Gateway
 from services.gateway.edge import Edge
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
+from services.gateway.replicas import Replicas
 from services.gateway.transport import HttpTransport, PodTransport
 from services.gateway.routes import Handlers, routes
 
@@ -33,7 +34,8 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
     pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream)
     queue = queue or open_queue(settings.redis, metrics)
-    gw = Gateway(settings, model, pool, queue, metrics)
+    replicas = Replicas(settings.replica.public_url, settings.auth.api_keys, rc.timeout_s)
+    gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -47,7 +49,9 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             pool.close()
             await client.close()
             await queue.close()
+            await replicas.close()
 
-    edge = Edge(Router(routes(Handlers(gw)), lifespan=lifespan), metrics, lambda: pool.policy_version)
+    edge = Edge(Router(routes(Handlers(gw, replicas)), lifespan=lifespan), metrics, lambda: pool.policy_version,
+                replicas)
     edge.gateway = gw  # type: ignore[attr-defined]
     return edge

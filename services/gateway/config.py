@@ -63,6 +63,22 @@ class SessionConfig(Section):
     """Largest request body accepted; bigger gets 413."""
 
 
+class ReplicaConfig(Section):
+    public_url: str = ""
+    """This replica's own URL as the other replicas reach it (e.g. http://POD_IP:8080). Set it when several
+    replicas share one Service: a session lives on the replica that opened it, its id then names that replica
+    (signed with the API keys, so only ids a replica issued are followed), and a request for it that reaches
+    another replica is forwarded there. Empty: one replica, plain ids, nothing forwarded."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReplicaConfig":
+        url = self.public_url.strip().rstrip("/")
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"--replica.public_url: {url!r} is not an http(s) URL; pass e.g. http://10.0.0.7:8080")
+        object.__setattr__(self, "public_url", url)
+        return self
+
+
 class GatewaySettings(Section):
     """OpenAI/Anthropic-compatible gateway that records token-exact trajectories to a Redis stream."""
 
@@ -74,6 +90,7 @@ class GatewaySettings(Section):
     rollout: RolloutClientConfig = Field(default_factory=RolloutClientConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     session: SessionConfig = Field(default_factory=SessionConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "GatewaySettings":
@@ -82,6 +99,9 @@ class GatewaySettings(Section):
                 f"refusing to bind {self.server.host} without API keys: set --auth.api_keys KEY "
                 "(or MOLT_AUTH__API_KEYS) or bind --server.host 127.0.0.1"
             )
+        if self.replica.public_url and not self.auth.api_keys:
+            raise ValueError("--replica.public_url needs --auth.api_keys: the keys sign the session ids that tell "
+                             "the replicas where each session lives (every replica must get the same keys)")
         return self
 
 

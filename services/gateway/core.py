@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
@@ -99,8 +99,9 @@ def _finite(x: Any, name: str, optional: bool = False) -> float | None:
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, model: ChatModel, pool: PodPool, queue: TrajectoryQueue,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, new_session_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
         self.settings = settings
+        self.new_session_id = new_session_id  # names this replica when there are several (replicas.py)
         self.model = model
         self.pool = pool
         self.queue = queue
@@ -135,7 +136,7 @@ class Gateway:
         sample_index = body.get("sample_index", 0)
         if not isinstance(sample_index, int) or sample_index < 0:
             raise bad_request(f"'sample_index' must be an integer >= 0, got {sample_index!r}", "sample_index")
-        sid = uuid.uuid4().hex
+        sid = self.new_session_id()
         session = Session(
             id=sid, owner=owner, group_id=str(body.get("group_id") or sid), sample_index=sample_index,
             label=body.get("label"), env_name=str(body.get("env_name") or ""),

@@ -26,10 +26,12 @@ from starlette.routing import Router
 from molt.metrics import Metrics
 from services.gateway.errors import GatewayError, error_body, error_headers, wire_of_path
 from services.gateway.metrics import UNTIMED, wire_label
+from services.gateway.replicas import FORWARDED, Replicas, session_of
 
 log = logging.getLogger("molt.gateway")
 
 Handler = Callable[[Request], Awaitable[Response]]
+_FORWARDED = FORWARDED.encode()
 
 
 class Endpoint:
@@ -64,10 +66,14 @@ def error_response(exc: BaseException, path: str) -> JSONResponse:
 
 
 class Edge:
-    """The whole ASGI app: ``Edge(Router(routes, lifespan=...), metrics, policy_version)``."""
+    """The whole ASGI app: ``Edge(Router(routes, lifespan=...), metrics, policy_version, replicas)``.
 
-    def __init__(self, router: Router, metrics: Metrics, policy_version: Callable[[], int]) -> None:
+    A request for a session another replica holds is relayed there (services/gateway/replicas.py)."""
+
+    def __init__(self, router: Router, metrics: Metrics, policy_version: Callable[[], int],
+                 replicas: Replicas | None = None) -> None:
         self.router = router
+        self.replicas = replicas or Replicas("", [])
         self.metrics = metrics
         self.policy_version = policy_version
         self.requests = metrics["molt_gateway_requests_total"]
@@ -107,7 +113,11 @@ class Edge:
                 self._record(path, status, time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
-            await self.router(scope, receive, timed_send)
+            owner = self.replicas.owner(session_of(path))
+            if owner is not None and not any(k == _FORWARDED for k, _ in scope["headers"]):
+                await self.replicas.forward(owner, scope, receive, timed_send)
+            else:
+                await self.router(scope, receive, timed_send)
         except Exception as exc:
             if status:  # the response has started (a stream): nothing can be sent in its place
                 raise

@@ -17,6 +17,7 @@ from services.gateway.chat import bad_request
 from services.gateway.core import Gateway, TurnResult, resolve_future
 from services.gateway.edge import Endpoint
 from services.gateway.errors import GatewayError
+from services.gateway.replicas import FORWARDED, Replicas
 from services.gateway.transport import json_loads
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -32,8 +33,9 @@ class _JSON(JSONResponse):
 
 
 class Handlers:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, replicas: Replicas | None = None) -> None:
         self.gw = gw
+        self.replicas = replicas or Replicas("", [])
         self.keys = [k.encode() for k in gw.settings.auth.api_keys]
         self.max_body = gw.settings.session.max_body_bytes
         self.model_name = gw.settings.served_model_name
@@ -119,7 +121,7 @@ class Handlers:
     async def open_session(self, request: Request) -> Response:
         owner = self.owner(request)
         s = self.gw.open_session(owner, await self.body(request))
-        base = str(request.base_url).rstrip("/")
+        base = str(request.base_url).rstrip("/")  # as the client reached us; replicas.py routes the id from there
         return self.json({"session_id": s.id, "trajectory_id": s.id, "openai_base_url": f"{base}/s/{s.id}/v1",
                           "anthropic_base_url": f"{base}/s/{s.id}", "max_length": s.capture.max_length}, status=201)
 
@@ -141,8 +143,33 @@ class Handlers:
         items = (await self.body(request)).get("episodes")
         if not isinstance(items, list) or not items:
             raise bad_request("'episodes' must be a non-empty list of {session_id, reward, score?, info?}", "episodes")
-        results = await self.gw.finish_many(items, owner)
+        results = await self._finish_everywhere(items, owner, request)
         return self.json({"results": results, "written": sum(1 for r in results if r.get("written"))})
+
+    async def _finish_everywhere(self, items: list, owner: str | None, request: Request) -> list[dict]:
+        """finish_many here for this replica's sessions; one forwarded call per other replica for theirs."""
+        by_replica: dict[str | None, list[int]] = {}
+        for i, item in enumerate(items):
+            sid = item.get("session_id") if isinstance(item, dict) else None
+            by_replica.setdefault(self.replicas.owner(sid if isinstance(sid, str) else None), []).append(i)
+        results: list[dict] = [{}] * len(items)
+
+        async def finish(replica: str | None, idx: list[int]) -> None:
+            part = [items[i] for i in idx]
+            try:
+                if replica is None or request.headers.get(FORWARDED):
+                    out = await self.gw.finish_many(part, owner)
+                else:
+                    out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": part},
+                                                         request.scope["headers"]))["results"]
+            except GatewayError as exc:
+                out = [{"session_id": it.get("session_id"), "status": exc.status,
+                        "error": {"message": exc.message, "code": exc.code}} for it in part]
+            for i, res in zip(idx, out):
+                results[i] = res
+
+        await asyncio.gather(*(finish(r, idx) for r, idx in by_replica.items()))
+        return results
 
     async def generate(self, request: Request) -> Response:
         owner = self.owner(request)

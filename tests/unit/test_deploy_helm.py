@@ -197,6 +197,21 @@ def test_selectors_ports_and_scale_targets_match(rendered):
             assert "replicas" not in by_kind(docs, ref["kind"])[ref["name"]]["spec"]  # the HPA owns it
 
 
+def test_gateway_replicas_route_sessions_to_their_owner(rendered):
+    """Several gateway replicas share one Service: each names itself in its session ids (its pod IP) and the
+    Service keeps a client on one replica for longer than a session may sit idle."""
+    from services.gateway.config import SessionConfig
+
+    for name, docs in rendered.items():
+        c = container(docs, "molt-gateway")
+        assert flag(c, "--replica.public_url") == f"http://$(POD_IP):{flag(c, '--server.port')}", name
+        [pod_ip] = [e for e in c["env"] if e["name"] == "POD_IP"]
+        assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        spec = by_kind(docs, "Service")["molt-gateway"]["spec"]
+        assert spec["sessionAffinity"] == "ClientIP"
+        assert spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] > SessionConfig().idle_ttl_s
+
+
 def test_monitoring_objects_follow_the_crds(rendered):
     def kinds(docs):
         return {d["kind"] for d in docs}

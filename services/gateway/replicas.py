@@ -1,0 +1,145 @@
+"""Several gateway replicas behind one Service: a session lives on the replica that opened it.
+
+A session's token trace is in the memory of the replica that opened it, so every later request for it
+must reach that replica. With ``--replica.public_url`` set (the chart sets each pod's own address):
+- the session's id names the replica: ``<uuid>.<base32 of the replica's URL>.<signature>``. The
+  signature is an HMAC under the API keys every replica shares, so a replica only ever follows ids a
+  replica issued (a forged id is answered where it lands, with a 404, never fetched from an address a
+  client chose);
+- a request for it that reaches another replica (``/s/{id}/...``, ``/v1/sessions/{id}...``) is
+  forwarded there once and the answer, streams included, relayed back; ``POST /v1/episodes`` sends each
+  replica its own items in one call.
+The session's URLs keep the host the client used (the Service, an ingress): every client can reach
+them, and the id does the routing. The chart also gives the Service ClientIP affinity, so an in-cluster
+client's requests land on the replica that opened its sessions and are rarely forwarded.
+
+Without ``public_url`` ids are plain uuids and nothing is forwarded (one replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import hmac
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+
+from services.gateway.errors import GatewayError
+
+FORWARDED = "x-molt-forwarded-by"
+"""Set on forwarded requests: the owner answers them itself, so a request is forwarded at most once."""
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay sets itself.
+_SKIP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server"}
+
+
+def session_of(path: str) -> str | None:
+    """The session id a request path names (``/s/{id}/...``, ``/v1/sessions/{id}[/...]``), else None."""
+    for prefix in ("/s/", "/v1/sessions/"):
+        if path.startswith(prefix):
+            return path[len(prefix):].split("/", 1)[0] or None
+    return None
+
+
+def _b32(text: str) -> str:
+    return base64.b32encode(text.encode()).decode().rstrip("=").lower()
+
+
+class Replicas:
+    """Session ids, owners and the relay of one replica; ``Replicas("", [])`` is the single-replica case."""
+
+    def __init__(self, public_url: str, api_keys: list[str], timeout_s: float = 600.0) -> None:
+        self.public_url = public_url
+        self.timeout_s = timeout_s
+        self._key = hashlib.sha256("\n".join(sorted(api_keys)).encode()).digest()
+        self._tag = self._sign(_b32(public_url)) if public_url else ""
+        self._http: aiohttp.ClientSession | None = None
+
+    def _sign(self, encoded_url: str) -> str:
+        return f"{encoded_url}.{hmac.new(self._key, encoded_url.encode(), 'sha256').hexdigest()[:16]}"
+
+    def new_session_id(self) -> str:
+        sid = uuid.uuid4().hex
+        return f"{sid}.{self._tag}" if self._tag else sid
+
+    def owner(self, sid: str | None) -> str | None:
+        """URL of the replica holding ``sid`` when that is another replica; None when it is this one, or the id
+        names no replica, or its signature does not check out (this replica then answers it itself)."""
+        if not self._tag or not sid or sid.count(".") != 2:
+            return None
+        encoded, _, sig = sid.partition(".")[2].partition(".")
+        if f"{encoded}.{sig}" == self._tag or not hmac.compare_digest(self._sign(encoded), f"{encoded}.{sig}"):
+            return None
+        try:
+            return base64.b32decode(encoded.upper() + "=" * (-len(encoded) % 8)).decode()
+        except (binascii.Error, ValueError):
+            return None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0))
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    @staticmethod
+    def _headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in _SKIP]
+
+    def _unreachable(self, owner: str, exc: BaseException) -> GatewayError:
+        return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: "
+                                 f"{type(exc).__name__}: {exc}", code="replica_unreachable")
+
+    async def forward(self, owner: str, scope, receive, send) -> None:
+        """Relay this request to ``owner`` and its answer back, chunk by chunk (SSE streams stay streams).
+        ``scope["state"]["pod_wait_s"]`` gets the time until the owner answered, so this replica's added
+        latency counts only its own work. Raises GatewayError(502) when the owner cannot be reached."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        url = owner + scope["raw_path"].decode("latin-1")
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = self._headers(scope["headers"]) + [(FORWARDED, self.public_url)]
+        started = time.perf_counter()
+        try:
+            async with self._client().request(scope["method"], url, data=bytes(body), headers=headers) as r:
+                scope["state"]["pod_wait_s"] = time.perf_counter() - started
+                await send({"type": "http.response.start", "status": r.status,
+                            "headers": [(k.lower(), v) for k, v in r.raw_headers if k.lower() not in _SKIP]})
+                async for chunk in r.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise self._unreachable(owner, exc) from None
+
+    async def post_json(self, owner: str, path: str, body: dict, raw_headers: list[tuple[bytes, bytes]]) -> Any:
+        """POST ``body`` to ``owner`` with the caller's headers (its API key); the decoded answer."""
+        headers = self._headers([(k, v) for k, v in raw_headers if k.lower() != b"content-type"])
+        try:
+            async with self._client().post(owner + path, json=body,
+                                           headers=headers + [(FORWARDED, self.public_url)]) as r:
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise self._unreachable(owner, exc) from None
+        except ValueError as exc:
+            raise GatewayError(502, f"the gateway replica {owner} answered {path} with no JSON: {exc}",
+                               code="replica_unreachable") from None
+        if r.status != 200:
+            message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {r.status}: {message}",
+                               code="replica_unreachable")
+        return data

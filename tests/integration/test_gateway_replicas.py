@@ -1,0 +1,147 @@
+"""Two gateway replicas (one shared real rollout pod, real Redis) as behind one Service.
+
+Each request goes to the "wrong" replica on purpose, the way a load-balancing Service would send it: the
+OpenAI (plain and streaming) and Anthropic SDKs, the session calls of GatewayClient and a mixed
+``/v1/episodes`` batch must all reach the replica that holds the session, and the stream must hold each
+episode once, token-exact with what the clients were told. Forged ids are not followed; a replica that is
+gone is a clean 502 in the wire's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+import redis
+
+from molt.agents.gateway import GatewayClient
+from molt.bus.redis_stream import RedisTrajectoryQueue
+from molt.net import free_port
+from services.gateway.replicas import Replicas
+from services.gateway.testing import start_gateway, start_rollout_pod, stop
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+KEYS = ["key-a", "key-b"]
+AUTH = {"authorization": f"Bearer {KEYS[0]}"}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_qwen3, redis_url, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("gwr")
+    stream = f"molt:test:gateway-replicas:{uuid.uuid4().hex[:8]}"
+    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
+    gateways = []
+    try:
+        for name in ("a", "b"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc, _ = start_gateway(["--model", str(tiny_qwen3), "--rollout.urls", pod_url, "--redis.url", redis_url,
+                                     "--redis.stream", stream, "--session.max_length", "1024", "--server.port",
+                                     str(port), "--replica.public_url", url, "--auth.api_keys", *KEYS],
+                                    logs / f"gateway-{name}.log")
+            gateways.append((proc, url))
+        yield {"a": gateways[0][1], "b": gateways[1][1], "redis": redis_url, "stream": stream}
+    finally:
+        for proc, _ in gateways:
+            stop(proc)
+        stop(pod)
+        r = redis.Redis.from_url(redis_url)
+        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+        r.close()
+
+
+def _open(url: str) -> dict:
+    r = httpx.post(url + "/v1/sessions", json={"sampling_params": {"seed": 3}}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _read(pair) -> dict:
+    async def go():
+        q = RedisTrajectoryQueue(pair["redis"], pair["stream"], group="check")
+        try:
+            found = []
+            for _ in range(3):
+                found += [d.trajectory for d in await q.read("c", 100, block_s=0.2)]
+            return found
+        finally:
+            await q.close()
+    return {t.trajectory_id: t for t in asyncio.run(go())}
+
+
+def test_every_wire_reaches_the_replica_that_holds_the_session(pair):
+    a, b = pair["a"], pair["b"]
+    s1, s2, s3 = _open(a), _open(a), _open(b)
+    assert s1["openai_base_url"] == f"{a}/s/{s1['session_id']}/v1" and s3["anthropic_base_url"].startswith(b)
+    via_b = openai.OpenAI(base_url=f"{b}/s/{s1['session_id']}/v1", api_key=KEYS[0])
+    messages = [{"role": "user", "content": "Count to three."}]
+    r1 = via_b.chat.completions.with_raw_response.create(model="policy", messages=messages, max_tokens=6,
+                                                         logprobs=True)
+    assert r1.headers["x-molt-policy-version"] == "0" and "gateway;dur=" in r1.headers["server-timing"]
+    first = r1.parse()
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Again."}]
+    chunks = list(via_b.chat.completions.create(model="policy", messages=messages, max_tokens=5, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens > 0
+    claude = anthropic.Anthropic(base_url=f"{a}/s/{s3['session_id']}", api_key=KEYS[0])  # s3 lives on b
+    m = claude.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert m.usage.output_tokens > 0
+
+    async def sdk_calls():
+        client = GatewayClient(b, api_key=KEYS[0])  # s2 lives on a
+        try:
+            out = await client.request("POST", f"/v1/sessions/{s2['session_id']}/generate", {
+                "messages": [{"role": "user", "content": "Go"}], "sampling_params": {"max_tokens": 3}})
+            return out, await client.request("GET", f"/v1/sessions/{s2['session_id']}")
+        finally:
+            await client.aclose()
+    out, summary = asyncio.run(sdk_calls())
+    assert out["num_tokens"] == summary["num_tokens"] and 0 < len(out["token_ids"]) <= 3
+
+    # one batch through b: s1 and s2 (on a), s3 (on b), an unknown id
+    r = httpx.post(b + "/v1/episodes", headers=AUTH, json={"episodes": [
+        {"session_id": s1["session_id"], "reward": 1.0}, {"session_id": s3["session_id"], "reward": 0.5},
+        {"session_id": "nope", "reward": 0.0}, {"session_id": s2["session_id"], "reward": 0.0}]})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["status"] if "status" in x else 200 for x in results] == [200, 200, 404, 200]
+    assert [x.get("trajectory_id") for x in results] == [s1["session_id"], s3["session_id"], None, s2["session_id"]]
+    assert r.json()["written"] == 3
+    # finishing again through the other replica is idempotent: the same stream entry, nothing rewritten
+    again = httpx.post(f"{a}/v1/sessions/{s3['session_id']}/finish", headers=AUTH, json={"reward": 0.5}).json()
+    assert again["entry_id"] == results[1]["entry_id"]
+
+    written = _read(pair)
+    assert set(written) == {s1["session_id"], s2["session_id"], s3["session_id"]}
+    [seg] = written[s1["session_id"]].segments
+    lp = [c.logprob for c in first.choices[0].logprobs.content]
+    start, end = seg.action_spans.tolist()[0]
+    assert seg.logprobs[: end - start].tolist() == pytest.approx(lp, abs=1e-6)  # what the client was told
+    assert len(seg.action_spans) == 2 and written[s1["session_id"]].reward == 1.0
+    assert written[s2["session_id"]].segments[0].token_ids.tolist()[-3:] == out["token_ids"]
+
+
+def test_forged_and_unreachable_owners(pair):
+    a, b = pair["a"], pair["b"]
+    # a well-formed id signed with keys the replicas do not share: answered where it lands, never followed
+    forged = Replicas(b, ["not-our-key"]).new_session_id()
+    r = httpx.post(f"{a}/s/{forged}/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # a replica that is gone (signed with the shared keys, pointing at a closed port)
+    gone = Replicas(f"http://127.0.0.1:{free_port()}", KEYS).new_session_id()
+    r = httpx.post(f"{a}/s/{gone}/v1/messages", headers=AUTH,
+                   json={"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "api_error"
+    assert "did not answer" in r.json()["error"]["message"]
+    r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
+    assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
+    # the key is checked by the replica that holds the session
+    s = _open(b)
+    r = httpx.get(f"{a}/v1/sessions/{s['session_id']}", headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401

@@ -1,0 +1,52 @@
+"""Session ids that name their replica: signed, verified, and ignored when forged or single-replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.config import GatewaySettings
+from services.gateway.replicas import Replicas, session_of
+
+A, B = "http://10.0.0.7:8080", "https://gw-1.example:443"
+KEYS = ["k1", "k2"]
+
+
+def test_ids_name_their_replica_and_only_signed_ones_are_followed():
+    a, b = Replicas(A, KEYS), Replicas(B, list(reversed(KEYS)))  # key order does not matter
+    sid = a.new_session_id()
+    assert sid.count(".") == 2 and len(sid.split(".")[0]) == 32
+    assert a.owner(sid) is None  # its own session: answered here
+    assert b.owner(sid) == A
+    assert a.owner(b.new_session_id()) == B
+    uid, encoded, sig = sid.split(".")
+    other_keys = Replicas(B, ["k3"])
+    assert other_keys.owner(sid) is None  # signed with keys this replica does not share
+    forged = Replicas("http://169.254.169.254", ["guess"]).new_session_id()
+    assert b.owner(forged) is None and b.owner(f"{uid}.{forged.split('.', 1)[1]}") is None
+    assert b.owner(f"{uid}.{encoded}.{'0' * 16}") is None
+    assert b.owner(uid) is None and b.owner(None) is None and b.owner("a.b") is None
+
+
+def test_single_replica_ids_are_plain_and_never_forwarded():
+    single = Replicas("", [])
+    sid = single.new_session_id()
+    assert "." not in sid and len(sid) == 32
+    assert single.owner(Replicas(A, KEYS).new_session_id()) is None
+
+
+@pytest.mark.parametrize("path, sid", [
+    ("/s/abc/v1/chat/completions", "abc"), ("/s/abc.d.e/v1/messages", "abc.d.e"), ("/v1/sessions/x1", "x1"),
+    ("/v1/sessions/x1/finish", "x1"), ("/v1/sessions", None), ("/v1/episodes", None), ("/s//v1", None),
+])
+def test_session_of_paths(path, sid):
+    assert session_of(path) == sid
+
+
+def test_public_url_needs_keys_and_a_url():
+    base = {"model": {"path": "m"}, "server": {"host": "127.0.0.1"}}
+    with pytest.raises(ValueError, match="needs --auth.api_keys"):
+        GatewaySettings.model_validate({**base, "replica": {"public_url": A}})
+    with pytest.raises(ValueError, match="not an http"):
+        GatewaySettings.model_validate({**base, "replica": {"public_url": "10.0.0.7:8080"}, "auth": {"api_keys": KEYS}})
+    ok = GatewaySettings.model_validate({**base, "replica": {"public_url": A + "/"}, "auth": {"api_keys": KEYS}})
+    assert ok.replica.public_url == A
