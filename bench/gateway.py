@@ -8,7 +8,8 @@ a running pod), then, in the same run and alternating rounds, sends the same pro
   - gateway: POST /s/{id}/v1/chat/completions (OpenAI wire, captured session opened beforehand), which
     renders the chat template, tokenizes, routes, calls the same pod, decodes and records the turn.
 Both generate exactly ``--max-tokens`` tokens (ignore_eos); ``--instant-pod`` swaps the vLLM pod for a
-model-free one that answers at once, which isolates what the gateway itself costs and carries.
+model-free one that answers at once, which isolates what the gateway itself costs and carries; ``--relay``
+runs two gateway replicas and sends every turn to the one that does not hold the session (it forwards it).
 Every session's first turn is a different prompt unless ``--group-size N`` lets N sessions share one (as
 the n samples of a GRPO group do; the gateway caches a first turn's render and tokens); both sides send
 the same prompts, each (round, side) its own, so the pod's prefix cache favours neither.
@@ -40,8 +41,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
+from molt.net import free_port  # noqa: E402
 from services.gateway.chat import ChatModel  # noqa: E402
 from services.gateway.testing import start_gateway, start_instant_pod, start_rollout_pod, stop  # noqa: E402
+
+RELAY_KEY = "bench-relay-key-0123456789"
+
 
 def messages(k: int) -> list[dict]:
     """Prompt number ``k``: same shape and length class for every k, different text."""
@@ -91,9 +96,10 @@ def cpu_s(pid: int | None) -> float:
     return t.user + t.system
 
 
-async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int) -> list[dict]:
+async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pids: list[int], owner: str) -> list[dict]:
     sp = {"max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
-    headers = {"content-type": "application/json"}
+    auth = {"authorization": f"Bearer {RELAY_KEY}"} if args.relay else {}
+    headers = {"content-type": "application/json", **auth}
     me = os.getpid()
     rows = []
     # Prompt numbers: every (round, side) gets its own, so neither side meets the other's prompts in the pod's
@@ -121,7 +127,8 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int
         async def open_sessions(n: int) -> list[str]:
             out = []
             for _ in range(n):
-                async with client.post(gw + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}}) as r:
+                async with client.post(owner + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}},
+                                       headers=auth) as r:
                     out.append((await r.json())["session_id"])
             return out
 
@@ -156,16 +163,16 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pid: int
                 d_rps.append(rps)
                 sids = await open_sessions(n)
                 one = via_gateway(sids, prompts(n))
-                p0, g0, m0, s0 = cpu_s(pod_pid), cpu_s(gw_pid), cpu_s(me), await pod_stats(client, pod)
+                p0, g0, m0, s0 = cpu_s(pod_pid), sum(map(cpu_s, gw_pids)), cpu_s(me), await pod_stats(client, pod)
                 lat, added, rps = await run_load(n, c, one)
                 pod_cpu_gw += cpu_s(pod_pid) - p0
                 add_steps(steps, step_s, "gw", s0, await pod_stats(client, pod))
-                gw_cpu += cpu_s(gw_pid) - g0
+                gw_cpu += sum(map(cpu_s, gw_pids)) - g0
                 client_gw += cpu_s(me) - m0
                 g_lat += lat
                 g_added += added
                 g_rps.append(rps)
-                async with client.post(gw + "/v1/episodes", json={"episodes": [
+                async with client.post(gw + "/v1/episodes", headers=auth, json={"episodes": [
                         {"session_id": s, "reward": 0.0} for s in sids]}) as r:
                     assert r.status == 200, await r.text()
             per_req = 1e3 / (n * args.rounds)
@@ -229,6 +236,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     p.add_argument("--instant-pod", action="store_true",
                    help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
+    p.add_argument("--relay", action="store_true",
+                   help="Two gateway replicas: sessions open on one, every turn is sent to the other, which forwards "
+                        "it (what a Service does to a client without affinity). Added latency is what both add; "
+                        "gateway CPU is both processes'.")
     p.add_argument("--pin", action="store_true",
                    help="Pin the pod to the last CPU and the gateway + load generator to the others, so the pod's "
                         "compute is not shared with the gateway (as when the pod has its own GPU node).")
@@ -257,21 +268,31 @@ def main() -> None:
             proc, pod = start_rollout_pod(args.model, logs / "pod.log", prefix=pod_prefix)
             procs.append(proc)
             pod_pid = proc.pid
-        proc, gw = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
-                                  "--session.max_length", "1024", *args.gateway_arg], logs / "gateway.log",
-                             prefix=gw_prefix)
-        procs.append(proc)
+        gateways = []
+        for name in ("owner", "relay") if args.relay else ("gateway",):
+            extra = []
+            if args.relay:
+                port = free_port()
+                extra = ["--server.port", str(port), "--replica.public_url", f"http://127.0.0.1:{port}",
+                         "--auth.api_keys", RELAY_KEY]
+            proc, url = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
+                                       "--session.max_length", "1024", *extra, *args.gateway_arg],
+                                      logs / f"{name}.log", prefix=gw_prefix)
+            procs.append(proc)
+            gateways.append((proc.pid, url))
         model = ChatModel(args.model)
         gc.collect()
         gc.freeze()  # keep full collections of the torch/transformers import graph off the timed path
-        rows = asyncio.run(bench(pod, gw, model, args, pod_pid, procs[-1].pid))
+        rows = asyncio.run(bench(pod, gateways[-1][1], model, args, pod_pid, [pid for pid, _ in gateways],
+                                 gateways[0][1]))
     finally:
         for proc in reversed(procs):
             stop(proc)
     print(f"# gateway vs direct, {args.max_tokens} generated tokens per request, group size {args.group_size}, "
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
           f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
-          f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, logs {logs}")
+          f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, "
+          f"{'every turn relayed by a second replica, ' if args.relay else ''}logs {logs}")
     print(table(rows))
     for r in rows:
         print(f"concurrency {r['concurrency']}: gateway / direct req/s per round: {r['throughput_ratio_per_round']}")

@@ -110,7 +110,8 @@ class Edge:
                     message = {**message, "headers": [*headers, *extra]}
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._record(path, status, time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+                self._record("relay" if state.get("relayed") else wire_label(path), path, status,
+                             time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
             owner = self.replicas.owner(session_of(path))
@@ -123,10 +124,9 @@ class Edge:
                 raise
             await error_response(exc, path)(scope, receive, timed_send)
 
-    def _record(self, path: str, status: int, total_s: float, pod_wait_s: float) -> None:
+    def _record(self, wire: str, path: str, status: int, total_s: float, pod_wait_s: float) -> None:
         if path in UNTIMED:
             return
-        wire = wire_label(path)
         children = self._children.get((wire, status))
         if children is None:
             children = (self.requests.labels(wire, str(status)),

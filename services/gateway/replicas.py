@@ -46,6 +46,18 @@ def session_of(path: str) -> str | None:
     return None
 
 
+def _duration(server_timing: str, name: str) -> float | None:
+    """``dur`` of metric ``name`` in a Server-Timing header value (ms), or None."""
+    for part in server_timing.split(","):
+        metric, _, params = part.strip().partition(";")
+        if metric == name and params.startswith("dur="):
+            try:
+                return float(params[4:])
+            except ValueError:
+                return None
+    return None
+
+
 def _b32(text: str) -> str:
     return base64.b32encode(text.encode()).decode().rstrip("=").lower()
 
@@ -100,8 +112,11 @@ class Replicas:
 
     async def forward(self, owner: str, scope, receive, send) -> None:
         """Relay this request to ``owner`` and its answer back, chunk by chunk (SSE streams stay streams).
-        ``scope["state"]["pod_wait_s"]`` gets the time until the owner answered, so this replica's added
-        latency counts only its own work. Raises GatewayError(502) when the owner cannot be reached."""
+
+        Timing: ``scope["state"]["pod_wait_s"]`` gets the owner's own pod wait (its Server-Timing ``pod``), so
+        the added latency this replica reports is what both gateways added; a stream, whose timing the owner
+        cannot know when it starts, counts the owner's whole answer as waiting. ``state["relayed"]`` files the
+        request under ``wire="relay"``. Raises GatewayError(502) when the owner cannot be reached."""
         body = bytearray()
         while True:
             message = await receive()
@@ -114,14 +129,19 @@ class Replicas:
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._headers(scope["headers"]) + [(FORWARDED, self.public_url)]
+        state = scope["state"]
+        state["relayed"] = True
         started = time.perf_counter()
         try:
             async with self._client().request(scope["method"], url, data=bytes(body), headers=headers) as r:
-                scope["state"]["pod_wait_s"] = time.perf_counter() - started
+                owner_pod_ms = _duration(r.headers.get("server-timing", ""), "pod")
+                if owner_pod_ms is not None:
+                    state["pod_wait_s"] = owner_pod_ms / 1e3
                 await send({"type": "http.response.start", "status": r.status,
                             "headers": [(k.lower(), v) for k, v in r.raw_headers if k.lower() not in _SKIP]})
                 async for chunk in r.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                state.setdefault("pod_wait_s", time.perf_counter() - started)
                 await send({"type": "http.response.body", "body": b""})
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise self._unreachable(owner, exc) from None

@@ -50,3 +50,11 @@ def test_public_url_needs_keys_and_a_url():
         GatewaySettings.model_validate({**base, "replica": {"public_url": "10.0.0.7:8080"}, "auth": {"api_keys": KEYS}})
     ok = GatewaySettings.model_validate({**base, "replica": {"public_url": A + "/"}, "auth": {"api_keys": KEYS}})
     assert ok.replica.public_url == A
+
+
+def test_server_timing_durations():
+    from services.gateway.replicas import _duration
+
+    header = "gateway;dur=0.412, pod;dur=12.500"
+    assert _duration(header, "pod") == 12.5 and _duration(header, "gateway") == 0.412
+    assert _duration(header, "owner") is None and _duration("", "pod") is None and _duration("pod;dur=x", "pod") is None
