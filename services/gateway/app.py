@@ -51,7 +51,8 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             await queue.close()
             await replicas.close()
 
-    edge = Edge(Router(routes(Handlers(gw, replicas)), lifespan=lifespan), metrics, lambda: pool.policy_version,
-                replicas)
+    handlers = Handlers(gw, replicas)
+    edge = Edge(Router(routes(handlers), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,
+                handlers.relay)
     edge.gateway = gw  # type: ignore[attr-defined]
     return edge

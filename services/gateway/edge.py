@@ -31,6 +31,7 @@ from services.gateway.replicas import FORWARDED, Replicas, session_of
 log = logging.getLogger("molt.gateway")
 
 Handler = Callable[[Request], Awaitable[Response]]
+Relay = Callable[[str, dict, Callable, Callable], Awaitable[None]]
 _FORWARDED = FORWARDED.encode()
 
 
@@ -71,9 +72,10 @@ class Edge:
     A request for a session another replica holds is relayed there (services/gateway/replicas.py)."""
 
     def __init__(self, router: Router, metrics: Metrics, policy_version: Callable[[], int],
-                 replicas: Replicas | None = None) -> None:
+                 replicas: Replicas | None = None, relay: Relay | None = None) -> None:
         self.router = router
         self.replicas = replicas or Replicas("", [])
+        self.relay = relay  # (replica URL, scope, receive, send): a session another replica holds
         self.metrics = metrics
         self.policy_version = policy_version
         self.requests = metrics["molt_gateway_requests_total"]
@@ -114,9 +116,9 @@ class Edge:
                              time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
-            owner = self.replicas.owner(session_of(path))
-            if owner is not None and not any(k == _FORWARDED for k, _ in scope["headers"]):
-                await self.replicas.forward(owner, scope, receive, timed_send)
+            owner = self.relay and self.replicas.owner(session_of(path))
+            if owner and not any(k == _FORWARDED for k, _ in scope["headers"]):
+                await self.relay(owner, scope, receive, timed_send)
             else:
                 await self.router(scope, receive, timed_send)
         except Exception as exc:

@@ -110,21 +110,14 @@ class Replicas:
         return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: "
                                  f"{type(exc).__name__}: {exc}", code="replica_unreachable")
 
-    async def forward(self, owner: str, scope, receive, send) -> None:
-        """Relay this request to ``owner`` and its answer back, chunk by chunk (SSE streams stay streams).
+    async def forward(self, owner: str, scope, body: bytes, send) -> None:
+        """Send this request (its ``body`` read and checked by the caller) to ``owner`` and relay the answer
+        back chunk by chunk (SSE streams stay streams).
 
         Timing: ``scope["state"]["pod_wait_s"]`` gets the owner's own pod wait (its Server-Timing ``pod``), so
         the added latency this replica reports is what both gateways added; a stream, whose timing the owner
         cannot know when it starts, counts the owner's whole answer as waiting. ``state["relayed"]`` files the
         request under ``wire="relay"``. Raises GatewayError(502) when the owner cannot be reached."""
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
         url = owner + scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -133,7 +126,7 @@ class Replicas:
         state["relayed"] = True
         started = time.perf_counter()
         try:
-            async with self._client().request(scope["method"], url, data=bytes(body), headers=headers) as r:
+            async with self._client().request(scope["method"], url, data=body, headers=headers) as r:
                 owner_pod_ms = _duration(r.headers.get("server-timing", ""), "pod")
                 if owner_pod_ms is not None:
                     state["pod_wait_s"] = owner_pod_ms / 1e3

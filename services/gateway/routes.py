@@ -55,7 +55,7 @@ class Handlers:
         raise GatewayError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' (or 'x-api-key')",
                            code="invalid_api_key")
 
-    async def body(self, request: Request) -> dict:
+    async def raw_body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             raise GatewayError(413, f"request body of {length} bytes is over the {self.max_body}-byte limit",
@@ -63,6 +63,10 @@ class Handlers:
         raw = await request.body()
         if len(raw) > self.max_body:
             raise GatewayError(413, f"request body is over the {self.max_body}-byte limit", code="request_too_large")
+        return raw
+
+    async def body(self, request: Request) -> dict:
+        raw = await self.raw_body(request)
         try:
             data = json_loads(raw) if raw else {}
         except ValueError as exc:
@@ -99,6 +103,13 @@ class Handlers:
         for fut in (ready, done):
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return ready, done
+
+    async def relay(self, replica: str, scope, receive, send) -> None:
+        """A request for a session ``replica`` holds: checked here like any other (key, body size), then
+        forwarded there and its answer relayed back (services/gateway/replicas.py)."""
+        request = Request(scope, receive, send)
+        self.owner(request)
+        await self.replicas.forward(replica, scope, await self.raw_body(request), send)
 
     # ---- control plane
 

@@ -141,7 +141,7 @@ def test_forged_and_unreachable_owners(pair):
     assert "did not answer" in r.json()["error"]["message"]
     r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
     assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
-    # the key is checked by the replica that holds the session
+    # a bad key is refused where it lands, before anything is forwarded
     s = _open(b)
     r = httpx.get(f"{a}/v1/sessions/{s['session_id']}", headers={"authorization": "Bearer wrong"})
     assert r.status_code == 401
