@@ -53,6 +53,6 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
 
     handlers = Handlers(gw, replicas)
     edge = Edge(Router(routes(handlers), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,
-                handlers.relay)
+                handlers.relay if replicas.public_url else None)
     edge.gateway = gw  # type: ignore[attr-defined]
     return edge
