@@ -94,8 +94,11 @@ class Replicas:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._http is None:
+            # No cookie jar: the relay carries many clients' requests and must never mix their cookies. No cap
+            # on connections per peer (aiohttp's default 100 would queue turns past 100 in flight).
             self._http = aiohttp.ClientSession(
-                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0))
+                connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0))
         return self._http
 
     async def close(self) -> None:
