@@ -210,6 +210,13 @@ def test_gateway_replicas_route_sessions_to_their_owner(rendered):
         spec = by_kind(docs, "Service")["molt-gateway"]["spec"]
         assert spec["sessionAffinity"] == "ClientIP"
         assert spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] > SessionConfig().idle_ttl_s
+        # scaling down takes the open episodes of a replica with it: only slowly
+        hpa = by_kind(docs, "HorizontalPodAutoscaler").get("molt-gateway")
+        if hpa is not None:
+            down = hpa["spec"]["behavior"]["scaleDown"]
+            assert down["stabilizationWindowSeconds"] >= SessionConfig().idle_ttl_s
+            assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 600}]
+    assert "molt-gateway" in by_kind(rendered["default"], "HorizontalPodAutoscaler")
 
 
 def test_monitoring_objects_follow_the_crds(rendered):
