@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -12,7 +14,26 @@ from molt.config import parse_settings
 from molt.net import listening_socket
 from services.gateway.app import build_app
 from services.gateway.config import GatewaySettings
+from services.gateway.core import Gateway
 from services.gateway.server import CoalescingHttpToolsProtocol
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that a first SIGTERM drains (``--session.drain_s``): the open sessions are
+    served to their end, or until the drain time is up, before the usual graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
+        super().__init__(config)
+        self.gateway, self.drain_s = gateway, drain_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.drain_s > 0 and self.gateway.drain_deadline is None:
+            self.gateway.start_draining(self.drain_s)
+            return
+        super().handle_exit(sig, frame)  # SIGINT, or a second SIGTERM: shut down now
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.gateway.drained() or await super().on_tick(counter)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = listening_socket("gateway", settings.server.host, settings.server.port)
     config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
                             http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, app.gateway, settings.session.drain_s).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ class SessionConfig(Section):
     """Sessions idle this long are dropped (nothing written) and counted as expired."""
     finished_keep_s: float = 600.0
     """How long a finished session's result is kept so a repeated finish is answered the same way."""
+    drain_s: float = 0.0
+    """On SIGTERM, keep serving the open sessions up to this long before exiting (new sessions get 503
+    ``draining``, ``/readyz`` 503), and exit as soon as none is open; 0 exits at once. Episodes survive a
+    rolling update or a scale-down this way; give the pod a longer termination grace period."""
     max_length: int = 4096
     """Default context budget per segment (prompt + generated tokens) when a session gives none."""
     max_tokens: int = 1024

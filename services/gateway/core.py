@@ -112,6 +112,18 @@ class Gateway:
         self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
         limit = model.max_model_len
         self.default_max_length = min(scfg.max_length, limit) if limit else scfg.max_length
+        self.drain_deadline: float | None = None  # monotonic time; set once SIGTERM starts a drain
+
+    # ---- draining (SIGTERM with --session.drain_s)
+
+    def start_draining(self, drain_s: float) -> None:
+        self.drain_deadline = time.monotonic() + drain_s
+        log.warning("draining: serving %d open sessions for up to %.0f s, no new ones",
+                    sum(self.open_by_owner.values()), drain_s)
+
+    def drained(self) -> bool:
+        """True once a drain has started and no session is open or its time is up."""
+        return self.drain_deadline is not None and (not self.open_by_owner or time.monotonic() >= self.drain_deadline)
 
     @property
     def policy_version(self) -> int:
@@ -120,6 +132,9 @@ class Gateway:
     # ---- sessions
 
     def open_session(self, owner: str | None, body: dict) -> Session:
+        if self.drain_deadline is not None:
+            raise GatewayError(503, "this gateway replica is shutting down: open the session again (another replica "
+                                    "takes it)", code="draining", retry_after_s=1)
         cfg = self.settings.auth
         if self.settings.auth.api_keys and self.open_by_owner[owner] >= cfg.max_open_sessions_per_key:
             raise GatewayError(429, f"this API key already holds {cfg.max_open_sessions_per_key} open sessions; "

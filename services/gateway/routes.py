@@ -118,7 +118,9 @@ class Handlers:
 
     async def readyz(self, request: Request) -> Response:
         healthy = [p.url for p in self.gw.pool.pods.values() if p.healthy]
-        return JSONResponse({"ready": bool(healthy), "healthy_pods": healthy}, status_code=200 if healthy else 503)
+        ready = bool(healthy) and self.gw.drain_deadline is None
+        return JSONResponse({"ready": ready, "healthy_pods": healthy, "draining": self.gw.drain_deadline is not None},
+                            status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
         await self.gw.refresh_queue_metrics()

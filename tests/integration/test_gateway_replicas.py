@@ -10,6 +10,8 @@ gone is a clean 502 in the wire's shape.
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import uuid
 
 import anthropic
@@ -29,6 +31,12 @@ KEYS = ["key-a", "key-b"]
 AUTH = {"authorization": f"Bearer {KEYS[0]}"}
 
 
+def _gateway_args(tiny_qwen3, pod_url: str, redis_url: str, stream: str, port: int) -> list[str]:
+    return ["--model", str(tiny_qwen3), "--rollout.urls", pod_url, "--redis.url", redis_url, "--redis.stream", stream,
+            "--session.max_length", "1024", "--server.port", str(port), "--replica.public_url",
+            f"http://127.0.0.1:{port}", "--auth.api_keys", *KEYS]
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_qwen3, redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gwr")
@@ -38,13 +46,11 @@ def pair(tiny_qwen3, redis_url, tmp_path_factory):
     try:
         for name in ("a", "b"):
             port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc, _ = start_gateway(["--model", str(tiny_qwen3), "--rollout.urls", pod_url, "--redis.url", redis_url,
-                                     "--redis.stream", stream, "--session.max_length", "1024", "--server.port",
-                                     str(port), "--replica.public_url", url, "--auth.api_keys", *KEYS],
+            proc, _ = start_gateway(_gateway_args(tiny_qwen3, pod_url, redis_url, stream, port),
                                     logs / f"gateway-{name}.log")
-            gateways.append((proc, url))
-        yield {"a": gateways[0][1], "b": gateways[1][1], "redis": redis_url, "stream": stream}
+            gateways.append((proc, f"http://127.0.0.1:{port}"))
+        yield {"a": gateways[0][1], "b": gateways[1][1], "redis": redis_url, "stream": stream, "pod": pod_url,
+               "model": tiny_qwen3, "logs": logs}
     finally:
         for proc, _ in gateways:
             stop(proc)
@@ -145,3 +151,34 @@ def test_forged_and_unreachable_owners(pair):
     s = _open(b)
     r = httpx.get(f"{a}/v1/sessions/{s['session_id']}", headers={"authorization": "Bearer wrong"})
     assert r.status_code == 401
+
+
+def test_sigterm_drains_open_sessions_then_exits(pair):
+    """A replica told to stop (rolling update, scale-down) with --session.drain_s serves its open episodes to
+    the end, directly and forwarded from its peers, takes no new ones, and exits once none is open."""
+    port = free_port()
+    c_url = f"http://127.0.0.1:{port}"
+    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
+                             "--session.drain_s", "60"], pair["logs"] / "gateway-c.log")
+    try:
+        s1, s2 = _open(c_url), _open(c_url)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(c_url + "/readyz").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(c_url + "/v1/sessions", json={}, headers=AUTH)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining" and r.headers["retry-after"] == "1"
+        turn = {"model": "policy", "max_tokens": 3, "messages": [{"role": "user", "content": "Still there?"}]}
+        for url, s in ((c_url, s1), (pair["a"], s2)):  # directly, and forwarded by a peer
+            r = httpx.post(f"{url}/s/{s['session_id']}/v1/chat/completions", json=turn, headers=AUTH)
+            assert r.status_code == 200, r.text
+        assert proc.poll() is None  # two sessions still open
+        r = httpx.post(pair["b"] + "/v1/episodes", headers=AUTH, json={"episodes": [
+            {"session_id": s1["session_id"], "reward": 1.0}, {"session_id": s2["session_id"], "reward": 0.0}]})
+        assert r.json()["written"] == 2, r.text
+        assert proc.wait(15) == 0  # none open: it shut down on its own, long before the 60 s drain
+        written = _read(pair)
+        assert {s1["session_id"], s2["session_id"]} <= set(written)
+    finally:
+        stop(proc)

@@ -198,8 +198,9 @@ def test_selectors_ports_and_scale_targets_match(rendered):
 
 
 def test_gateway_replicas_route_sessions_to_their_owner(rendered):
-    """Several gateway replicas share one Service: each names itself in its session ids (its pod IP) and the
-    Service keeps a client on one replica for longer than a session may sit idle."""
+    """Several gateway replicas share one Service: each names itself in its session ids (its pod IP), the
+    Service keeps a client on one replica for longer than a session may sit idle, and a replica that is
+    stopped or scaled away drains its open sessions first."""
     from services.gateway.config import SessionConfig
 
     for name, docs in rendered.items():
@@ -211,6 +212,9 @@ def test_gateway_replicas_route_sessions_to_their_owner(rendered):
         assert spec["sessionAffinity"] == "ClientIP"
         assert spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] > SessionConfig().idle_ttl_s
         # scaling down takes the open episodes of a replica with it: only slowly
+        drain = float(flag(c, "--session.drain_s"))
+        pod_spec = by_kind(docs, "Deployment")["molt-gateway"]["spec"]["template"]["spec"]
+        assert drain > 0 and pod_spec["terminationGracePeriodSeconds"] > drain  # the drain ends before the kill
         hpa = by_kind(docs, "HorizontalPodAutoscaler").get("molt-gateway")
         if hpa is not None:
             down = hpa["spec"]["behavior"]["scaleDown"]
