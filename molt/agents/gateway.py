@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any, AsyncIterator
 
 import httpx
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 class GatewayError(RuntimeError):
     """The gateway answered with an error status."""
 
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+    def __init__(self, method: str, path: str, status: int, body: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"gateway {method} {path} -> {status}: {body[:500]}")
         self.status = status
         self.body = body
+        self.retry_after_s = retry_after_s
 
 
 class Session:
@@ -93,8 +95,9 @@ class GatewayClient:
     """Async HTTP client of one gateway (``url`` is its root, e.g. http://127.0.0.1:8000)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, open_retry_s: float = 60.0) -> None:
         self.url = url.rstrip("/")
+        self.open_retry_s = open_retry_s
         # The gateway requires bearer keys whenever it listens beyond loopback; sessions belong to the key.
         self.api_key = api_key
         self._can_append: bool | None = None
@@ -108,11 +111,24 @@ class GatewayClient:
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = await self._http.request(method, path, json=body)
         if resp.status_code >= 400:
-            raise GatewayError(method, path, resp.status_code, resp.text)
+            retry = resp.headers.get("retry-after", "")
+            raise GatewayError(method, path, resp.status_code, resp.text,
+                               float(retry) if retry.replace(".", "", 1).isdigit() else None)
         return resp.json() if resp.content else {}
 
     async def open_session(self, **fields: Any) -> Session:
-        return Session(self, await self.request("POST", "/v1/sessions", fields))
+        """Open a session. A 503 opened nothing (the replica reached is draining, or no rollout pod is ready
+        yet), so it is asked again after its Retry-After, for up to ``open_retry_s``."""
+        deadline = time.monotonic() + self.open_retry_s
+        while True:
+            try:
+                return Session(self, await self.request("POST", "/v1/sessions", fields))
+            except GatewayError as err:
+                wait_s = min(max(err.retry_after_s or 1.0, 0.1), 5.0)
+                if err.status != 503 or time.monotonic() + wait_s > deadline:
+                    raise
+                log.info("open session: %s; again in %.1f s", err, wait_s)
+                await asyncio.sleep(wait_s)
 
     @contextlib.asynccontextmanager
     async def session(self, **fields: Any) -> AsyncIterator[Session]:

@@ -11,7 +11,7 @@ import pytest
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Env, Episode, Result, StepEnvRunner
 from molt.agents.base import first_scalar, load_agent_runner
-from molt.agents.gateway import GatewayClient
+from molt.agents.gateway import GatewayClient, GatewayError
 from molt.agents.testing import FakeGateway
 
 
@@ -263,3 +263,31 @@ def test_molt_module_paths_import(tmp_path):
                 super().__init__(Env)
     """))
     assert isinstance(load_agent_runner(path, "molt_paths"), StepEnvRunner)
+
+
+async def test_open_session_asks_again_after_a_503():
+    """A draining replica (or a gateway without a ready pod yet) answers 503 + Retry-After and opened nothing:
+    the client asks again, for up to open_retry_s; other errors and a 503 past that time are raised."""
+    fake = FakeGateway()
+    answers = [503, 503]
+
+    async def flaky(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/sessions" and answers:
+            await send({"type": "http.response.start", "status": answers.pop(0),
+                        "headers": [(b"retry-after", b"0.1"), (b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"code": "draining"}}'})
+            return
+        await fake.app(scope, receive, send)
+
+    client = GatewayClient("http://fake", transport=httpx.ASGITransport(app=flaky), open_retry_s=5.0)
+    s = await client.open_session(group_id="g")
+    assert s.id in fake.sessions and not answers
+    answers[:] = [503] * 100
+    quick = GatewayClient("http://fake", transport=httpx.ASGITransport(app=flaky), open_retry_s=0.35)
+    with pytest.raises(GatewayError) as err:
+        await quick.open_session(group_id="g")
+    assert err.value.status == 503 and err.value.retry_after_s == 0.1 and len(answers) < 100
+    answers[:] = [400]
+    with pytest.raises(GatewayError) as err:
+        await client.open_session(group_id="g")
+    assert err.value.status == 400 and not answers  # not asked again
