@@ -34,7 +34,8 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
     pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream)
     queue = queue or open_queue(settings.redis, metrics)
-    replicas = Replicas(settings.replica.public_url, settings.auth.api_keys, rc.timeout_s)
+    replicas = Replicas(settings.replica.public_url, settings.auth.api_keys,
+                        client if isinstance(client, HttpTransport) else None)
     gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id)
 
     @contextlib.asynccontextmanager
@@ -49,7 +50,6 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             pool.close()
             await client.close()
             await queue.close()
-            await replicas.close()
 
     handlers = Handlers(gw, replicas)
     edge = Edge(Router(routes(handlers), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,

@@ -23,19 +23,21 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import time
 import uuid
-from typing import Any
-
-import aiohttp
+from typing import Any, Callable
 
 from services.gateway.errors import GatewayError
+from services.gateway.transport import HttpTransport, PodConnectionError
 
 FORWARDED = "x-molt-forwarded-by"
 """Set on forwarded requests: the owner answers them itself, so a request is forwarded at most once."""
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay sets itself.
+_FORWARDED = FORWARDED.encode()
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay or the server here set themselves.
 _SKIP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server"}
+         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server", _FORWARDED}
+_SKIP_ANSWER = _SKIP - {b"content-length"}  # the relayed body is byte for byte the owner's
 
 
 def session_of(path: str) -> str | None:
@@ -63,14 +65,14 @@ def _b32(text: str) -> str:
 
 
 class Replicas:
-    """Session ids, owners and the relay of one replica; ``Replicas("", [])`` is the single-replica case."""
+    """Session ids, owners and the relay of one replica; ``Replicas("", [])`` is the single-replica case.
+    Peers are reached with the gateway's own keep-alive HTTP client (``HttpTransport.relay``)."""
 
-    def __init__(self, public_url: str, api_keys: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(self, public_url: str, api_keys: list[str], transport: HttpTransport | None = None) -> None:
         self.public_url = public_url
-        self.timeout_s = timeout_s
+        self.transport = transport  # the gateway's keep-alive HTTP client (one pool per peer, as per pod)
         self._key = hashlib.sha256("\n".join(sorted(api_keys)).encode()).digest()
         self._tag = self._sign(_b32(public_url)) if public_url else ""
-        self._http: aiohttp.ClientSession | None = None
 
     def _sign(self, encoded_url: str) -> str:
         return f"{encoded_url}.{hmac.new(self._key, encoded_url.encode(), 'sha256').hexdigest()[:16]}"
@@ -92,70 +94,78 @@ class Replicas:
         except (binascii.Error, ValueError):
             return None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            # No cookie jar: the relay carries many clients' requests and must never mix their cookies. No cap
-            # on connections per peer (aiohttp's default 100 would queue turns past 100 in flight).
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0))
-        return self._http
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-
-    @staticmethod
-    def _headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in _SKIP]
+    def _request_headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in raw if k.lower() not in _SKIP] + [(_FORWARDED, self.public_url.encode())]
 
     def _unreachable(self, owner: str, exc: BaseException) -> GatewayError:
-        return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: "
-                                 f"{type(exc).__name__}: {exc}", code="replica_unreachable")
+        return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: {exc}",
+                            code="replica_unreachable")
+
+    async def _call(self, owner: str, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                    on_answer: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None]) -> None:
+        """One request to ``owner`` over the transport's keep-alive pool, its answer streamed to ``on_answer``."""
+        if self.transport is None:
+            raise GatewayError(502, "this gateway has no transport to reach its peers", code="replica_unreachable")
+        try:
+            await self.transport.relay(method, owner, path, self._request_headers(headers), body, on_answer)
+        except PodConnectionError as exc:
+            raise self._unreachable(owner, exc) from None
 
     async def forward(self, owner: str, scope, body: bytes, send) -> None:
         """Send this request (its ``body`` read and checked by the caller) to ``owner`` and relay the answer
-        back chunk by chunk (SSE streams stay streams).
+        back piece by piece as it arrives (SSE streams stay streams).
 
         Timing: ``scope["state"]["pod_wait_s"]`` gets the owner's own pod wait (its Server-Timing ``pod``), so
         the added latency this replica reports is what both gateways added; a stream, whose timing the owner
         cannot know when it starts, counts the owner's whole answer as waiting. ``state["relayed"]`` files the
         request under ``wire="relay"``. Raises GatewayError(502) when the owner cannot be reached."""
-        url = owner + scope["raw_path"].decode("latin-1")
+        path = scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = self._headers(scope["headers"]) + [(FORWARDED, self.public_url)]
+            path += "?" + scope["query_string"].decode("latin-1")
         state = scope["state"]
         state["relayed"] = True
         started = time.perf_counter()
+        pieces: asyncio.Queue = asyncio.Queue()
+        call = asyncio.ensure_future(self._call(owner, scope["method"], path, scope["headers"], body,
+                                                lambda *piece: pieces.put_nowait(piece)))
+        call.add_done_callback(lambda _: pieces.put_nowait(None))
         try:
-            async with self._client().request(scope["method"], url, data=body, headers=headers) as r:
-                owner_pod_ms = _duration(r.headers.get("server-timing", ""), "pod")
-                if owner_pod_ms is not None:
-                    state["pod_wait_s"] = owner_pod_ms / 1e3
-                await send({"type": "http.response.start", "status": r.status,
-                            "headers": [(k.lower(), v) for k, v in r.raw_headers if k.lower() not in _SKIP]})
-                async for chunk in r.content.iter_any():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                state.setdefault("pod_wait_s", time.perf_counter() - started)
-                await send({"type": "http.response.body", "body": b""})
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise self._unreachable(owner, exc) from None
+            while (piece := await pieces.get()) is not None:
+                status, headers, data = piece
+                if headers is not None:
+                    timing = next((v for k, v in headers if k == b"server-timing"), b"").decode("latin-1")
+                    owner_pod_ms = _duration(timing, "pod")
+                    if owner_pod_ms is not None:
+                        state["pod_wait_s"] = owner_pod_ms / 1e3
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": [(k, v) for k, v in headers if k not in _SKIP_ANSWER]})
+                elif data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            await call  # raises the GatewayError of a failed call
+        finally:
+            call.cancel()
+        state.setdefault("pod_wait_s", time.perf_counter() - started)
+        await send({"type": "http.response.body", "body": b""})
 
     async def post_json(self, owner: str, path: str, body: dict, raw_headers: list[tuple[bytes, bytes]]) -> Any:
         """POST ``body`` to ``owner`` with the caller's headers (its API key); the decoded answer."""
-        headers = self._headers([(k, v) for k, v in raw_headers if k.lower() != b"content-type"])
+        answer: list[bytes] = []
+        status = [0]
+
+        def collect(code: int, headers, data: bytes) -> None:
+            status[0] = code or status[0]
+            answer.append(data)
+
+        headers = [(k, v) for k, v in raw_headers if k.lower() != b"content-type"]
+        await self._call(owner, "POST", path, headers + [(b"content-type", b"application/json")],
+                         json.dumps(body).encode(), collect)
         try:
-            async with self._client().post(owner + path, json=body,
-                                           headers=headers + [(FORWARDED, self.public_url)]) as r:
-                data = await r.json(content_type=None)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise self._unreachable(owner, exc) from None
+            data = json.loads(b"".join(answer))
         except ValueError as exc:
             raise GatewayError(502, f"the gateway replica {owner} answered {path} with no JSON: {exc}",
                                code="replica_unreachable") from None
-        if r.status != 200:
+        if status[0] != 200:
             message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {r.status}: {message}",
+            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {status[0]}: {message}",
                                code="replica_unreachable")
         return data

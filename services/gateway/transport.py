@@ -16,7 +16,7 @@ import asyncio
 import json
 import ssl
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -75,6 +75,10 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future | None = None
         self.chunks: list[bytes] = []
+        # Streaming mode (HttpTransport.relay): the status and headers, then each body piece, go to ``sink``
+        # as they arrive instead of being collected.
+        self.sink: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None] | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
         self.received = False  # any byte of the current response
         self.headers_done = False
         self.delimited = False  # Content-Length or chunked: the body does not end at EOF
@@ -99,12 +103,19 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
             self.delimited = True
+        if self.sink is not None:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        if self.sink is not None:
+            self.sink(self.parser.get_status_code(), self.headers, b"")
 
     def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
+        if self.sink is not None:
+            self.sink(0, None, body)
+        else:
+            self.chunks.append(body)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
@@ -192,9 +203,14 @@ class HttpTransport(PodTransport):
             conn.close()
         return None
 
-    async def _request(self, method: bytes, url: str, rest: bytes, timeout_s: float) -> tuple[int, bytes, float]:
-        """``rest``: the headers after Host, the blank line and the body. One write per request."""
-        origin, path = self._target(url)
+    async def _request(self, method: bytes, url: str, rest: bytes, timeout_s: float,
+                       sink: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None] | None = None,
+                       path: bytes | None = None) -> tuple[int, bytes, float]:
+        """``rest``: the headers after Host, the blank line and the body. One write per request. With ``sink``
+        the answer is streamed to it (see ``relay``) and the returned body is empty. ``path`` replaces the URL's
+        own (the URL then names only the origin, so the parsed-URL cache holds one entry per origin)."""
+        origin, url_path = self._target(url)
+        path = url_path if path is None else path
         request = b"".join((method, b" ", path, b" HTTP/1.1\r\n", origin.host_header, rest))
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_connections)
@@ -211,6 +227,7 @@ class HttpTransport(PodTransport):
                 assert conn.transport is not None
                 conn.waiter = waiter = loop.create_future()
                 conn.received = conn.headers_done = conn.delimited = False
+                conn.sink, conn.headers = sink, []
                 conn.transport.write(request)
                 timer = loop.call_at(deadline, conn.timed_out)
                 try:
@@ -228,6 +245,7 @@ class HttpTransport(PodTransport):
                     raise
                 finally:
                     timer.cancel()
+                    conn.sink = None
                 if conn.keep_alive and not conn.closed:
                     conn.idle_since = time.monotonic()
                     origin.idle.append(conn)
@@ -246,6 +264,19 @@ class HttpTransport(PodTransport):
         head = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         try:
             return await self._request(b"POST", url, head + body, self.timeout_s)
+        except (OSError, asyncio.TimeoutError, httptools.HttpParserError) as exc:
+            raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
+
+    async def relay(self, method: str, origin: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                    sink: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None]) -> None:
+        """Send ``method path`` to ``origin`` (scheme://host:port) with the given headers (Host and
+        Content-Length are set here) and stream the answer to ``sink``: once ``(status, headers, b"")`` when
+        the head is in, then ``(0, None, piece)`` per body piece; returns when the answer is complete. Raises
+        PodConnectionError on transport failure (the sink may already have the head: the answer was cut)."""
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+        rest = b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
+        try:
+            await self._request(method.encode(), origin, rest, self.timeout_s, sink, path.encode("latin-1"))
         except (OSError, asyncio.TimeoutError, httptools.HttpParserError) as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
 

@@ -128,3 +128,59 @@ async def test_concurrent_requests_each_get_their_own_answer():
         assert [b for _, b, _ in got] == bodies
         assert srv.connections <= 8  # max_connections bounds the connections in use
         await t.close()
+
+
+async def test_relay_streams_the_answer_as_it_arrives_and_reports_a_cut():
+    """HttpTransport.relay (the gateway replicas' forwarding): the head, then each body piece, reach the sink
+    as the server sends them, over the same keep-alive pool; a connection dropped mid-answer is an error."""
+    gate = asyncio.Event()
+    seen: list = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            body = await reader.readexactly(length)
+            seen.append(head + body)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"7\r\ndata: 1\r\n")
+            await writer.drain()
+            await gate.wait()
+            if b"/cut" in head:
+                writer.close()
+                return
+            writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    t = HttpTransport(16, 5.0, 1.0)
+    got: list = []
+    try:
+        call = asyncio.ensure_future(t.relay("POST", url, "/s/x/v1/chat/completions",
+                                             [(b"authorization", b"Bearer k")], b'{"stream": true}',
+                                             lambda *piece: got.append(piece)))
+        for _ in range(100):  # the head and the first piece arrive before the server sends the rest
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert got[0][0] == 200 and (b"content-type", b"text/event-stream") in got[0][1]
+        assert got[1] == (0, None, b"data: 1")
+        gate.set()
+        await call
+        assert got[2:] == [(0, None, b"data: 2")]
+        request = seen[0].split(b"\r\n")
+        assert request[0] == b"POST /s/x/v1/chat/completions HTTP/1.1" and b"authorization: Bearer k" in request
+        assert b"Content-Length: 16" in request and seen[0].endswith(b'{"stream": true}')
+        got.clear()
+        with pytest.raises(PodConnectionError):
+            await t.relay("GET", url, "/cut", [], b"", lambda *piece: got.append(piece))
+        assert list(t._targets) == [url]  # one parsed entry per origin, not one per path
+        assert got[0][0] == 200 and got[1] == (0, None, b"data: 1")  # the head was relayed, then the cut
+    finally:
+        await t.close()
+        server.close()
