@@ -25,7 +25,7 @@ import torch
 
 from molt.metrics import Metrics
 from molt.weightsync import collective as coll
-from molt.weightsync.layout import Hasher, Layout, checksum, validate_layout, view_tensors
+from molt.weightsync.layout import Hasher, Layout, validate_layout, view_tensors
 from molt.weightsync.manifest import ManifestError, verify_manifest
 
 log = logging.getLogger("molt.weightsync")
@@ -56,8 +56,7 @@ class _Pending:
     pos: int = 0  # stream bytes received in order
     buckets_done: int = 0
     digests: list[int] = field(default_factory=list)
-    hasher: Hasher | None = None
-    verifying: list = field(default_factory=list)  # concurrent futures of bucket checksums, in order
+    hasher: Hasher | None = None  # over the current bucket's chunks so far (gRPC)
     receiver: asyncio.Future | None = None  # collective receive
     staged_s: float | None = None
 
@@ -68,14 +67,6 @@ class _Applied:
     tensors: dict[str, torch.Tensor]  # views of staging
     keep: list[str]
     staging: torch.Tensor
-
-
-def _verify_bucket(algo: str, bucket: int, data, sent: int) -> int:
-    got = checksum(data, algo)
-    if got != sent:
-        raise SyncError("data_loss", "checksum", f"bucket {bucket} checksum mismatch ({algo}: sent {sent:#x}, "
-                                                 f"received bytes hash to {got:#x})")
-    return got
 
 
 class WeightSyncCore:
@@ -100,7 +91,6 @@ class WeightSyncCore:
         self._failed = 0
         self._collective: coll.Collective | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-collective")
-        self._hasher_pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum")
         self.metrics["molt_weightsync_version"].labels(side="pod").set(engine.policy_version)
 
     # ---- failures
@@ -185,15 +175,12 @@ class WeightSyncCore:
                 received += len(data)
             if pending is None:
                 raise SyncError("failed_precondition", "protocol", "empty Push stream")
-            await self._drain(pending)
             if pending.pos != pending.layout.total_bytes:
                 raise SyncError("aborted", "interrupted",
                                 f"Push ended after {pending.buckets_done} of {pending.layout.num_buckets} buckets")
         except SyncError as err:
-            await self._drain(pending, cancel=True)
             raise self._fail(pending, err) from None
         except BaseException as exc:  # the stream broke (client gone, cancelled): never apply half a sync
-            await self._drain(pending, cancel=True)
             self._fail(pending, SyncError("aborted", "interrupted",
                                           f"Push stream interrupted after {received} bytes: {type(exc).__name__}"))
             raise
@@ -212,30 +199,20 @@ class WeightSyncCore:
         size = lay.bucket_size(bucket)
         if end > size:
             raise SyncError("invalid_argument", "protocol", f"chunk overruns bucket {bucket} ({end} > {size} bytes)")
+        # Hash each chunk as it is staged, while its bytes are still in the CPU cache: hashing each finished
+        # 256 MiB bucket again from memory in a worker thread cost the receiver 8-12% more user CPU per GB
+        # (6 same-run A/B pairs, BENCHMARKS.md), for no gain in throughput.
+        assert p.hasher is not None
+        p.hasher.update(data)
         memoryview(p.staging.numpy())[p.pos: p.pos + len(data)] = data
         p.pos += len(data)
-        if end == size:  # hash the whole bucket in a worker thread while the next one arrives
-            start = bucket * lay.bucket_bytes
-            view = memoryview(p.staging.numpy())[start: start + size]
-            p.verifying.append(self._hasher_pool.submit(_verify_bucket, p.checksum, bucket, view, digest))
+        if end == size:
+            got, p.hasher = p.hasher.digest(), Hasher(p.checksum)
+            if got != digest and p.checksum != "none":
+                raise SyncError("data_loss", "checksum", f"bucket {bucket} checksum mismatch ({p.checksum}: sent "
+                                                         f"{digest:#x}, received bytes hash to {got:#x})")
+            p.digests.append(got)
             p.buckets_done += 1
-        while p.verifying and p.verifying[0].done():
-            p.digests.append(p.verifying.pop(0).result())  # raises the checksum SyncError
-
-    @staticmethod
-    async def _drain(p: _Pending | None, cancel: bool = False) -> None:
-        """Wait for the bucket checksums still running (they read the staging buffer)."""
-        if p is None:
-            return
-        while p.verifying:
-            fut = p.verifying.pop(0)
-            if cancel and fut.cancel():
-                continue
-            try:
-                p.digests.append(await asyncio.wrap_future(fut))
-            except SyncError:
-                if not cancel:
-                    raise
 
     # ---- data over the collective
 
@@ -411,4 +388,3 @@ class WeightSyncCore:
     def close(self) -> None:
         self._pending = None
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._hasher_pool.shutdown(wait=False, cancel_futures=True)
