@@ -117,7 +117,8 @@ class Edge:
 
         try:
             owner = self.relay and self.replicas.owner(session_of(path))
-            if owner and not any(k == _FORWARDED for k, _ in scope["headers"]):
+            # HEAD is answered here: a relayed HEAD answer has a Content-Length and no body to wait for.
+            if owner and scope["method"] != "HEAD" and not any(k == _FORWARDED for k, _ in scope["headers"]):
                 await self.relay(owner, scope, receive, timed_send)
             else:
                 await self.router(scope, receive, timed_send)

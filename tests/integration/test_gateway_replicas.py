@@ -147,6 +147,9 @@ def test_forged_and_unreachable_owners(pair):
     assert "did not answer" in r.json()["error"]["message"]
     r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
     assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
+    # HEAD is not relayed (its answer would announce a body that never comes): answered where it lands
+    r = httpx.head(f"{a}/v1/sessions/{_open(b)['session_id']}", headers=AUTH, timeout=5)
+    assert r.status_code == 404
     # a bad key is refused where it lands, before anything is forwarded
     s = _open(b)
     r = httpx.get(f"{a}/v1/sessions/{s['session_id']}", headers={"authorization": "Bearer wrong"})
