@@ -34,9 +34,10 @@ from services.gateway.transport import HttpTransport, PodConnectionError
 FORWARDED = "x-molt-forwarded-by"
 """Set on forwarded requests: the owner answers them itself, so a request is forwarded at most once."""
 _FORWARDED = FORWARDED.encode()
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay or the server here set themselves.
+# Hop-by-hop headers (RFC 9110 7.6.1), the ones the relay or the server here set themselves, and Expect (the
+# body is sent whole; a "100 Continue" from the owner would read as its answer).
 _SKIP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server", _FORWARDED}
+         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server", b"expect", _FORWARDED}
 _SKIP_ANSWER = _SKIP - {b"content-length"}  # the relayed body is byte for byte the owner's
 
 

@@ -147,6 +147,11 @@ def test_forged_and_unreachable_owners(pair):
     assert "did not answer" in r.json()["error"]["message"]
     r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
     assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
+    # a client that asks for "100 Continue" (curl does, for bodies over 1 KB) still gets the owner's real answer
+    s = _open(b)
+    r = httpx.post(f"{a}/s/{s['session_id']}/v1/chat/completions", headers={**AUTH, "expect": "100-continue"},
+                   json={"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     # HEAD is not relayed (its answer would announce a body that never comes): answered where it lands
     r = httpx.head(f"{a}/v1/sessions/{_open(b)['session_id']}", headers=AUTH, timeout=5)
     assert r.status_code == 404
