@@ -26,13 +26,12 @@ from starlette.routing import Router
 from molt.metrics import Metrics
 from services.gateway.errors import GatewayError, error_body, error_headers, wire_of_path
 from services.gateway.metrics import UNTIMED, wire_label
-from services.gateway.replicas import FORWARDED, Replicas, session_of
+from services.gateway.replicas import Replicas
 
 log = logging.getLogger("molt.gateway")
 
 Handler = Callable[[Request], Awaitable[Response]]
 Relay = Callable[[str, dict, Callable, Callable], Awaitable[None]]
-_FORWARDED = FORWARDED.encode()
 
 
 class Endpoint:
@@ -116,9 +115,8 @@ class Edge:
                              time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
-            owner = self.relay and self.replicas.owner(session_of(path))
-            # HEAD is answered here: a relayed HEAD answer has a Content-Length and no body to wait for.
-            if owner and scope["method"] != "HEAD" and not any(k == _FORWARDED for k, _ in scope["headers"]):
+            owner = self.relay and self.replicas.target(scope)
+            if owner:
                 await self.relay(owner, scope, receive, timed_send)
             else:
                 await self.router(scope, receive, timed_send)

@@ -95,6 +95,15 @@ class Replicas:
         except (binascii.Error, ValueError):
             return None
 
+    def target(self, scope) -> str | None:
+        """The replica to relay this request to: it names a session another replica holds (``owner``), it
+        was not relayed here already (so a request travels at most once), and it is not a HEAD (whose
+        answer announces a Content-Length with no body to wait for: answered where it lands)."""
+        owner = self.owner(session_of(scope["path"])) if self._tag else None
+        if owner is None or scope["method"] == "HEAD" or any(k == _FORWARDED for k, _ in scope["headers"]):
+            return None
+        return owner
+
     def _request_headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [(k, v) for k, v in raw if k.lower() not in _SKIP] + [(_FORWARDED, self.public_url.encode())]
 
@@ -151,10 +160,11 @@ class Replicas:
     async def post_json(self, owner: str, path: str, body: dict, raw_headers: list[tuple[bytes, bytes]]) -> Any:
         """POST ``body`` to ``owner`` with the caller's headers (its API key); the decoded answer."""
         answer: list[bytes] = []
-        status = [0]
+        status = 0
 
         def collect(code: int, headers, data: bytes) -> None:
-            status[0] = code or status[0]
+            nonlocal status
+            status = code or status  # the head carries the status, the body pieces 0
             answer.append(data)
 
         headers = [(k, v) for k, v in raw_headers if k.lower() != b"content-type"]
@@ -165,8 +175,8 @@ class Replicas:
         except ValueError as exc:
             raise GatewayError(502, f"the gateway replica {owner} answered {path} with no JSON: {exc}",
                                code="replica_unreachable") from None
-        if status[0] != 200:
+        if status != 200:
             message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {status[0]}: {message}",
+            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {status}: {message}",
                                code="replica_unreachable")
         return data

@@ -58,3 +58,17 @@ def test_server_timing_durations():
     header = "gateway;dur=0.412, pod;dur=12.500"
     assert _duration(header, "pod") == 12.5 and _duration(header, "gateway") == 0.412
     assert _duration(header, "owner") is None and _duration("", "pod") is None and _duration("pod;dur=x", "pod") is None
+
+
+def test_target_relays_once_and_never_a_head():
+    a, b = Replicas(A, KEYS), Replicas(B, KEYS)
+    sid = a.new_session_id()
+
+    def scope(method="POST", path=f"/s/{sid}/v1/chat/completions", headers=()):
+        return {"method": method, "path": path, "headers": list(headers)}
+
+    assert b.target(scope()) == A and b.target(scope("GET", f"/v1/sessions/{sid}")) == A
+    assert a.target(scope()) is None  # its own session
+    assert b.target(scope("HEAD", f"/v1/sessions/{sid}")) is None
+    assert b.target(scope(headers=[(b"x-molt-forwarded-by", A.encode())])) is None  # already relayed once
+    assert b.target(scope(path="/v1/episodes")) is None and Replicas("", []).target(scope()) is None
