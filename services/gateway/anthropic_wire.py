@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from services.gateway.chat import bad_request, canonical_tools
+from services.gateway.chat import bad_request, canonical_tools, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
 from services.gateway.openai_wire import CHUNK_CHARS, _number
@@ -134,7 +133,7 @@ def _blocks(r: TurnResult) -> list[dict]:
 
 
 def _head(model_name: str, input_tokens: int) -> dict:
-    return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model_name,
+    return {"id": "msg_" + new_id(), "type": "message", "role": "assistant", "model": model_name,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
 

@@ -72,15 +72,33 @@ class ReplicaConfig(Section):
     """This replica's own URL as the other replicas reach it (e.g. http://POD_IP:8080). Set it when several
     replicas share one Service: a session lives on the replica that opened it, its id then names that replica
     (signed with the API keys, so only ids a replica issued are followed), and a request for it that reaches
-    another replica is forwarded there. Empty: one replica, plain ids, nothing forwarded."""
+    another replica is forwarded there. Empty: one replica, plain ids, nothing forwarded. An IPv6 address may
+    come bare, as Kubernetes expands ``$(POD_IP)`` (``http://fd00::7:8080``): when a port follows it, it is
+    bracketed here (``http://[fd00::7]:8080``)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ReplicaConfig":
         url = self.public_url.strip().rstrip("/")
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"--replica.public_url: {url!r} is not an http(s) URL; pass e.g. http://10.0.0.7:8080")
-        object.__setattr__(self, "public_url", url)
+        object.__setattr__(self, "public_url", _bracket_ipv6(url))
         return self
+
+
+def _bracket_ipv6(url: str) -> str:
+    """``http://fd00::7:8080/x`` -> ``http://[fd00::7]:8080/x``; any other URL as it is. The last ``:N`` is read as
+    the port (the chart always appends one), so the address is what comes before it."""
+    scheme, _, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    host, _, port = netloc.rpartition(":")
+    if netloc.count(":") < 2 or "[" in netloc or not port.isdigit():
+        return url
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(f"--replica.public_url: {url!r}: write an IPv6 address in brackets, "
+                         "e.g. http://[fd00::7]:8080") from None
+    return f"{scheme}://[{host}]:{port}{slash}{path}"
 
 
 class GatewaySettings(Section):

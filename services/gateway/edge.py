@@ -14,6 +14,7 @@ pod;dur=MS`` (accept to response start).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
@@ -94,9 +95,13 @@ class Edge:
         state = scope.setdefault("state", {})
         scope["app"] = self  # routing then raises HTTPException for 404/405, answered below in the wire's shape
         status = 0
+        started = False  # the response's first bytes have left: an error can no longer replace it
+        held: dict | None = None  # a start message whose body may follow at once (see below)
+        send_whole = scope.get("extensions", {}).get("molt.send_whole")
+        loop = asyncio.get_running_loop()
 
         async def timed_send(message) -> None:
-            nonlocal status
+            nonlocal status, started, held
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = message.get("headers", [])
@@ -109,10 +114,25 @@ class Edge:
                                   .encode()))
                 if extra:
                     message = {**message, "headers": [*headers, *extra]}
-            await send(message)
+                if send_whole is not None:  # the server can write start and body at once: wait for the body
+                    held = message
+                    return
+                started = True
+                await send(message)
+            elif held is not None:
+                start, held = held, None
+                if message.get("more_body", False) or not send_whole(status, start["headers"], message.get("body", b"")):
+                    started = True
+                    await send(start)
+                    await send(message)
+            else:
+                started = True
+                await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._record("relay" if state.get("relayed") else wire_label(path), path, status,
-                             time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+                started = True
+                # Recorded after the other responses ready now: answers come from a pod in bursts.
+                loop.call_soon(self._record, "relay" if state.get("relayed") else wire_label(path), path, status,
+                               time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
             owner = self.relay and self.replicas.target(scope)
@@ -121,7 +141,7 @@ class Edge:
             else:
                 await self.router(scope, receive, timed_send)
         except Exception as exc:
-            if status:  # the response has started (a stream): nothing can be sent in its place
+            if started:  # the response has started (a stream): nothing can be sent in its place
                 raise
             await error_response(exc, path)(scope, receive, timed_send)
 

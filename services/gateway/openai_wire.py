@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from services.gateway.chat import ChatModel, bad_request, canonical_messages, canonical_tools
+from services.gateway.chat import ChatModel, bad_request, canonical_messages, canonical_tools, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
 
@@ -114,7 +113,7 @@ def chat_response(results: list[TurnResult], req: ChatRequest, model: ChatModel,
             msg["tool_calls"] = r.tool_calls
         choices.append({"index": i, "message": msg, "finish_reason": _finish(r),
                         "logprobs": _logprobs(model, r, req.top_logprobs) if req.logprobs else None})
-    return {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion", "created": int(time.time()),
+    return {"id": "chatcmpl-" + new_id(), "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "usage": _usage(results),
             "system_fingerprint": f"molt-v{results[0].policy_version}", "policy_version": results[0].policy_version}
 
@@ -131,7 +130,7 @@ def _error_event(exc: BaseException) -> bytes:
 async def chat_stream(task: asyncio.Future, req: ChatRequest, model: ChatModel, model_name: str,
                       state: Any) -> AsyncIterator[bytes]:
     """SSE synthesized from the completed turn: a role chunk at once, content once the pod answered."""
-    base = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk",
+    base = {"id": "chatcmpl-" + new_id(), "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model_name}
     yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                      "finish_reason": None}]})
@@ -167,13 +166,13 @@ def completion_response(results: list[TurnResult], model: ChatModel, model_name:
             lp = {"tokens": toks, "token_logprobs": r.logprobs,
                   "top_logprobs": [{t: x} for t, x in zip(toks, r.logprobs)], "text_offset": []}
         choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": _finish(r)})
-    return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+    return {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "usage": _usage(results),
             "policy_version": results[0].policy_version}
 
 
 async def completion_stream(results: list[TurnResult], model_name: str) -> AsyncIterator[bytes]:
-    base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+    base = {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()),
             "model": model_name}
     for i, r in enumerate(results):
         for j in range(0, len(r.text), CHUNK_CHARS):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -72,8 +73,17 @@ def _error_text(answer: dict | bytes) -> str:
         return repr(answer)[:500]
 
 
+def _token_ids(raw: object) -> list[int]:
+    if type(raw) is list and all(type(t) is int for t in raw):
+        return raw  # type: ignore[return-value]
+    raise ValueError(f"token_ids must be a list of integers, got {str(raw)[:200]}")
+
+
 def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
-    """Accept plain floats, or per-token {id: logprob} / {"logprob": x} entries."""
+    """Accept plain floats, or per-token {id: logprob} / {"logprob": x} entries; each one finite."""
+    if type(raw) is list and len(raw) == len(token_ids) and all(type(x) is float for x in raw) \
+            and math.isfinite(sum(raw)):  # the usual answer, checked in one pass (a NaN or inf makes the sum one)
+        return raw
     if not isinstance(raw, list) or len(raw) != len(token_ids):
         raise ValueError(f"{0 if not isinstance(raw, list) else len(raw)} logprobs for {len(token_ids)} tokens")
     out = []
@@ -82,7 +92,7 @@ def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
             lp = lp.get("logprob", lp.get(str(tok), lp.get(tok)))  # type: ignore[call-overload]
             if isinstance(lp, dict):
                 lp = lp.get("logprob")
-        if not isinstance(lp, (int, float)):
+        if not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ValueError(f"logprob for token {tok} is {lp!r}")
         out.append(float(lp))
     return out
@@ -153,7 +163,7 @@ class PodPool:
             version = int(data.get("policy_version", 0))
             gens = []
             for out in data["outputs"]:
-                ids = [int(t) for t in out["token_ids"]]
+                ids = _token_ids(out["token_ids"])
                 finish = out.get("finish_reason") or "stop"
                 if isinstance(finish, dict):
                     finish = finish.get("type", "stop")

@@ -7,6 +7,7 @@ import hmac
 import json
 from typing import Any, Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +31,21 @@ class _JSON(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return self.encoder.encode(content).encode("utf-8")
+
+
+class TurnJSON(Response):
+    """A turn's answer, on the hot path: msgspec encodes it, 5x faster than json (its only floats are the pod's
+    logprobs, refused where they are parsed unless finite, so json's NaN check has nothing left to catch), and its
+    three headers are built here instead of by Starlette's generic header set-up."""
+
+    encoder = msgspec.json.Encoder()
+
+    def __init__(self, content: Any, version: int) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = self.encoder.encode(content)
+        self.raw_headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body)),
+                            (b"x-molt-policy-version", b"%d" % version)]
 
 
 class Handlers:
@@ -190,9 +206,9 @@ class Handlers:
         s = self.gw.get_session(request.path_params["sid"], owner)
         r = await self.gw.token_turn(s, body)
         request.state.pod_wait_s = r.pod_wait_s
-        return self.json({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
-                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
-                          "num_tokens": r.num_tokens, "remaining_tokens": r.remaining_tokens}, r.policy_version)
+        return TurnJSON({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
+                         "finish_reason": r.finish_reason, "policy_version": r.policy_version,
+                         "num_tokens": r.num_tokens, "remaining_tokens": r.remaining_tokens}, r.policy_version)
 
     # ---- OpenAI wire
 
@@ -209,7 +225,7 @@ class Handlers:
                 fut.set_result(results[0])
                 return StreamingResponse(oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
-            return self.json(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
+            return TurnJSON(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
         s = self.gw.get_session(sid, owner)
         if req.stream:
             ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
@@ -222,7 +238,7 @@ class Handlers:
         # batch of 64 at once, the last reply left only after all 64 turns had been committed.
         r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
         request.state.pod_wait_s = r.pod_wait_s
-        return self.json(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
+        return TurnJSON(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
 
     async def completions(self, request: Request) -> Response:
         owner = self.owner(request)
@@ -240,8 +256,8 @@ class Handlers:
         if body.get("stream"):
             return StreamingResponse(oa.completion_stream(results, self.model_name), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        return self.json(oa.completion_response(results, self.gw.model, self.model_name, bool(body.get("logprobs"))),
-                         results[0].policy_version)
+        return TurnJSON(oa.completion_response(results, self.gw.model, self.model_name, bool(body.get("logprobs"))),
+                        results[0].policy_version)
 
     # ---- Anthropic wire
 
@@ -260,7 +276,7 @@ class Handlers:
             if not req.stream:  # in this task, as in chat()
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
                 request.state.pod_wait_s = r.pod_wait_s
-                return self.json(an.messages_response(r, self.model_name), r.policy_version)
+                return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
             ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
         if req.stream:
             input_tokens = await ready
@@ -268,7 +284,7 @@ class Handlers:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         r = await done
         request.state.pod_wait_s = r.pod_wait_s
-        return self.json(an.messages_response(r, self.model_name), r.policy_version)
+        return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
 
     async def count_tokens(self, request: Request) -> Response:
         self.owner(request)

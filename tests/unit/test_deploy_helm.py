@@ -223,6 +223,24 @@ def test_gateway_replicas_route_sessions_to_their_owner(rendered):
     assert "molt-gateway" in by_kind(rendered["default"], "HorizontalPodAutoscaler")
 
 
+def test_ipv6_cluster_listens_on_both_families_and_names_replicas_by_bracketed_ip():
+    """On an IPv6 cluster $(POD_IP) expands to a bare address: the processes listen on "::", and the gateway
+    brackets its public URL (services/gateway/config.py), so its session ids name a reachable URL."""
+    from services.gateway.config import GatewaySettings
+
+    docs = tools.render(sets=("listenAddress=::",))
+    for name in ("molt-gateway", "molt-rollout", "molt-trainer"):
+        env = {e["name"]: e.get("value") for e in container(docs, name)["env"]}
+        assert env["MOLT_SERVER__HOST"] == "::", name
+    c = container(docs, "molt-gateway")
+    url = flag(c, "--replica.public_url").replace("$(POD_IP)", "fd00:10:244::7")
+    settings = GatewaySettings.model_validate({"model": {"path": "m"}, "server": {"host": "::"},
+                                               "auth": {"api_keys": ["k"]}, "replica": {"public_url": url}})
+    assert settings.replica.public_url == f"http://[fd00:10:244::7]:{flag(c, '--server.port')}"
+    out = tools.helm("template", "molt", str(tools.CHART), "--set", "listenAddress=::1", check=False)
+    assert out.returncode != 0 and "listenAddress" in out.stderr
+
+
 def test_monitoring_objects_follow_the_crds(rendered):
     def kinds(docs):
         return {d["kind"] for d in docs}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import pytest
 
 from services.gateway.config import GatewaySettings
@@ -50,6 +52,28 @@ def test_public_url_needs_keys_and_a_url():
         GatewaySettings.model_validate({**base, "replica": {"public_url": "10.0.0.7:8080"}, "auth": {"api_keys": KEYS}})
     ok = GatewaySettings.model_validate({**base, "replica": {"public_url": A + "/"}, "auth": {"api_keys": KEYS}})
     assert ok.replica.public_url == A
+
+
+@pytest.mark.parametrize("given, kept", [
+    ("http://fd00::7:8080", "http://[fd00::7]:8080"),  # the chart's http://$(POD_IP):PORT on an IPv6 cluster
+    ("http://2001:db8::1:80/gw", "http://[2001:db8::1]:80/gw"),
+    ("http://[fd00::7]:8080", "http://[fd00::7]:8080"),
+    ("http://10.0.0.7:8080", "http://10.0.0.7:8080"),
+    ("https://gw-0.gw.ns.svc:443", "https://gw-0.gw.ns.svc:443"),
+])
+def test_public_url_brackets_a_bare_ipv6_address(given, kept):
+    base = {"model": {"path": "m"}, "server": {"host": "127.0.0.1"}, "auth": {"api_keys": KEYS}}
+    url = GatewaySettings.model_validate({**base, "replica": {"public_url": given}}).replica.public_url
+    assert url == kept
+    me, peer = Replicas(url, KEYS), Replicas("http://peer:1", KEYS)
+    assert peer.owner(me.new_session_id()) == url  # and the id names it so that a peer can reach it
+    assert urlsplit(url).port in (8080, 80, 443)
+
+
+def test_public_url_with_a_malformed_colon_host_says_how_to_write_it():
+    base = {"model": {"path": "m"}, "server": {"host": "127.0.0.1"}, "auth": {"api_keys": KEYS}}
+    with pytest.raises(ValueError, match=r"in brackets, e.g. http://\[fd00::7\]:8080"):
+        GatewaySettings.model_validate({**base, "replica": {"public_url": "http://a:b:8080"}})
 
 
 def test_server_timing_durations():

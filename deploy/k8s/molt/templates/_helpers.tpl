@@ -81,7 +81,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{/* Env shared by every Molt container: bind all interfaces, the chart-wide extras. */}}
 {{- define "molt.commonEnv" -}}
 - name: MOLT_SERVER__HOST
-  value: "0.0.0.0"
+  value: {{ .Values.listenAddress | quote }}
 - name: OMP_NUM_THREADS
   value: "1"
 {{- with .Values.extraEnv }}
