@@ -7,6 +7,10 @@ that maps exceptions to responses. Here one layer does it all: ``Edge`` times th
 policy version, and answers any exception raised before the response started in the error shape of
 the request's wire (routing's 404/405 included). Per-turn cost: BENCHMARKS.md "Gateway overhead".
 
+Under the gateway's own server (services/gateway/server.py) a response's start message is held until its
+first body message: a whole response then leaves in one write (``molt.send_whole``), and an error raised
+before a stream's first chunk still gets the wire's error shape, since nothing has been sent yet.
+
 Timing: added time = accept to last body byte, minus ``scope["state"]["pod_wait_s"]`` (set by handlers
 to the time spent waiting on the rollout pod). Turns also get ``server-timing: gateway;dur=MS,
 pod;dur=MS`` (accept to response start).

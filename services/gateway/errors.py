@@ -50,7 +50,10 @@ def error_body(err: GatewayError, wire: Wire) -> dict:
 
 
 def error_headers(err: GatewayError) -> dict[str, str]:
-    return {"retry-after": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+    headers = {"retry-after": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+    if err.status == 413:  # the rest of the body is not read: end the connection rather than drain it
+        headers["connection"] = "close"
+    return headers
 
 
 def wire_of_path(path: str) -> Wire:

@@ -8,7 +8,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,7 +34,7 @@ class _JSON(JSONResponse):
 
 
 class TurnJSON(Response):
-    """A turn's answer, on the hot path: msgspec encodes it, 5x faster than json (its only floats are the pod's
+    """A turn's answer, on the hot path: msgspec encodes it, ~8x faster than json (its only floats are the pod's
     logprobs, refused where they are parsed unless finite, so json's NaN check has nothing left to catch), and its
     three headers are built here instead of by Starlette's generic header set-up."""
 
@@ -72,14 +72,27 @@ class Handlers:
                            code="invalid_api_key")
 
     async def raw_body(self, request: Request) -> bytes:
+        """The whole body, refused (413) as soon as it is known to pass ``--session.max_body_bytes``: from its
+        Content-Length, or while a chunked body arrives, so an oversized upload is never held whole. Read from
+        ``receive`` directly: Starlette's ``Request.body`` goes through an async generator per request."""
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             raise GatewayError(413, f"request body of {length} bytes is over the {self.max_body}-byte limit",
                                code="request_too_large")
-        raw = await request.body()
-        if len(raw) > self.max_body:
-            raise GatewayError(413, f"request body is over the {self.max_body}-byte limit", code="request_too_large")
-        return raw
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await request.receive()
+            if message["type"] != "http.request":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise GatewayError(413, f"request body is over the {self.max_body}-byte limit",
+                                   code="request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def body(self, request: Request) -> dict:
         raw = await self.raw_body(request)

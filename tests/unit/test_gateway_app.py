@@ -227,6 +227,24 @@ async def test_errors_have_each_wires_shape(env):
     assert r.json()["type"] == "error"
 
 
+async def test_oversized_bodies_are_refused_before_they_are_held(env):
+    app, pods, replies, http = env(session={"max_body_bytes": 2000})
+    sid = (await _open(http))["session_id"]
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 3000}]}).encode()
+    r = await http.post(f"/s/{sid}/v1/chat/completions", content=big)  # Content-Length says so at once
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["connection"] == "close"
+
+    async def chunks(n: int):  # no Content-Length: refused once the chunks read pass the limit
+        for _ in range(n):
+            yield b" " * 500
+        yield b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}'
+    r = await http.anthropic.post(f"/s/{sid}/v1/messages", content=chunks(10))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = await http.anthropic.post(f"/s/{sid}/v1/messages", content=chunks(2))  # under it: read whole, served
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
+
 async def test_unexpected_error_is_a_500_in_the_wire_shape(env):
     app, pods, replies, http = env()
     s = await _open(http)
