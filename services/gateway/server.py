@@ -9,9 +9,9 @@ path) are flushed at the end of that step, so nothing is delayed past it and the
 
 A response whose whole body is known when it starts (every non-streamed answer) can skip both ASGI
 ``send`` calls: ``scope["extensions"]["molt.send_whole"](status, headers, body)`` writes it at once with
-uvicorn's own header checks and keep-alive bookkeeping, at half the cost. A rollout pod finishes the turns
-of one engine step together, so the gateway answers them in bursts, one after another on one thread: what
-each answer costs is what the last one in a burst waits (``services/gateway/edge.py`` uses it).
+uvicorn's own header checks and keep-alive bookkeeping, and no held-head flush callback. A rollout pod
+finishes the turns of one engine step together, so the gateway answers them in bursts, one after another
+on one thread: what each answer costs is what the last one in a burst waits (``edge.py`` uses it).
 Measured with ``bench/gateway.py``: see BENCHMARKS.md "Gateway overhead".
 """
 
