@@ -124,6 +124,7 @@ class Metrics:
     def __init__(self, names: list[str] | tuple[str, ...], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._metrics: dict[str, object] = {}
+        self._children: dict[tuple[str, ...], object] = {}
         for name in names:
             spec = CATALOG[name]
             base = name[: -len("_total")] if spec.kind == "counter" and name.endswith("_total") else name
@@ -138,6 +139,15 @@ class Metrics:
 
     def __getitem__(self, name: str):
         return self._metrics[name]
+
+    def child(self, name: str, *labels: str):
+        """``self[name].labels(*labels)``, looked up once: prometheus_client's ``.labels()`` validates the values
+        and takes a lock on every call, too slow for a per-request path with a few label sets."""
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metrics[name].labels(*labels)  # type: ignore[attr-defined]
+        return child
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of this registry and its content type."""

@@ -113,7 +113,6 @@ class Gateway:
         limit = model.max_model_len
         self.default_max_length = min(scfg.max_length, limit) if limit else scfg.max_length
         self.drain_deadline: float | None = None  # monotonic time; set once SIGTERM starts a drain
-        self._segment_counters: dict[str, Any] = {}  # by reason: .labels() validates and locks on every call
 
     # ---- draining (SIGTERM with --session.drain_s)
 
@@ -184,7 +183,7 @@ class Gateway:
         if s.pod:
             self.pool.get(s.pod).sessions -= 1
         self.metrics["molt_gateway_open_sessions"].dec()
-        self.metrics["molt_gateway_sessions_total"].labels(outcome).inc()
+        self.metrics.child("molt_gateway_sessions_total", outcome).inc()
         s.closed_at = time.monotonic()
         s.last_result = None
 
@@ -302,11 +301,7 @@ class Gateway:
 
     def _after_turn(self, s: Session, plan: TurnPlan, key: str | None, result: TurnResult) -> None:
         if plan.new_segment:
-            counter = self._segment_counters.get(plan.reason)
-            if counter is None:
-                counter = self.metrics["molt_gateway_segments_total"].labels(plan.reason)
-                self._segment_counters[plan.reason] = counter
-            counter.inc()
+            self.metrics.child("molt_gateway_segments_total", plan.reason).inc()
         s.turns += 1
         s.last_used = time.monotonic()
         s.last_key, s.last_result = key, result

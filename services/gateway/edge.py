@@ -24,7 +24,7 @@ import time
 from typing import Awaitable, Callable
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Router
 
@@ -144,6 +144,8 @@ class Edge:
                 await self.relay(owner, scope, receive, timed_send)
             else:
                 await self.router(scope, receive, timed_send)
+        except ClientDisconnect:
+            return  # the client left before its request body had arrived: there is no one to answer
         except Exception as exc:
             if started:  # the response has started (a stream): nothing can be sent in its place
                 raise

@@ -245,6 +245,24 @@ async def test_oversized_bodies_are_refused_before_they_are_held(env):
     assert r.status_code == 200 and r.json()["type"] == "message"
 
 
+async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_logs_nothing(env, caplog):
+    app, pods, replies, http = env()
+    sid = (await _open(http))["session_id"]
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "method": "POST", "path": f"/s/{sid}/v1/chat/completions", "raw_path": b"",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "scheme": "http", "server": ("gw", 80), "client": ("127.0.0.1", 1), "http_version": "1.1"}
+    await app(scope, receive, send)
+    assert sent == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert pods.pods[PODS[0]].calls == []  # nothing was generated for it
+
+
 async def test_unexpected_error_is_a_500_in_the_wire_shape(env):
     app, pods, replies, http = env()
     s = await _open(http)
