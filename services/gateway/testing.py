@@ -68,6 +68,24 @@ class FakePods(PodTransport):
         return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode(), time.perf_counter()
 
 
+def read_trajectories(redis_url: str, stream: str) -> list:
+    """Every trajectory entry on ``stream`` (repeats included), read through a consumer group of its own."""
+    import asyncio
+
+    from molt.bus.redis_stream import RedisTrajectoryQueue
+
+    async def go() -> list:
+        q = RedisTrajectoryQueue(redis_url, stream, group="check")
+        try:
+            found = []
+            for _ in range(3):
+                found += [d.trajectory for d in await q.read("c", 100, block_s=0.2)]
+            return found
+        finally:
+            await q.close()
+    return asyncio.run(go())
+
+
 # ---- real processes
 
 

@@ -21,10 +21,9 @@ import pytest
 import redis
 
 from molt.agents.gateway import GatewayClient
-from molt.bus.redis_stream import RedisTrajectoryQueue
 from molt.net import free_port
 from services.gateway.replicas import Replicas
-from services.gateway.testing import start_gateway, start_rollout_pod, stop
+from services.gateway.testing import read_trajectories, start_gateway, start_rollout_pod, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 KEYS = ["key-a", "key-b"]
@@ -67,16 +66,7 @@ def _open(url: str) -> dict:
 
 
 def _read(pair) -> dict:
-    async def go():
-        q = RedisTrajectoryQueue(pair["redis"], pair["stream"], group="check")
-        try:
-            found = []
-            for _ in range(3):
-                found += [d.trajectory for d in await q.read("c", 100, block_s=0.2)]
-            return found
-        finally:
-            await q.close()
-    return {t.trajectory_id: t for t in asyncio.run(go())}
+    return {t.trajectory_id: t for t in read_trajectories(pair["redis"], pair["stream"])}
 
 
 def test_every_wire_reaches_the_replica_that_holds_the_session(pair):

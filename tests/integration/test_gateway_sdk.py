@@ -20,9 +20,8 @@ import openai
 import pytest
 import redis
 
-from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.gateway.chat import ChatModel
-from services.gateway.testing import start_gateway, start_rollout_pod, stop
+from services.gateway.testing import read_trajectories, start_gateway, start_rollout_pod, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
@@ -70,16 +69,7 @@ def _finish(stack, sid: str, reward: float = 1.0) -> dict:
 
 
 def _read(stack, sid: str):
-    async def go():
-        q = RedisTrajectoryQueue(stack["redis"], stack["stream"], group="check")
-        try:
-            found = []
-            for _ in range(3):
-                found += [d.trajectory for d in await q.read("c", 100, block_s=0.2)]
-            return [t for t in found if t.trajectory_id == sid]
-        finally:
-            await q.close()
-    [traj] = asyncio.run(go())
+    [traj] = [t for t in read_trajectories(stack["redis"], stack["stream"]) if t.trajectory_id == sid]
     return traj
 
 
