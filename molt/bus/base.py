@@ -16,7 +16,7 @@ import abc
 from dataclasses import dataclass
 from typing import Iterable
 
-from molt.schema import Trajectory
+from molt.schema import Trajectory, encode_many
 
 
 class QueueFull(RuntimeError):
@@ -46,9 +46,14 @@ class TrajectoryQueue(abc.ABC):
     stream: str
     dead_letter_stream: str
 
-    @abc.abstractmethod
     async def put_many(self, trajectories: Iterable[Trajectory], timeout_s: float | None = None) -> list[str]:
         """Encode (validating) and append; waits while the stream is full. Returns entry ids."""
+        return await self.put_encoded(encode_many(list(trajectories)), timeout_s)
+
+    @abc.abstractmethod
+    async def put_encoded(self, payloads: list[bytes], timeout_s: float | None = None) -> list[str]:
+        """Append records that ``molt.schema.encode_many`` made (and so validated), in order; waits while the
+        stream is full. Returns entry ids. For a producer that also needs the records' sizes."""
 
     async def put(self, trajectory: Trajectory, timeout_s: float | None = None) -> str:
         return (await self.put_many([trajectory], timeout_s))[0]

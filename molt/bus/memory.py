@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
-from molt.schema import SchemaError, Trajectory, decode, encode
+from molt.schema import SchemaError, decode
 
 
 @dataclass
@@ -46,8 +46,7 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
         self.order.append(entry_id)
         return entry_id
 
-    async def put_many(self, trajectories: Iterable[Trajectory], timeout_s: float | None = None) -> list[str]:
-        payloads = [encode(t) for t in trajectories]
+    async def put_encoded(self, payloads: list[bytes], timeout_s: float | None = None) -> list[str]:
         deadline = self.clock() + (60.0 if timeout_s is None else timeout_s)
         async with self._changed:
             while len(self.entries) >= self.max_len:

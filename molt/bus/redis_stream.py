@@ -27,7 +27,7 @@ from redis.exceptions import ResponseError
 
 from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
 from molt.metrics import Metrics
-from molt.schema import SchemaError, Trajectory, decode_many, encode_many
+from molt.schema import SchemaError, decode_many
 
 # KEYS: consumed set. ARGV: msgpack list of trajectory ids. Returns the 1-based positions of the ids
 # already committed: an empty reply in the common case. (SMISMEMBER, 6.2+, in chunks: Lua's unpack limit.)
@@ -128,9 +128,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
             self.metrics["molt_queue_backpressure_wait_seconds_total"].labels(self.stream).inc(
                 time.monotonic() - start)
 
-    async def put_many(self, trajectories: Iterable[Trajectory], timeout_s: float | None = None) -> list[str]:
-        trajectories = list(trajectories)
-        payloads = encode_many(trajectories)  # validates: a bad record never reaches the stream
+    async def put_encoded(self, payloads: list[bytes], timeout_s: float | None = None) -> list[str]:
         await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
         pipe = self.redis.pipeline(transaction=False)
         for payload in payloads:
