@@ -67,6 +67,10 @@ class ServerConfig(Section):
     """Port to bind; 0 lets the kernel pick (the chosen port is logged)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the service."""
+    keep_alive_s: float = Field(75.0, gt=0)
+    """Seconds an idle client connection is kept open. Longer than clients keep theirs (httpx 5 s, aiohttp 15 s),
+    so the client closes first: a request it writes into a connection the server is closing fails. Agents
+    leave connections idle between turns while their tools run."""
 
 
 # ---- CLI machinery

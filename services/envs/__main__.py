@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = listening_socket("envs", settings.server.host, settings.server.port)
     # uvicorn handles SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False,
+                            timeout_keep_alive=settings.server.keep_alive_s,
                             timeout_graceful_shutdown=int(settings.envs.episode_timeout_s) + 5)
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -46,9 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     sock = listening_socket("gateway", settings.server.host, settings.server.port)
-    config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
-                            http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10)
-    DrainingServer(config, app.gateway, settings.session.drain_s).run(sockets=[sock])
+    DrainingServer(server_config(app, settings), app.gateway, settings.session.drain_s).run(sockets=[sock])
+
+
+def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
+                          http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10,
+                          timeout_keep_alive=settings.server.keep_alive_s)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ async def serve(settings) -> None:
                     loop.remove_signal_handler(sig)
 
     config = uvicorn.Config(build_app(settings), host=settings.server.host, port=settings.server.port,
-                            log_level=settings.server.log_level, access_log=False)
+                            log_level=settings.server.log_level, access_log=False,
+                            timeout_keep_alive=settings.server.keep_alive_s)
     server = Server(config)
 
     async def announce() -> None:

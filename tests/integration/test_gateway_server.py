@@ -17,10 +17,14 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route, Router
 
 from molt.net import listening_socket
+from services.gateway.__main__ import server_config
+from services.gateway.config import GatewaySettings
 from services.gateway.edge import Edge, Endpoint
 from services.gateway.metrics import gateway_metrics
 from services.gateway.routes import TurnJSON
 from services.gateway.server import CoalescingHttpToolsProtocol
+
+KEEP_ALIVE_S = 0.6
 
 
 async def _turn(request: Request):
@@ -60,8 +64,8 @@ async def server():
     metrics = gateway_metrics()
     app = Edge(router, metrics, lambda: 3)
     sock = listening_socket("test", "127.0.0.1", 0)
-    config = uvicorn.Config(app, http=CoalescingHttpToolsProtocol, ws="none", lifespan="off", log_level="warning",
-                            access_log=False)
+    config = server_config(app, GatewaySettings(server={"log_level": "warning", "keep_alive_s": KEEP_ALIVE_S}))
+    config.lifespan = "off"
     srv = uvicorn.Server(config)
     task = asyncio.create_task(srv.serve(sockets=[sock]))
     while not srv.started:
@@ -147,4 +151,25 @@ async def test_head_stream_and_error_take_the_asgi_path(server):
     status, headers, body = await _read_response(reader)
     assert status == "HTTP/1.1 500 Internal Server Error"
     assert json.loads(body)["error"]["type"] == "server_error"
+    writer.close()
+
+
+async def test_the_gateways_server_config(server):
+    port, _ = server
+    config = server_config(None, GatewaySettings())
+    assert config.http is CoalescingHttpToolsProtocol
+    # Longer than clients keep an idle connection (httpx 5 s, aiohttp 15 s): the client closes first, so it never
+    # writes a request into a connection the server is closing. uvicorn's own default is 5 s.
+    assert config.timeout_keep_alive == GatewaySettings().server.keep_alive_s == 75.0
+    # The setting reaches the server: an idle connection stays usable until keep_alive_s, then the server closes it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for _ in range(2):
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, body = await _read_response(reader)
+        assert (status, json.loads(body)) == ("HTTP/1.1 200 OK", {"ok": True})
+        await asyncio.sleep(KEEP_ALIVE_S / 3)
+    loop = asyncio.get_running_loop()
+    idle_from = loop.time() - KEEP_ALIVE_S / 3
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert loop.time() - idle_from >= KEEP_ALIVE_S * 0.9
     writer.close()
