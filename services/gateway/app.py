@@ -8,10 +8,12 @@ import contextlib
 from starlette.routing import Router
 
 from molt.bus import TrajectoryQueue, open_queue
+from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.core import Gateway
 from services.gateway.edge import Edge
+from services.gateway.limits import OpenSessions, RedisOpenSessions
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
@@ -36,17 +38,25 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     queue = queue or open_queue(settings.redis, metrics)
     replicas = Replicas(settings.replica.public_url, settings.auth.api_keys,
                         client if isinstance(client, HttpTransport) else None)
-    gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id)
+    auth = settings.auth
+    limits = OpenSessions(auth.max_open_sessions_per_key)
+    if auth.api_keys and isinstance(queue, RedisTrajectoryQueue):  # replicas share the trajectory stream's Redis
+        limits = RedisOpenSessions(queue.redis, queue.stream, auth.max_open_sessions_per_key,
+                                   auth.session_lease_s)
+    gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(pool.health_loop()), asyncio.create_task(gw.reap_loop())]
+        if isinstance(limits, RedisOpenSessions):
+            tasks.append(asyncio.create_task(limits.renew_loop(gw.held_by_owner)))
         try:
             yield
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await gw.shut_down()
             pool.close()
             await client.close()
             await queue.close()

@@ -41,7 +41,10 @@ class AuthConfig(Section):
     api_keys: list[str] = Field(default_factory=list)
     """Bearer API keys (also read as x-api-key). Empty: no auth, and the gateway binds loopback only."""
     max_open_sessions_per_key: int = 1024
-    """Open sessions one key may hold; more get 429 with Retry-After."""
+    """Open sessions one key may hold across all replicas (counted in Redis); more get 429 with Retry-After."""
+    session_lease_s: float = Field(60.0, gt=0)
+    """A replica renews its keys' open-session counts in Redis this often x3; if it dies, the sessions it held
+    stop counting against their keys after this long."""
     retry_after_s: int = 5
     """Retry-After seconds sent with a 429."""
 

@@ -14,11 +14,12 @@ from typing import Any, Callable
 
 from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
-from molt.schema import Provenance, Trajectory, encode
+from molt.schema import Provenance, Trajectory, encode_many
 from services.gateway.capture import Capture, ChatState, TurnPlan
 from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import GatewayError
+from services.gateway.limits import OpenSessions
 from services.gateway.pods import Generation, Pod, PodFailed, PodPool
 
 log = logging.getLogger("molt.gateway")
@@ -99,7 +100,8 @@ def _finite(x: Any, name: str, optional: bool = False) -> float | None:
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, model: ChatModel, pool: PodPool, queue: TrajectoryQueue,
-                 metrics: Metrics, new_session_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+                 metrics: Metrics, new_session_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+                 limits: OpenSessions | None = None) -> None:
         self.settings = settings
         self.new_session_id = new_session_id  # names this replica when there are several (replicas.py)
         self.model = model
@@ -108,6 +110,9 @@ class Gateway:
         self.metrics = metrics
         self.sessions: dict[str, Session] = {}
         self.open_by_owner: Counter[str | None] = Counter()
+        self.limits = limits or OpenSessions(settings.auth.max_open_sessions_per_key)
+        """Each API key's open sessions, counted across replicas when they share Redis (limits.py)."""
+        self._released: list[tuple[str, str]] = []  # (owner, session id) closed, not yet taken off ``limits``
         scfg = settings.session
         self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
         limit = model.max_model_len
@@ -125,20 +130,28 @@ class Gateway:
         """True once a drain has started and no session is open or its time is up."""
         return self.drain_deadline is not None and (not self.open_by_owner or time.monotonic() >= self.drain_deadline)
 
+    async def shut_down(self) -> int:
+        """Close what is still open when the process exits (a drain that ran out of time, or none): logged,
+        counted as ``outcome="lost"``, and taken off their keys' counts so other replicas can use the slots."""
+        lost = [s for s in self.sessions.values() if s.state == "open"]
+        for s in lost:
+            self._close(s, "lost", "lost")
+        if lost:
+            log.warning("shutting down with %d open sessions: their episodes are lost (nothing written); a longer "
+                        "--session.drain_s lets them finish", len(lost))
+        await self.release_closed()
+        return len(lost)
+
     @property
     def policy_version(self) -> int:
         return self.pool.policy_version
 
     # ---- sessions
 
-    def open_session(self, owner: str | None, body: dict) -> Session:
+    async def open_session(self, owner: str | None, body: dict) -> Session:
         if self.drain_deadline is not None:
             raise GatewayError(503, "this gateway replica is shutting down: open the session again (another replica "
                                     "takes it)", code="draining", retry_after_s=1)
-        cfg = self.settings.auth
-        if self.settings.auth.api_keys and self.open_by_owner[owner] >= cfg.max_open_sessions_per_key:
-            raise GatewayError(429, f"this API key already holds {cfg.max_open_sessions_per_key} open sessions; "
-                                    "finish or delete some", code="too_many_sessions", retry_after_s=cfg.retry_after_s)
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise bad_request("'sampling_params' must be an object", "sampling_params")
@@ -152,6 +165,8 @@ class Gateway:
         if not isinstance(sample_index, int) or sample_index < 0:
             raise bad_request(f"'sample_index' must be an integer >= 0, got {sample_index!r}", "sample_index")
         sid = self.new_session_id()
+        if owner is not None:
+            await self._acquire(owner, sid)
         session = Session(
             id=sid, owner=owner, group_id=str(body.get("group_id") or sid), sample_index=sample_index,
             label=body.get("label"), env_name=str(body.get("env_name") or ""),
@@ -163,6 +178,38 @@ class Gateway:
         self.open_by_owner[owner] += 1
         self.metrics["molt_gateway_open_sessions"].inc()
         return session
+
+    async def _acquire(self, owner: str, sid: str) -> None:
+        cfg = self.settings.auth
+        await self.release_closed()  # slots freed by sessions closed since, before counting
+        try:
+            taken = await self.limits.acquire(owner, sid)
+        except Exception as exc:  # Redis: nothing is opened that could not be counted
+            raise GatewayError(503, f"cannot count this API key's open sessions (Redis: {type(exc).__name__}: {exc}); "
+                                    "retry shortly", code="limits_unavailable", retry_after_s=1) from None
+        if not taken:
+            raise GatewayError(429, f"this API key already holds {cfg.max_open_sessions_per_key} open sessions; "
+                                    "finish or delete some", code="too_many_sessions", retry_after_s=cfg.retry_after_s)
+
+    async def release_closed(self) -> None:
+        """Take the sessions closed since the last call off their keys' counts (a failure is logged: those slots
+        then stay taken until their lease lapses, ``--auth.session_lease_s``)."""
+        if not self._released:
+            return
+        closed, self._released = self._released, []
+        try:
+            await self.limits.release(closed)
+        except Exception as exc:
+            log.warning("could not release %d sessions from their keys' open-session counts (they lapse within "
+                        "--auth.session_lease_s): %s", len(closed), exc)
+
+    def held_by_owner(self) -> dict[str, list[str]]:
+        """The open sessions of this replica by API key (for the shared count's lease renewal)."""
+        held: dict[str, list[str]] = {}
+        for s in self.sessions.values():
+            if s.state == "open" and s.owner is not None:
+                held.setdefault(s.owner, []).append(s.id)
+        return held
 
     def get_session(self, sid: str, owner: str | None, open_only: bool = True) -> Session:
         s = self.sessions.get(sid)
@@ -180,6 +227,8 @@ class Gateway:
         self.open_by_owner[s.owner] -= 1
         if self.open_by_owner[s.owner] <= 0:
             del self.open_by_owner[s.owner]
+        if s.owner is not None:
+            self._released.append((s.owner, s.id))
         if s.pod:
             self.pool.get(s.pod).sessions -= 1
         self.metrics["molt_gateway_open_sessions"].dec()
@@ -187,12 +236,13 @@ class Gateway:
         s.closed_at = time.monotonic()
         s.last_result = None
 
-    def abort(self, sid: str, owner: str | None) -> dict:
+    async def abort(self, sid: str, owner: str | None) -> dict:
         s = self.get_session(sid, owner, open_only=False)
         if s.state == "finished":
             raise GatewayError(409, f"session {sid} is already finished; nothing to abort", code="session_closed")
         self._close(s, "aborted", "aborted")
         self.sessions.pop(sid, None)
+        await self.release_closed()
         return {"session_id": sid, "aborted": True}
 
     # ---- turns
@@ -428,7 +478,7 @@ class Gateway:
         """Finish several sessions; the trajectories go to the stream in one batch. Per-item results."""
         results: list[dict | None] = [None] * len(items)
         todo: list[tuple[int, Session, Trajectory | None]] = []
-        locked: list[Session] = []
+        locked: dict[str, Session] = {}
         try:
             for i, item in enumerate(items):
                 try:
@@ -443,10 +493,10 @@ class Gateway:
                         raise GatewayError(409, f"session {sid} is {s.state}; nothing to finish",
                                            code="session_closed")
                     reward, score, info = self._outcome(item)
-                    if any(x is s for x in locked):
+                    if sid in locked:
                         raise bad_request(f"session {sid} appears twice in one call", "session_id")
                     await s.lock.acquire()
-                    locked.append(s)
+                    locked[sid] = s
                     todo.append((i, s, self._trajectory(s, reward, score, info)))
                 except GatewayError as exc:
                     if raise_single:
@@ -456,10 +506,10 @@ class Gateway:
             trajs = [t for _, _, t in todo if t is not None]
             entry_ids: list[str] = []
             if trajs:
-                sizes = [len(encode(t)) for t in trajs]
-                entry_ids = await self.queue.put_many(trajs)
+                payloads = encode_many(trajs)  # once: the bytes written and their size
+                entry_ids = await self.queue.put_encoded(payloads)
                 self.metrics["molt_gateway_trajectories_written_total"].inc(len(trajs))
-                self.metrics["molt_gateway_trajectory_bytes_total"].inc(sum(sizes))
+                self.metrics["molt_gateway_trajectory_bytes_total"].inc(sum(map(len, payloads)))
             it = iter(entry_ids)
             for i, s, t in todo:
                 res: dict[str, Any] = {"session_id": s.id, "trajectory_id": s.id, "written": t is not None}
@@ -474,8 +524,9 @@ class Gateway:
                 s.capture.segments = []  # free the tokens; the result stays for repeated finishes
                 results[i] = dict(res, status=200)
         finally:
-            for s in locked:
+            for s in locked.values():
                 s.lock.release()
+        await self.release_closed()
         return [r for r in results if r is not None]
 
     # ---- housekeeping
@@ -512,6 +563,7 @@ class Gateway:
             n = self.reap()
             if n:
                 log.info("expired %d idle sessions", n)
+            await self.release_closed()
 
 
 def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:

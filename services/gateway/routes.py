@@ -162,7 +162,7 @@ class Handlers:
 
     async def open_session(self, request: Request) -> Response:
         owner = self.owner(request)
-        s = self.gw.open_session(owner, await self.body(request))
+        s = await self.gw.open_session(owner, await self.body(request))
         base = str(request.base_url).rstrip("/")  # as the client reached us; replicas.py routes the id from there
         return self.json({"session_id": s.id, "trajectory_id": s.id, "openai_base_url": f"{base}/s/{s.id}/v1",
                           "anthropic_base_url": f"{base}/s/{s.id}", "max_length": s.capture.max_length}, status=201)
@@ -172,7 +172,7 @@ class Handlers:
         return self.json(s.summary())
 
     async def delete_session(self, request: Request) -> Response:
-        return self.json(self.gw.abort(request.path_params["sid"], self.owner(request)))
+        return self.json(await self.gw.abort(request.path_params["sid"], self.owner(request)))
 
     async def finish(self, request: Request) -> Response:
         owner = self.owner(request)

@@ -22,6 +22,7 @@ import redis
 
 from molt.agents.gateway import GatewayClient
 from molt.net import free_port
+from services.gateway.limits import count_key
 from services.gateway.replicas import Replicas
 from services.gateway.testing import read_trajectories, start_gateway, start_rollout_pod, stop
 
@@ -180,3 +181,28 @@ def test_sigterm_drains_open_sessions_then_exits(pair):
         assert {s1["session_id"], s2["session_id"]} <= set(written)
     finally:
         stop(proc)
+
+
+def test_sessions_still_open_when_the_drain_runs_out_are_lost_and_free_their_slots(pair):
+    """A session its agent never finishes cannot hold a replica up past --session.drain_s: the replica exits,
+    says how many episodes it lost, and takes them off its key's open-session count in Redis (which every
+    replica shares), so they do not hold the key's slots until their lease lapses."""
+    port = free_port()
+    log = pair["logs"] / "gateway-d.log"
+    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
+                             "--session.drain_s", "1"], log)
+    r = redis.Redis.from_url(pair["redis"])
+    try:
+        sid = _open(f"http://127.0.0.1:{port}")["session_id"]
+        counted = count_key(pair["stream"], KEYS[0])
+        assert r.zscore(counted, sid) is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert r.zscore(counted, sid) is None
+        deadline = time.monotonic() + 5  # the log is copied from the process's output by a thread
+        while "shutting down with 1 open sessions: their episodes are lost" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+        r.close()

@@ -1,0 +1,102 @@
+"""Per-key open-session limits counted across gateway replicas in real Redis (services/gateway/limits.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings
+from services.gateway.limits import RedisOpenSessions
+from services.gateway.testing import FakePods
+
+POD = "http://pod-a:1"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3) -> ChatModel:
+    return ChatModel(tiny_qwen3)
+
+
+@pytest.fixture
+async def replicas(model, redis_url, stream_name):
+    made = []
+
+    def make(url: str = redis_url, lease_s: float = 60.0):
+        settings = GatewaySettings.model_validate({
+            "model": {"path": str(model.path)}, "rollout": {"urls": [POD]},
+            "redis": {"url": url, "stream": stream_name},
+            "auth": {"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2, "session_lease_s": lease_s}})
+        app = build_app(settings, transport=FakePods([POD], lambda prompt, sp: model.encode("Hi.<|im_end|>")),
+                        model=model)
+        made.append(app)
+        return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+    yield make
+    r = aioredis.from_url(redis_url)
+    keys = [k async for k in r.scan_iter(match=f"{stream_name}*")]
+    if keys:
+        await r.delete(*keys)
+    await r.aclose()
+    for app in made:
+        await app.gateway.queue.close()
+
+
+def _key(k: str) -> dict:
+    return {"authorization": f"Bearer {k}"}
+
+
+async def _open(http: httpx.AsyncClient, key: str) -> httpx.Response:
+    return await http.post("/v1/sessions", json={}, headers=_key(key))
+
+
+async def test_a_keys_limit_holds_across_replicas(replicas):
+    (a, http_a), (b, http_b) = replicas(), replicas()
+    assert isinstance(a.gateway.limits, RedisOpenSessions)
+    first = (await _open(http_a, "k1")).json()["session_id"]
+    second = (await _open(http_b, "k1")).json()["session_id"]
+    for http in (http_a, http_b):  # each replica holds one: the key's limit of 2 is reached on both
+        r = await _open(http, "k1")
+        assert r.status_code == 429 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "too_many_sessions"
+    assert (await _open(http_b, "k2")).status_code == 201  # another key counts on its own
+    # Deleting a session on one replica frees the slot on the other.
+    assert (await http_b.delete(f"/v1/sessions/{second}", headers=_key("k1"))).status_code == 200
+    third = (await _open(http_a, "k1")).json()["session_id"]
+    assert (await _open(http_b, "k1")).status_code == 429
+    # So does finishing one (a turn first: a session with tokens writes its trajectory).
+    r = await http_a.post(f"/s/{first}/v1/chat/completions", headers=_key("k1"),
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    r = await http_a.post(f"/v1/sessions/{first}/finish", json={"reward": 1.0}, headers=_key("k1"))
+    assert r.status_code == 200 and r.json()["written"]
+    assert (await _open(http_b, "k1")).status_code == 201
+    # And an idle session expiring.
+    a.gateway.reap(now=a.gateway.sessions[third].last_used + a.gateway.settings.session.idle_ttl_s + 1)
+    await a.gateway.release_closed()  # what the reap loop does after each pass
+    assert (await _open(http_b, "k1")).status_code == 201
+    assert (await _open(http_a, "k1")).status_code == 429
+
+
+async def test_a_dead_replicas_sessions_lapse_and_live_ones_are_renewed(replicas):
+    (a, http_a), (b, http_b) = replicas(lease_s=0.6), replicas(lease_s=0.6)
+    for http in (http_a, http_b):
+        assert (await _open(http, "k1")).status_code == 201
+    assert (await _open(http_a, "k1")).status_code == 429
+    # Replica b stops (a crash: nothing closed, nothing renewed); a keeps renewing what it holds.
+    for _ in range(4):
+        await asyncio.sleep(0.3)
+        await a.gateway.limits.renew(a.gateway.held_by_owner())
+    assert (await _open(http_a, "k1")).status_code == 201  # b's slot lapsed, a's did not
+    assert (await _open(http_a, "k1")).status_code == 429
+
+
+async def test_without_redis_no_session_opens_uncounted(replicas):
+    _, http = replicas(url="redis://127.0.0.1:1/0")
+    r = await _open(http, "k1")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "limits_unavailable"
