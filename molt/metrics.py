@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -118,16 +122,93 @@ CATALOG: dict[str, MetricSpec] = {
 }
 
 
-class Metrics:
-    """The metrics one app instance exports, created by name from the catalog on a private registry."""
+class _LoopChild:
+    """One label set of a ``LoopSeries``: plain numbers, no lock."""
 
-    def __init__(self, names: list[str] | tuple[str, ...], registry: CollectorRegistry | None = None) -> None:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.sum += amount
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class LoopSeries:
+    """A counter or histogram for code that runs on one thread only (an asyncio event loop): ``labels(...)``,
+    ``inc`` and ``observe`` as prometheus_client's, on plain numbers without its lock and per-call checks
+    (a few us instead of ~15 per request for the gateway's three per-request series), exported on scrape."""
+
+    def __init__(self, spec: MetricSpec, registry: CollectorRegistry) -> None:
+        self.spec = spec
+        self.bounds = tuple(float(b) for b in (spec.buckets or Histogram.DEFAULT_BUCKETS) if b != float("inf")) \
+            if spec.kind == "histogram" else ()
+        self.children: dict[tuple[str, ...], _LoopChild] = {}
+        if not spec.labels:  # exported from the start, at 0, as prometheus_client does
+            self.children[()] = _LoopChild(self.bounds)
+        registry.register(self)
+
+    def inc(self, amount: float = 1.0) -> None:
+        """An unlabelled counter's ``inc``."""
+        self.labels().inc(amount)
+
+    def observe(self, value: float) -> None:
+        """An unlabelled histogram's ``observe``."""
+        self.labels().observe(value)
+
+    def labels(self, *values: str) -> _LoopChild:
+        if len(values) != len(self.spec.labels):
+            raise ValueError(f"{self.spec.name} takes labels {self.spec.labels}, got {values}")
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = _LoopChild(self.bounds)
+        return child
+
+    def collect(self):
+        spec = self.spec
+        if spec.kind == "counter":
+            family = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+            for values, child in list(self.children.items()):
+                family.add_metric(values, child.sum)
+        else:
+            family = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+            for values, child in list(self.children.items()):
+                running, buckets = 0, []
+                for bound, n in zip((*self.bounds, float("inf")), child.counts):
+                    running += n
+                    buckets.append((floatToGoString(bound), running))
+                family.add_metric(values, buckets, child.sum)
+        yield family
+
+    def describe(self):
+        return []
+
+
+class Metrics:
+    """The metrics one app instance exports, created by name from the catalog on a private registry.
+
+    Names in ``loop_local`` become ``LoopSeries`` (counters and histograms only): cheaper, and to be touched
+    from one thread only."""
+
+    def __init__(self, names: list[str] | tuple[str, ...], registry: CollectorRegistry | None = None,
+                 loop_local: tuple[str, ...] = ()) -> None:
         self.registry = registry or CollectorRegistry()
         self._metrics: dict[str, object] = {}
         self._children: dict[tuple[str, ...], object] = {}
         for name in names:
             spec = CATALOG[name]
             base = name[: -len("_total")] if spec.kind == "counter" and name.endswith("_total") else name
+            if name in loop_local:
+                if spec.kind == "gauge":
+                    raise ValueError(f"{name}: a gauge cannot be loop-local")
+                self._metrics[name] = LoopSeries(spec, self.registry)
+                continue
             if spec.kind == "counter":
                 metric = Counter(base, spec.help, spec.labels, registry=self.registry)
             elif spec.kind == "gauge":

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from services.gateway.errors import GatewayError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -101,9 +103,13 @@ def _compiled_template(tokenizer: Any, has_tools: bool) -> Any:
     except ImportError:
         return None
     try:
-        return _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
+        template = _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
     except Exception:  # e.g. several named templates and no default: apply_chat_template says why per request
         return None
+    # jinja keeps a template's globals as a ChainMap over the environment's and copies it into a dict on every
+    # render (and again into a set of its keys): a third of a short render. The same names, flattened once.
+    template.globals = dict(template.globals)
+    return template
 
 
 def _files_hash(path: Path, names: tuple[str, ...]) -> str:
@@ -227,10 +233,32 @@ def same_message(a: dict, b: dict) -> bool:
     return a.get("tool_call_id", "") == b.get("tool_call_id", "")
 
 
+_KEY_ENCODER = msgspec.json.Encoder(enc_hook=str, order="sorted")
+
+
 def request_key(messages: list[dict], tools: list[dict] | None, extra: Any = None) -> str:
-    """Digest of a request for idempotent-retry detection."""
-    raw = json.dumps([messages, tools, extra], sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+    """Digest of a request for idempotent-retry detection (and the first-turn prompt cache's key).
+
+    msgspec with sorted keys, 5x faster than json.dumps(sort_keys=True); it writes NaN and infinities as null, so
+    a request holding one (only a tool schema can: messages are canonical text) is keyed by json, which keeps them
+    apart from null."""
+    try:
+        raw = _KEY_ENCODER.encode([messages, tools, extra])
+        if b"null" in raw and _non_finite([messages, tools, extra]):
+            raise ValueError("NaN")
+    except (ValueError, TypeError, OverflowError, msgspec.EncodeError):
+        raw = json.dumps([messages, tools, extra], sort_keys=True, ensure_ascii=False, default=str).encode()
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _non_finite(x: Any) -> bool:
+    if isinstance(x, float):
+        return x != x or x in (float("inf"), float("-inf"))
+    if isinstance(x, dict):
+        return any(_non_finite(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_non_finite(v) for v in x)
+    return False
 
 
 # ---- tool calls in model output

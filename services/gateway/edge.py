@@ -18,7 +18,6 @@ pod;dur=MS`` (accept to response start).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
@@ -52,7 +51,11 @@ class Endpoint:
 
     async def __call__(self, scope, receive, send) -> None:
         response = await self.handler(Request(scope, receive, send))
-        await response(scope, receive, send)
+        whole = scope.get("molt.respond_whole")  # Edge's: a complete response in one call, no ASGI messages
+        body = getattr(response, "body", None)  # None: a stream
+        if whole is None or body is None or response.background is not None \
+                or not whole(response.status_code, response.raw_headers, body):
+            await response(scope, receive, send)
 
 
 def error_response(exc: BaseException, path: str) -> JSONResponse:
@@ -86,8 +89,8 @@ class Edge:
         self.errors = metrics["molt_gateway_errors_total"]
         self.added = metrics["molt_gateway_added_latency_seconds"]
         self.total = metrics["molt_gateway_request_seconds"]
-        # prometheus_client's .labels() validates and locks on every call; the label sets are few, so the
-        # children are looked up once per (wire, status) and kept.
+        # The per-request series are lock-free (services/gateway/metrics.py); their children are
+        # looked up once per (wire, status) and kept.
         self._children: dict[tuple[str, int], tuple] = {}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -102,22 +105,36 @@ class Edge:
         started = False  # the response's first bytes have left: an error can no longer replace it
         held: dict | None = None  # a start message whose body may follow at once (see below)
         send_whole = scope.get("extensions", {}).get("molt.send_whole")
-        loop = asyncio.get_running_loop()
+
+        def edge_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+            """A response's headers plus the edge's, as it starts: the policy version unless the handler set it,
+            and for a turn how the time split (standard Server-Timing header)."""
+            extra = [] if any(k == b"x-molt-policy-version" for k, _ in headers) else [
+                (b"x-molt-policy-version", b"%d" % self.policy_version())]
+            if "pod_wait_s" in state:
+                total_ms = (time.perf_counter() - t0) * 1e3
+                pod_ms = state["pod_wait_s"] * 1e3
+                extra.append((b"server-timing", b"gateway;dur=%.3f, pod;dur=%.3f" % (total_ms - pod_ms, pod_ms)))
+            return [*headers, *extra] if extra else headers
+
+        def respond_whole(code: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+            """A complete response in one write through the server's ``molt.send_whole``, without the two ASGI
+            messages (``Endpoint`` uses it); False, nothing done, when it must go as messages instead."""
+            nonlocal status, started
+            if send_whole is None or started or not send_whole(code, edge_headers(headers), body):
+                return False
+            status, started = code, True
+            self._record("relay" if state.get("relayed") else wire_label(path), path, code,
+                         time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+            return True
+
+        scope["molt.respond_whole"] = respond_whole
 
         async def timed_send(message) -> None:
             nonlocal status, started, held
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = message.get("headers", [])
-                extra = [] if any(k == b"x-molt-policy-version" for k, _ in headers) else [
-                    (b"x-molt-policy-version", str(self.policy_version()).encode())]
-                if "pod_wait_s" in state:  # a turn: say how the time split (standard Server-Timing header)
-                    total_ms = (time.perf_counter() - t0) * 1e3
-                    pod_ms = state["pod_wait_s"] * 1e3
-                    extra.append((b"server-timing", f"gateway;dur={total_ms - pod_ms:.3f}, pod;dur={pod_ms:.3f}"
-                                  .encode()))
-                if extra:
-                    message = {**message, "headers": [*headers, *extra]}
+                message = {**message, "headers": edge_headers(message.get("headers", []))}
                 if send_whole is not None:  # the server can write start and body at once: wait for the body
                     held = message
                     return
@@ -134,9 +151,8 @@ class Edge:
                 await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 started = True
-                # Recorded after the other responses ready now: answers come from a pod in bursts.
-                loop.call_soon(self._record, "relay" if state.get("relayed") else wire_label(path), path, status,
-                               time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+                self._record("relay" if state.get("relayed") else wire_label(path), path, status,
+                             time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
             owner = self.relay and self.replicas.target(scope)

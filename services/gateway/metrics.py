@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from molt.bus import QUEUE_METRICS
-from molt.metrics import Metrics, service_names
+from molt.metrics import CATALOG, Metrics, service_names
 
 UNTIMED = ("/metrics", "/healthz", "/readyz")
 
 
 def gateway_metrics() -> Metrics:
-    return Metrics(service_names("molt_gateway_") + list(QUEUE_METRICS))
+    """The gateway's series. Its counters and histograms are recorded per request or per session, and only on
+    its event loop: they are lock-free (``molt.metrics.LoopSeries``)."""
+    names = service_names("molt_gateway_")
+    return Metrics(names + list(QUEUE_METRICS), loop_local=tuple(n for n in names if CATALOG[n].kind != "gauge"))
 
 
 def wire_label(path: str) -> str:

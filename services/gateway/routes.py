@@ -218,7 +218,7 @@ class Handlers:
         body = await self.body(request)
         s = self.gw.get_session(request.path_params["sid"], owner)
         r = await self.gw.token_turn(s, body)
-        request.state.pod_wait_s = r.pod_wait_s
+        request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
                          "num_tokens": r.num_tokens, "remaining_tokens": r.remaining_tokens}, r.policy_version)
@@ -232,7 +232,7 @@ class Handlers:
         if sid is None:
             ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
             results = await self.gw.plain_generate(ids, req.overrides)
-            request.state.pod_wait_s = results[0].pod_wait_s
+            request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
             if req.stream:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(results[0])
@@ -250,7 +250,7 @@ class Handlers:
         # task cost a hop back here per turn, queued behind every other ready callback: when a pod answers a
         # batch of 64 at once, the last reply left only after all 64 turns had been committed.
         r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
-        request.state.pod_wait_s = r.pod_wait_s
+        request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
 
     async def completions(self, request: Request) -> Response:
@@ -265,7 +265,7 @@ class Handlers:
         else:
             s = self.gw.get_session(sid, owner)
             results = [await self.gw.completion_turn(s, prompt, overrides)]
-        request.state.pod_wait_s = results[0].pod_wait_s
+        request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
         if body.get("stream"):
             return StreamingResponse(oa.completion_stream(results, self.model_name), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -288,7 +288,7 @@ class Handlers:
             s = self.gw.get_session(sid, owner)
             if not req.stream:  # in this task, as in chat()
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
-                request.state.pod_wait_s = r.pod_wait_s
+                request.scope["state"]["pod_wait_s"] = r.pod_wait_s
                 return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
             ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
         if req.stream:
@@ -296,7 +296,7 @@ class Handlers:
             return StreamingResponse(an.messages_stream(done, input_tokens, self.model_name, request.state),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         r = await done
-        request.state.pod_wait_s = r.pod_wait_s
+        request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
 
     async def count_tokens(self, request: Request) -> Response:

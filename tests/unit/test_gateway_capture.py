@@ -147,3 +147,18 @@ def test_first_turn_prompt_cache_is_keyed_by_the_request_and_hands_out_copies(mo
     assert model.prompt(k2, m2, None)[0] == model.render(m2, None, True)
     plan = Capture(max_length=1024).plan_chat(model, m1, None, k1)
     assert plan.new_segment and plan.reason == "first" and plan.prompt_ids == model.encode(text)
+
+
+def test_request_key_ignores_key_order_and_keeps_nan_apart_from_null():
+    from services.gateway.chat import request_key
+
+    m = [{"role": "user", "content": "One"}]
+    schema = {"type": "object", "properties": {"a": {"type": "number", "maximum": None}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    reordered = [{"function": {"parameters": dict(reversed(list(schema.items()))), "name": "f"}, "type": "function"}]
+    assert request_key(m, tools) == request_key(m, reordered)
+    for odd in (float("nan"), float("inf")):
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "number", "maximum": odd}}}}}]
+        assert request_key(m, bad) != request_key(m, tools)
+    assert request_key(m, None) != request_key([{"role": "user", "content": "Two"}], None)
