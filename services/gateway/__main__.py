@@ -45,11 +45,6 @@ def main(argv: list[str] | None = None) -> None:
     # garbage collection would walk again (tens of ms, a p99 spike on the request path). Freeze them.
     gc.collect()
     gc.freeze()
-    # The young generation is collected every 700 net allocations by default: with dozens of turns in flight,
-    # each collection walks their live coroutines, frames and dicts again (5% of the gateway's CPU at 64 in
-    # flight). Turns free nearly all they allocate by reference counting, so collecting far less often finds
-    # the same garbage (the cycles) at a fraction of the cost.
-    gc.set_threshold(20_000, 20, 20)
     sock = listening_socket("gateway", settings.server.host, settings.server.port)
     DrainingServer(server_config(app, settings), app.gateway, settings.session.drain_s).run(sockets=[sock])
 
