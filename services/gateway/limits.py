@@ -6,7 +6,8 @@ and whose scores are the times (Redis server time, so replicas' clocks do not ma
 - Opening checks the count and adds the session in one script, so two replicas never both take the last slot.
 - Closing a session (finish, delete, idle expiry) removes it.
 - The replica holding a session renews its entry every ``--auth.session_lease_s / 3``; a replica that dies
-  without closing its sessions frees their slots once their lease lapses.
+  without closing its sessions frees their slots once their lease lapses. (A replica cut off from Redis for
+  longer than the lease has its entries lapse too: those sessions then no longer count against their keys.)
 Without Redis (``--redis.url memory://``, one process) the count is kept in memory.
 """
 
@@ -32,11 +33,12 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
 return 1
 """
 
-# KEYS[1]: the key's set. ARGV: lease seconds, then the session ids this replica holds under that key.
+# KEYS[1]: the key's set. ARGV: lease seconds, then the session ids this replica holds under that key. XX: a
+# renewal only extends entries that are there, so one on its way while a session closes cannot bring it back.
 _RENEW = """
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], deadline, ARGV[i]) end
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
 return #ARGV - 1
 """

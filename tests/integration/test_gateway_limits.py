@@ -93,6 +93,14 @@ async def test_a_dead_replicas_sessions_lapse_and_live_ones_are_renewed(replicas
         await a.gateway.limits.renew(a.gateway.held_by_owner())
     assert (await _open(http_a, "k1")).status_code == 201  # b's slot lapsed, a's did not
     assert (await _open(http_a, "k1")).status_code == 429
+    # A renewal on its way while a session closes does not bring the closed one back.
+    limits = a.gateway.limits
+    held = a.gateway.held_by_owner()
+    sid = held["k1"][0]
+    assert (await http_a.delete(f"/v1/sessions/{sid}", headers=_key("k1"))).status_code == 200
+    await limits.renew(held)
+    assert await limits.redis.zscore(limits.key("k1"), sid) is None
+    assert (await _open(http_a, "k1")).status_code == 201
 
 
 async def test_without_redis_no_session_opens_uncounted(replicas):
