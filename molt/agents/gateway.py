@@ -117,8 +117,9 @@ class GatewayClient:
         return resp.json() if resp.content else {}
 
     async def open_session(self, **fields: Any) -> Session:
-        """Open a session. A 503 opened nothing (the replica reached is draining, or no rollout pod is ready
-        yet), so it is asked again after its Retry-After, for up to ``open_retry_s``."""
+        """Open a session. A 503 opened nothing (the replica reached is draining, no rollout pod is ready yet,
+        or the Redis that counts API keys' sessions is unreachable), so it is asked again after its Retry-After,
+        for up to ``open_retry_s``."""
         deadline = time.monotonic() + self.open_retry_s
         while True:
             try:
