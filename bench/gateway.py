@@ -64,7 +64,7 @@ def pct(xs: list[float], q: float) -> float:
 
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection of the load generator: writes a prepared request, reads its response
-    (Content-Length framed, as both servers answer). A few us per request, where an aiohttp client spends
+    (Content-Length framed, or chunked as the instant pod answers). A few us per request, where an aiohttp client spends
     ~300 us: on this 2-core box the load generator's CPU is taken from the pod and the gateway it measures."""
 
     def __init__(self) -> None:
@@ -82,17 +82,38 @@ class _Connection(asyncio.Protocol):
             return
         head = bytes(self.buf[:end]).lower()
         at = head.find(b"\r\ncontent-length:")
-        if at < 0:
-            self.waiter.set_exception(RuntimeError(f"no content-length in {head[:300]!r}"))
-            return
-        eol = head.find(b"\r\n", at + 2)
-        length = int(head[at + 17:eol if eol > 0 else len(head)])
-        total = end + 4 + length
-        if len(self.buf) >= total:
+        if at >= 0:
+            eol = head.find(b"\r\n", at + 2)
+            total = end + 4 + int(head[at + 17:eol if eol > 0 else len(head)])
+            if len(self.buf) < total:
+                return
             body = bytes(self.buf[end + 4:total])
-            del self.buf[:total]
-            waiter, self.waiter = self.waiter, None
-            waiter.set_result((head, body))
+        elif b"\r\ntransfer-encoding: chunked" in head:
+            parsed = self._chunked(end + 4)
+            if parsed is None:
+                return
+            body, total = parsed
+        else:
+            self.waiter.set_exception(RuntimeError(f"no content-length or chunked body in {head[:300]!r}"))
+            return
+        del self.buf[:total]
+        waiter, self.waiter = self.waiter, None
+        waiter.set_result((head, body))
+
+    def _chunked(self, pos: int) -> tuple[bytes, int] | None:
+        """(body, bytes consumed) of a whole chunked body from ``pos``, or None while it is incomplete."""
+        pieces = []
+        while True:
+            eol = self.buf.find(b"\r\n", pos)
+            if eol < 0:
+                return None
+            size = int(bytes(self.buf[pos:eol]).split(b";")[0], 16)
+            if size == 0:
+                return (b"".join(pieces), eol + 4) if len(self.buf) >= eol + 4 else None
+            if len(self.buf) < eol + 4 + size:
+                return None
+            pieces.append(bytes(self.buf[eol + 2:eol + 2 + size]))
+            pos = eol + 4 + size
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.waiter is not None and not self.waiter.done():
