@@ -167,9 +167,11 @@ async def burst_run(app, channel: BurstChannel, burst: int, rounds: int, prompt:
         for _ in range(burst):
             status, body = await call(app, "POST", "/v1/sessions", {})
             sids.append(json.loads(body)["session_id"])
-        tasks = [asyncio.ensure_future(call(app, "POST", f"/s/{sid}/v1/chat/completions", {"model": "policy", "messages": [
-            {"role": "user", "content": f"What is {prompt + r * burst + i} + 2? Answer in one word."}]}))
-                 for i, sid in enumerate(sids)]
+        first = prompt + r * burst
+        bodies = [{"model": "policy", "messages": [{"role": "user", "content": f"What is {first + i} + 2? Answer "
+                                                                               "in one word."}]} for i in range(burst)]
+        tasks = [asyncio.ensure_future(call(app, "POST", f"/s/{sid}/v1/chat/completions", body))
+                 for sid, body in zip(sids, bodies)]
         while len(channel.waiting) < burst:
             await asyncio.sleep(0)
         t = time.thread_time()
