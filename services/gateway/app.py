@@ -13,7 +13,7 @@ from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.core import Gateway
 from services.gateway.edge import Edge
-from services.gateway.limits import OpenSessions, RedisOpenSessions
+from services.gateway.limits import RedisOpenSessions
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
@@ -39,7 +39,7 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     replicas = Replicas(settings.replica.public_url, settings.auth.api_keys,
                         client if isinstance(client, HttpTransport) else None)
     auth = settings.auth
-    limits = OpenSessions(auth.max_open_sessions_per_key)
+    limits = None  # the gateway counts in memory: one process
     if auth.api_keys and isinstance(queue, RedisTrajectoryQueue):  # replicas share the trajectory stream's Redis
         limits = RedisOpenSessions(queue.redis, queue.stream, auth.max_open_sessions_per_key,
                                    auth.session_lease_s)

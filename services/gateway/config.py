@@ -43,8 +43,8 @@ class AuthConfig(Section):
     max_open_sessions_per_key: int = 1024
     """Open sessions one key may hold across all replicas (counted in Redis); more get 429 with Retry-After."""
     session_lease_s: float = Field(60.0, gt=0)
-    """A replica renews its keys' open-session counts in Redis this often x3; if it dies, the sessions it held
-    stop counting against their keys after this long."""
+    """Lease of a session's entry in its key's count in Redis, renewed every third of it by the replica holding
+    the session; if that replica dies, its sessions stop counting against their keys after this long."""
     retry_after_s: int = 5
     """Retry-After seconds sent with a 429."""
 

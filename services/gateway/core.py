@@ -8,7 +8,6 @@ import logging
 import math
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -109,7 +108,8 @@ class Gateway:
         self.queue = queue
         self.metrics = metrics
         self.sessions: dict[str, Session] = {}
-        self.open_by_owner: Counter[str | None] = Counter()
+        self.num_open = 0
+        """Open sessions on this replica (the drain waits for them); per key they are counted in ``limits``."""
         self.limits = limits or OpenSessions(settings.auth.max_open_sessions_per_key)
         """Each API key's open sessions, counted across replicas when they share Redis (limits.py)."""
         self._released: list[tuple[str, str]] = []  # (owner, session id) closed, not yet taken off ``limits``
@@ -124,11 +124,11 @@ class Gateway:
     def start_draining(self, drain_s: float) -> None:
         self.drain_deadline = time.monotonic() + drain_s
         log.warning("draining: serving %d open sessions for up to %.0f s, no new ones",
-                    sum(self.open_by_owner.values()), drain_s)
+                    self.num_open, drain_s)
 
     def drained(self) -> bool:
         """True once a drain has started and no session is open or its time is up."""
-        return self.drain_deadline is not None and (not self.open_by_owner or time.monotonic() >= self.drain_deadline)
+        return self.drain_deadline is not None and (not self.num_open or time.monotonic() >= self.drain_deadline)
 
     async def shut_down(self) -> int:
         """Close what is still open when the process exits (a drain that ran out of time, or none): logged,
@@ -175,7 +175,7 @@ class Gateway:
             capture=Capture(max_length=max_length),
         )
         self.sessions[sid] = session
-        self.open_by_owner[owner] += 1
+        self.num_open += 1
         self.metrics["molt_gateway_open_sessions"].inc()
         return session
 
@@ -224,9 +224,7 @@ class Gateway:
         if s.state != "open":
             return
         s.state = state
-        self.open_by_owner[s.owner] -= 1
-        if self.open_by_owner[s.owner] <= 0:
-            del self.open_by_owner[s.owner]
+        self.num_open -= 1
         if s.owner is not None:
             self._released.append((s.owner, s.id))
         if s.pod:
