@@ -88,6 +88,8 @@ CATALOG: dict[str, MetricSpec] = {
            DURATION_BUCKETS_S),
         _m("molt_gateway_open_sessions", "gauge", "Open sessions."),
         _m("molt_gateway_sessions_total", "counter", "Sessions ended, by outcome.", ("outcome",)),
+        _m("molt_gateway_sessions_adopted_total", "counter",
+           "Open sessions taken over from a replica that exited (parked in Redis)."),
         _m("molt_gateway_trajectories_written_total", "counter", "Trajectories written to the stream."),
         _m("molt_gateway_trajectory_bytes_total", "counter", "Encoded trajectory bytes written."),
         _m("molt_gateway_errors_total", "counter", "Error responses by status code.", ("code",)),

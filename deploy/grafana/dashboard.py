@@ -116,6 +116,7 @@ ROWS: list[tuple[str, list[tuple]]] = [
         ("Sessions", "short", "timeseries", [
             q("sum(molt_gateway_open_sessions{})", "open"),
             q("sum by (outcome) (rate(molt_gateway_sessions_total{}[RI]))", "ended/s {{outcome}}"),
+            q("sum(rate(molt_gateway_sessions_adopted_total{}[RI]))", "adopted/s (from a replica that exited)"),
             q("sum by (reason) (rate(molt_gateway_segments_total{}[RI]))", "segments/s {{reason}}"),
         ], ""),
         ("Rollout pods seen by the gateway", "short", "timeseries", [

@@ -13,13 +13,13 @@ from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.core import Gateway
 from services.gateway.edge import Edge
+from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import RedisOpenSessions
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
 from services.gateway.transport import HttpTransport, PodTransport
 from services.gateway.routes import Handlers, routes
-
 
 
 def build_app(settings: GatewaySettings, *, transport: PodTransport | None = None,
@@ -43,7 +43,11 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
     if auth.api_keys and isinstance(queue, RedisTrajectoryQueue):  # replicas share the trajectory stream's Redis
         limits = RedisOpenSessions(queue.redis, queue.stream, auth.max_open_sessions_per_key,
                                    auth.session_lease_s)
-    gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id, limits)
+    handoff = None  # open sessions are lost when this process exits
+    if settings.session.handoff and isinstance(queue, RedisTrajectoryQueue):
+        handoff = SessionHandoff(queue.redis, queue.stream, settings.replica.public_url)
+    gw = Gateway(settings, model, pool, queue, metrics, replicas.new_session_id, limits, handoff)
+    replicas.holds = gw.sessions.__contains__  # adopted sessions are answered here, whatever their id names
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -58,6 +58,10 @@ class SessionConfig(Section):
     """On SIGTERM, keep serving the open sessions up to this long before exiting (new sessions get 503
     ``draining``, ``/readyz`` 503), and exit as soon as none is open; 0 exits at once. Episodes survive a
     rolling update or a scale-down this way; give the pod a longer termination grace period."""
+    handoff: bool = True
+    """With the trajectory stream on Redis: sessions still open when this replica exits are parked there, and
+    the next replica a request for one reaches goes on with it (services/gateway/handoff.py). Off, or without
+    Redis, they are lost (counted as ``outcome="lost"``)."""
     max_length: int = 4096
     """Default context budget per segment (prompt + generated tokens) when a session gives none."""
     max_tokens: int = 1024

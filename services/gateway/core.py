@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -14,10 +15,11 @@ from typing import Any, Callable
 from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
 from molt.schema import Provenance, Trajectory, encode_many
-from services.gateway.capture import Capture, ChatState, TurnPlan
+from services.gateway.capture import Capture, ChatState, SegmentState, TurnPlan
 from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import GatewayError
+from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import Generation, Pod, PodFailed, PodPool
 
@@ -88,6 +90,36 @@ class Session:
             "metadata": self.metadata,
         }
 
+    def parked_state(self) -> bytes:
+        """Everything another replica needs to go on with this open session (services/gateway/handoff.py).
+        JSON through the standard library: what a client sent (labels, sampling params) comes back as it was."""
+        cap = self.capture
+        return json.dumps({
+            "id": self.id, "group_id": self.group_id, "sample_index": self.sample_index, "label": self.label,
+            "env_name": self.env_name, "env_version": self.env_version, "sampling_params": self.sampling_params,
+            "metadata": self.metadata, "created_at": self.created_at, "idle_s": time.monotonic() - self.last_used,
+            "pod": self.pod, "turns": self.turns, "last_key": self.last_key,
+            "last_result": dataclasses.asdict(self.last_result) if self.last_result is not None else None,
+            "capture": {"max_length": cap.max_length, "segments": [dataclasses.asdict(s) for s in cap.segments],
+                        "chat": dataclasses.asdict(cap.chat) if cap.chat is not None else None,
+                        "completion_text": cap.completion_text, "events": cap.events},
+        }).encode()
+
+    @classmethod
+    def from_state(cls, raw: bytes, owner: str | None) -> Session:
+        d = json.loads(raw)
+        c = d["capture"]
+        segments = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]])) for seg in c["segments"]]
+        capture = Capture(max_length=c["max_length"], segments=segments,
+                          chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
+                          completion_text=c["completion_text"], events=c["events"])
+        last = d["last_result"]
+        return cls(id=d["id"], owner=owner, group_id=d["group_id"], sample_index=d["sample_index"], label=d["label"],
+                   env_name=d["env_name"], env_version=d["env_version"], sampling_params=d["sampling_params"],
+                   metadata=d["metadata"], capture=capture, created_at=d["created_at"],
+                   last_used=time.monotonic() - d["idle_s"], pod=d["pod"], turns=d["turns"], last_key=d["last_key"],
+                   last_result=TurnResult(**last) if last is not None else None)
+
 
 def _finite(x: Any, name: str, optional: bool = False) -> float | None:
     if x is None and optional:
@@ -100,7 +132,7 @@ def _finite(x: Any, name: str, optional: bool = False) -> float | None:
 class Gateway:
     def __init__(self, settings: GatewaySettings, model: ChatModel, pool: PodPool, queue: TrajectoryQueue,
                  metrics: Metrics, new_session_id: Callable[[], str] = lambda: uuid.uuid4().hex,
-                 limits: OpenSessions | None = None) -> None:
+                 limits: OpenSessions | None = None, handoff: SessionHandoff | None = None) -> None:
         self.settings = settings
         self.new_session_id = new_session_id  # names this replica when there are several (replicas.py)
         self.model = model
@@ -113,6 +145,9 @@ class Gateway:
         self.limits = limits or OpenSessions(settings.auth.max_open_sessions_per_key)
         """Each API key's open sessions, counted across replicas when they share Redis (limits.py)."""
         self._released: list[tuple[str, str]] = []  # (owner, session id) closed, not yet taken off ``limits``
+        self.handoff = handoff
+        """Where open sessions are parked when this replica exits and adopted from (handoff.py); None: lost."""
+        self._adopting: dict[tuple[str, str | None], asyncio.Future] = {}  # (session id, key): a take
         scfg = settings.session
         self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
         limit = model.max_model_len
@@ -131,9 +166,14 @@ class Gateway:
         return self.drain_deadline is not None and (not self.num_open or time.monotonic() >= self.drain_deadline)
 
     async def shut_down(self) -> int:
-        """Close what is still open when the process exits (a drain that ran out of time, or none): logged,
-        counted as ``outcome="lost"``, and taken off their keys' counts so other replicas can use the slots."""
-        lost = [s for s in self.sessions.values() if s.state == "open"]
+        """Close what is still open when the process exits (a drain that ran out of time, or none). With a
+        handoff each open session is parked for another replica to adopt (``outcome="handed_off"``; its key's
+        slot stays taken: the session is still open). Without one, or when parking fails, they are lost:
+        logged, counted as ``outcome="lost"``, and taken off their keys' counts. Returns how many were lost."""
+        still_open = [s for s in self.sessions.values() if s.state == "open"]
+        lost = still_open
+        if still_open and self.handoff is not None:
+            lost = await self._park(still_open)
         for s in lost:
             self._close(s, "lost", "lost")
         if lost:
@@ -141,6 +181,92 @@ class Gateway:
                         "--session.drain_s lets them finish", len(lost))
         await self.release_closed()
         return len(lost)
+
+    async def _park(self, sessions: list[Session], wait_s: float = 5.0) -> list[Session]:
+        """Park ``sessions`` in the handoff; the ones that could not be parked. A session whose turn is still
+        running (a streamed turn's task) is waited for up to ``wait_s``, so what is parked holds that turn."""
+        deadline = time.monotonic() + wait_s
+        taken: list[Session] = []
+        left: list[Session] = []
+        for s in sessions:
+            try:
+                await asyncio.wait_for(s.lock.acquire(), max(0.0, deadline - time.monotonic()))
+                taken.append(s)
+            except TimeoutError:
+                left.append(s)
+        try:
+            ttl = self.settings.session.idle_ttl_s
+            ready = [s for s in taken if s.state == "open"]
+            assert self.handoff is not None
+            await self.handoff.park([(s.id, s.owner, ttl - (time.monotonic() - s.last_used), s.parked_state())
+                                     for s in ready])
+            for s in ready:
+                self._close(s, "handed_off", "handed_off", release=False)
+            if ready:
+                log.warning("shutting down with %d open sessions: parked in Redis, the next replica they reach "
+                            "goes on with them", len(ready))
+        except Exception as exc:
+            log.error("could not park %d open sessions in Redis: %s", len(taken), exc)
+            left += taken
+        finally:
+            for s in taken:
+                s.lock.release()
+        return [s for s in left if s.state == "open"]
+
+    async def session(self, sid: str, owner: str | None, open_only: bool = True) -> Session:
+        """``get_session``, adopting ``sid`` from the handoff when another replica parked it (handoff.py)."""
+        if sid not in self.sessions and self.handoff is not None:
+            await self.adopt(sid, owner)
+        return self.get_session(sid, owner, open_only)
+
+    async def adopt(self, sid: str, owner: str | None) -> bool:
+        """Take ``sid`` over from the handoff if it is parked there under ``owner``'s key; True when this replica
+        holds it now. Concurrent calls for one id and key share one attempt. Redis down: 503
+        ``sessions_unavailable`` (the session may be parked: a 404 would tell the agent it is gone)."""
+        pending = self._adopting.get((sid, owner))
+        if pending is None:
+            pending = self._adopting[(sid, owner)] = asyncio.ensure_future(self._adopt(sid, owner))
+            pending.add_done_callback(lambda _: self._adopting.pop((sid, owner), None))
+        await asyncio.shield(pending)
+        return sid in self.sessions and self.sessions[sid].owner == owner
+
+    async def _adopt(self, sid: str, owner: str | None) -> None:
+        assert self.handoff is not None
+        try:
+            raw = await self.handoff.take(sid, owner)
+        except Exception as exc:
+            raise GatewayError(503, f"cannot look up session {sid} in Redis ({type(exc).__name__}: {exc}); retry "
+                                    "shortly", code="sessions_unavailable", retry_after_s=1) from None
+        if raw is None or sid in self.sessions:
+            return
+        s = Session.from_state(raw, owner)
+        self.sessions[sid] = s
+        self.num_open += 1
+        self.metrics["molt_gateway_open_sessions"].inc()
+        self.metrics["molt_gateway_sessions_adopted_total"].inc()
+        if s.pod is not None and s.pod in self.pool.pods:
+            self.pool.get(s.pod).sessions += 1
+        if owner is not None:
+            try:
+                await self.limits.hold(owner, sid)
+            except Exception as exc:  # it is open here either way: counting it must not lose it
+                log.warning("session %s adopted but not counted against its key (Redis: %s)", sid, exc)
+        log.info("adopted session %s (%d turns) from the replica that held it", sid, s.turns)
+
+    async def locate(self, sid: str, owner: str | None) -> str | None:
+        """Where ``sid`` is, once the replica its id names did not answer: ``""`` when this replica holds it
+        (adopted from the handoff just now), another replica's URL when that one adopted it, else None."""
+        if sid in self.sessions:
+            return ""
+        if self.handoff is None:
+            return None
+        if await self.adopt(sid, owner):
+            return ""
+        try:
+            return await self.handoff.moved_to(sid)
+        except Exception as exc:
+            log.warning("cannot look up where session %s moved (Redis: %s)", sid, exc)
+            return None
 
     @property
     def policy_version(self) -> int:
@@ -220,14 +346,15 @@ class Gateway:
             raise GatewayError(409, f"session {sid} is {s.state}; open a new one", code="session_closed")
         return s
 
-    def _close(self, s: Session, state: str, outcome: str) -> None:
+    def _close(self, s: Session, state: str, outcome: str, release: bool = True) -> None:
+        """``release``: take it off its key's count (not when it was handed to another replica, still open)."""
         if s.state != "open":
             return
         s.state = state
         self.num_open -= 1
-        if s.owner is not None:
+        if s.owner is not None and release:
             self._released.append((s.owner, s.id))
-        if s.pod:
+        if s.pod in self.pool.pods:
             self.pool.get(s.pod).sessions -= 1
         self.metrics["molt_gateway_open_sessions"].dec()
         self.metrics.child("molt_gateway_sessions_total", outcome).inc()
@@ -235,7 +362,7 @@ class Gateway:
         s.last_result = None
 
     async def abort(self, sid: str, owner: str | None) -> dict:
-        s = self.get_session(sid, owner, open_only=False)
+        s = await self.session(sid, owner, open_only=False)
         if s.state == "finished":
             raise GatewayError(409, f"session {sid} is already finished; nothing to abort", code="session_closed")
         self._close(s, "aborted", "aborted")
@@ -259,7 +386,9 @@ class Gateway:
         """Generate on the session's pod, moving to another pod (same exact prefix) when it fails."""
         events: list[dict] = []
         tried: set[str] = set()
-        current: Pod | None = self.pool.get(s.pod) if s.pod else None
+        # The session's pod; None for a first turn, or a pod this replica does not know (the session was adopted
+        # from a replica with other pods): the turn then moves, recorded as a pod switch.
+        current: Pod | None = self.pool.pods.get(s.pod) if s.pod else None
         while True:
             pod = current if current is not None and current.healthy and current.url not in tried else None
             if pod is None:
@@ -267,7 +396,8 @@ class Gateway:
                 if s.pod and s.pod != pod.url:
                     events.append({"kind": "pod_switch", "from": s.pod, "to": pod.url, "at_token": len(prompt_ids),
                                    "segment": max(len(s.capture.segments) - 1, 0), "turn": s.turns,
-                                   "reason": self.pool.get(s.pod).last_error, "time": time.time()})
+                                   "reason": current.last_error if current is not None else
+                                   "the pod is not one of this gateway replica's", "time": time.time()})
                     self.metrics["molt_gateway_pod_failovers_total"].labels(s.pod).inc()
             try:
                 gens = await self.pool.generate(pod, prompt_ids, sp)
@@ -276,10 +406,10 @@ class Gateway:
                 tried.add(pod.url)
                 continue
             if s.pod != pod.url:
-                if s.pod:
-                    self.pool.get(s.pod).sessions -= 1
-                else:  # the first pod: the trainer labels this trajectory's mismatch KL with it
+                if not s.pod:  # the first pod: the trainer labels this trajectory's mismatch KL with it
                     events.append({"kind": "pod", "pod": pod.url, "at_token": 0, "segment": 0, "time": time.time()})
+                elif s.pod in self.pool.pods:
+                    self.pool.get(s.pod).sessions -= 1
                 pod.sessions += 1
                 s.pod = pod.url
             return gens[0], events
@@ -483,7 +613,7 @@ class Gateway:
                     sid = item.get("session_id") if isinstance(item, dict) else None
                     if not isinstance(sid, str):
                         raise bad_request("each episode needs a 'session_id' string", "session_id")
-                    s = self.get_session(sid, owner, open_only=False)
+                    s = await self.session(sid, owner, open_only=False)
                     if s.state == "finished":
                         results[i] = dict(s.result or {}, status=200)
                         continue

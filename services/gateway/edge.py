@@ -35,7 +35,22 @@ from services.gateway.replicas import Replicas
 log = logging.getLogger("molt.gateway")
 
 Handler = Callable[[Request], Awaitable[Response]]
-Relay = Callable[[str, dict, Callable, Callable], Awaitable[None]]
+Relay = Callable[[str, dict, Callable, Callable], Awaitable[bytes | None]]
+"""(replica URL, scope, receive, send): None once relayed, or the request's body to answer it here instead."""
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """``receive`` for a request whose body was already read: the body once, then the client's own messages."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 class Endpoint:
@@ -82,7 +97,7 @@ class Edge:
                  replicas: Replicas | None = None, relay: Relay | None = None) -> None:
         self.router = router
         self.replicas = replicas or Replicas("", [])
-        self.relay = relay  # (replica URL, scope, receive, send): a session another replica holds
+        self.relay = relay  # a session another replica holds (``Relay``)
         self.metrics = metrics
         self.policy_version = policy_version
         self.requests = metrics["molt_gateway_requests_total"]
@@ -157,7 +172,9 @@ class Edge:
         try:
             owner = self.relay and self.replicas.target(scope)
             if owner:
-                await self.relay(owner, scope, receive, timed_send)
+                body = await self.relay(owner, scope, receive, timed_send)
+                if body is not None:  # the owner was gone and this replica adopted the session: answered here
+                    await self.router(scope, _replay(body, receive), timed_send)
             else:
                 await self.router(scope, receive, timed_send)
         except ClientDisconnect:

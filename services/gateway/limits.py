@@ -44,13 +44,23 @@ return #ARGV - 1
 """
 
 
+# KEYS[1]: the key's set. ARGV: lease seconds, session id. Counted whatever the count: a session adopted from a
+# replica that exited (services/gateway/handoff.py) was accepted when it opened.
+_HOLD = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
+return 1
+"""
+
+
 def count_key(stream: str, owner: str) -> str:
     """The Redis sorted set counting ``owner``'s open sessions for the gateways writing to ``stream``."""
     return f"{stream}:gateway:open:{hashlib.sha256(owner.encode()).hexdigest()[:16]}"
 
 
 class OpenSessions:
-    """In-memory count: one replica. ``acquire`` / ``release`` / ``renew`` are the interface."""
+    """In-memory count: one replica. ``acquire`` / ``hold`` / ``release`` / ``renew`` are the interface."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -61,6 +71,10 @@ class OpenSessions:
             return False
         self.count[owner] += 1
         return True
+
+    async def hold(self, owner: str, sid: str) -> None:
+        """Count ``sid`` against ``owner`` even past the limit (an adopted session, accepted when it opened)."""
+        self.count[owner] += 1
 
     async def release(self, closed: Iterable[tuple[str, str]]) -> None:
         for owner, _ in closed:
@@ -82,12 +96,16 @@ class RedisOpenSessions(OpenSessions):
         self.lease_s = lease_s
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
+        self._hold = redis.register_script(_HOLD)
 
     def key(self, owner: str) -> str:
         return count_key(self.stream, owner)
 
     async def acquire(self, owner: str, sid: str) -> bool:
         return bool(await self._acquire(keys=[self.key(owner)], args=[self.lease_s, self.limit, sid]))
+
+    async def hold(self, owner: str, sid: str) -> None:
+        await self._hold(keys=[self.key(owner)], args=[self.lease_s, sid])
 
     async def release(self, closed: Iterable[tuple[str, str]]) -> None:
         pipe = self.redis.pipeline(transaction=False)

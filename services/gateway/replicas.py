@@ -74,6 +74,11 @@ class Replicas:
         self.transport = transport  # the gateway's keep-alive HTTP client (one pool per peer, as per pod)
         self._key = hashlib.sha256("\n".join(sorted(api_keys)).encode()).digest()
         self._tag = self._sign(_b32(public_url)) if public_url else ""
+        self.holds: Callable[[str], bool] = lambda sid: False
+        """Whether this replica holds a session (set by the app): one adopted from a replica that exited is
+        answered here, whatever its id names (services/gateway/handoff.py)."""
+        self.moved: dict[str, str] = {}
+        """Session id -> the replica that adopted it, for sessions whose id names a replica that is gone."""
 
     def _sign(self, encoded_url: str) -> str:
         return f"{encoded_url}.{hmac.new(self._key, encoded_url.encode(), 'sha256').hexdigest()[:16]}"
@@ -96,20 +101,35 @@ class Replicas:
             return None
 
     def target(self, scope) -> str | None:
-        """The replica to relay this request to: it names a session another replica holds (``owner``), it
-        was not relayed here already (so a request travels at most once), and it is not a HEAD (whose
-        answer announces a Content-Length with no body to wait for: answered where it lands)."""
-        owner = self.owner(session_of(scope["path"])) if self._tag else None
-        if owner is None or scope["method"] == "HEAD" or any(k == _FORWARDED for k, _ in scope["headers"]):
+        """The replica to relay this request to: it names a session another replica holds (``owner``, or the
+        replica that adopted it when that one exited), it was not relayed here already (so a request travels
+        at most once), and it is not a HEAD (whose answer announces a Content-Length with no body to wait for:
+        answered where it lands)."""
+        if not self._tag or scope["method"] == "HEAD" or any(k == _FORWARDED for k, _ in scope["headers"]):
             return None
-        return owner
+        return self.where(session_of(scope["path"]))
+
+    def where(self, sid: str | None) -> str | None:
+        """The other replica holding ``sid`` as far as this one knows (the one its id names, or the one that
+        adopted it from there); None when it is this one, or the id names none."""
+        owner = self.owner(sid)
+        if owner is None or self.holds(sid):  # type: ignore[arg-type]
+            return None
+        return self.moved.get(sid, owner)  # type: ignore[arg-type]
+
+    def remember_move(self, sid: str, replica: str) -> None:
+        if len(self.moved) >= 100_000:  # a bound, not a cache policy: a forgotten move is looked up again
+            self.moved.clear()
+        self.moved[sid] = replica
 
     def _request_headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [(k, v) for k, v in raw if k.lower() not in _SKIP] + [(_FORWARDED, self.public_url.encode())]
 
     def _unreachable(self, owner: str, exc: BaseException) -> GatewayError:
+        # Retry-After: a replica on its way out answers nothing between closing its socket and parking its
+        # sessions (handoff.py); a retry a moment later finds them parked.
         return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: {exc}",
-                            code="replica_unreachable")
+                            code="replica_unreachable", retry_after_s=1)
 
     async def _call(self, owner: str, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes,
                     on_answer: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None]) -> None:
@@ -143,6 +163,7 @@ class Replicas:
             while (piece := await pieces.get()) is not None:
                 status, headers, data = piece
                 if headers is not None:
+                    state["relay_answered"] = True  # from here on a failure cannot be answered another way
                     timing = next((v for k, v in headers if k == b"server-timing"), b"").decode("latin-1")
                     owner_pod_ms = _duration(timing, "pod")
                     if owner_pod_ms is not None:

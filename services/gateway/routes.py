@@ -18,7 +18,7 @@ from services.gateway.chat import bad_request
 from services.gateway.core import Gateway, TurnResult, resolve_future
 from services.gateway.edge import Endpoint
 from services.gateway.errors import GatewayError
-from services.gateway.replicas import FORWARDED, Replicas
+from services.gateway.replicas import FORWARDED, Replicas, session_of
 from services.gateway.transport import json_loads
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -133,12 +133,34 @@ class Handlers:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return ready, done
 
-    async def relay(self, replica: str, scope, receive, send) -> None:
+    async def relay(self, replica: str, scope, receive, send) -> bytes | None:
         """A request for a session ``replica`` holds: checked here like any other (key, body size), then
-        forwarded there and its answer relayed back (services/gateway/replicas.py)."""
+        forwarded there and its answer relayed back (services/gateway/replicas.py); None once answered.
+
+        When ``replica`` does not answer at all, it may have exited and parked the session
+        (services/gateway/handoff.py): this replica then adopts it and returns the request's body, to be
+        answered here, or relays to the replica that adopted it first."""
         request = Request(scope, receive, send)
-        self.owner(request)
-        await self.replicas.forward(replica, scope, await self.raw_body(request), send)
+        owner = self.owner(request)
+        body = await self.raw_body(request)
+        sid = session_of(scope["path"])
+        for hop in range(3):  # the owner, then at most two replicas that adopted the session in turn
+            try:
+                await self.replicas.forward(replica, scope, body, send)
+                return None
+            except GatewayError as exc:
+                if exc.code != "replica_unreachable" or scope["state"].get("relay_answered") or sid is None \
+                        or hop == 2:
+                    raise
+                where = await self.gw.locate(sid, owner)
+                if where == "":
+                    scope["state"].pop("relayed", None)
+                    return body
+                if where is None or where == replica or where == self.replicas.public_url:
+                    raise
+                self.replicas.remember_move(sid, where)
+                replica = where
+        raise AssertionError("unreachable")
 
     # ---- control plane
 
@@ -168,7 +190,7 @@ class Handlers:
                           "anthropic_base_url": f"{base}/s/{s.id}", "max_length": s.capture.max_length}, status=201)
 
     async def get_session(self, request: Request) -> Response:
-        s = self.gw.get_session(request.path_params["sid"], self.owner(request), open_only=False)
+        s = await self.gw.session(request.path_params["sid"], self.owner(request), open_only=False)
         return self.json(s.summary())
 
     async def delete_session(self, request: Request) -> Response:
@@ -189,34 +211,54 @@ class Handlers:
         return self.json({"results": results, "written": sum(1 for r in results if r.get("written"))})
 
     async def _finish_everywhere(self, items: list, owner: str | None, request: Request) -> list[dict]:
-        """finish_many here for this replica's sessions; one forwarded call per other replica for theirs."""
-        by_replica: dict[str | None, list[int]] = {}
-        for i, item in enumerate(items):
-            sid = item.get("session_id") if isinstance(item, dict) else None
-            by_replica.setdefault(self.replicas.owner(sid if isinstance(sid, str) else None), []).append(i)
+        """finish_many here for this replica's sessions; one forwarded call per other replica for theirs. The
+        items of a replica that does not answer are located again (it may have exited and parked them,
+        services/gateway/handoff.py): finished here once adopted, or sent on to the replica that adopted them."""
         results: list[dict] = [{}] * len(items)
+        forwarded = bool(request.headers.get(FORWARDED))
 
-        async def finish(replica: str | None, idx: list[int]) -> None:
+        def sid_of(i: int) -> str | None:
+            sid = items[i].get("session_id") if isinstance(items[i], dict) else None
+            return sid if isinstance(sid, str) else None
+
+        def group(idx: list[int], replica_of: Callable[[int], str | None]) -> dict[str | None, list[int]]:
+            by_replica: dict[str | None, list[int]] = {}
+            for i in idx:
+                by_replica.setdefault(None if forwarded else replica_of(i), []).append(i)
+            return by_replica
+
+        async def finish(replica: str | None, idx: list[int], last_try: bool) -> None:
             part = [items[i] for i in idx]
             try:
-                if replica is None or request.headers.get(FORWARDED):
+                if replica is None:
                     out = await self.gw.finish_many(part, owner)
                 else:
-                    out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": part},
-                                                         request.scope["headers"]))["results"]
+                    try:
+                        out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": part},
+                                                             request.scope["headers"]))["results"]
+                    except GatewayError as exc:
+                        if exc.code != "replica_unreachable" or last_try:
+                            raise
+                        places = {i: await self.gw.locate(sid_of(i) or "", owner) for i in idx}
+                        if not any(p == "" or (p and p != replica) for p in places.values()):
+                            raise
+                        await asyncio.gather(*(finish(None if r == "" else r, sub, True) for r, sub in group(
+                            idx, lambda i: replica if places[i] is None else places[i]).items()))
+                        return
             except GatewayError as exc:
-                out = [{"session_id": it.get("session_id"), "status": exc.status,
+                out = [{"session_id": it.get("session_id") if isinstance(it, dict) else None, "status": exc.status,
                         "error": {"message": exc.message, "code": exc.code}} for it in part]
             for i, res in zip(idx, out):
                 results[i] = res
 
-        await asyncio.gather(*(finish(r, idx) for r, idx in by_replica.items()))
+        await asyncio.gather(*(finish(r, idx, False) for r, idx in group(
+            list(range(len(items))), lambda i: self.replicas.where(sid_of(i))).items()))
         return results
 
     async def generate(self, request: Request) -> Response:
         owner = self.owner(request)
         body = await self.body(request)
-        s = self.gw.get_session(request.path_params["sid"], owner)
+        s = await self.gw.session(request.path_params["sid"], owner)
         r = await self.gw.token_turn(s, body)
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
@@ -239,7 +281,7 @@ class Handlers:
                 return StreamingResponse(oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
             return TurnJSON(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
-        s = self.gw.get_session(sid, owner)
+        s = await self.gw.session(sid, owner)
         if req.stream:
             ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
             await ready
@@ -263,7 +305,7 @@ class Handlers:
             ids = prompt if isinstance(prompt, list) else self.gw.model.encode(prompt)
             results = await self.gw.plain_generate(ids, overrides)
         else:
-            s = self.gw.get_session(sid, owner)
+            s = await self.gw.session(sid, owner)
             results = [await self.gw.completion_turn(s, prompt, overrides)]
         request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
         if body.get("stream"):
@@ -285,7 +327,7 @@ class Handlers:
             ready.set_result(r.prompt_tokens)
             done.set_result(r)
         else:
-            s = self.gw.get_session(sid, owner)
+            s = await self.gw.session(sid, owner)
             if not req.stream:  # in this task, as in chat()
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s

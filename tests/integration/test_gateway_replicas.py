@@ -134,7 +134,7 @@ def test_forged_and_unreachable_owners(pair):
     gone = Replicas(f"http://127.0.0.1:{free_port()}", KEYS).new_session_id()
     r = httpx.post(f"{a}/s/{gone}/v1/messages", headers=AUTH,
                    json={"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 502 and r.json()["error"]["type"] == "api_error"
+    assert r.status_code == 502 and r.json()["error"]["type"] == "api_error" and r.headers["retry-after"] == "1"
     assert "did not answer" in r.json()["error"]["message"]
     r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
     assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
@@ -183,14 +183,68 @@ def test_sigterm_drains_open_sessions_then_exits(pair):
         stop(proc)
 
 
+def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
+    """A rolling update: replica e exits while an episode is open on it (its drain ran out). The next turn,
+    sent to replica a under e's id, finds e gone: a adopts the session and answers it. A turn sent to b
+    follows the session to a; the episode is finished through b's /v1/episodes; the stream holds one segment
+    with every turn, each turn's tokens and logprobs those its client was told."""
+    port = free_port()
+    e = f"http://127.0.0.1:{port}"
+    log = pair["logs"] / "gateway-e.log"
+    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
+                             "--session.drain_s", "1"], log)
+    r = redis.Redis.from_url(pair["redis"])
+    try:
+        s, other = _open(e), _open(e)
+        sid = s["session_id"]
+        httpx.post(f"{e}/s/{other['session_id']}/v1/completions", headers=AUTH,
+                   json={"model": "policy", "prompt": "Hello", "max_tokens": 2}).raise_for_status()
+        messages = [{"role": "user", "content": "Count to three."}]
+        told = []  # (token ids, logprobs) of each turn, as its client got them
+
+        def turn(client: openai.OpenAI) -> None:
+            out = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
+            told.append([c.logprob for c in out.choices[0].logprobs.content])
+            messages.extend([{"role": "assistant", "content": out.choices[0].message.content},
+                             {"role": "user", "content": "Again."}])
+
+        turn(openai.OpenAI(base_url=s["openai_base_url"], api_key=KEYS[0], max_retries=0))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert r.exists(f"{pair['stream']}:gateway:handoff:{sid}")
+        assert r.zscore(count_key(pair["stream"], KEYS[0]), sid) is not None  # still open: still counted
+        turn(openai.OpenAI(base_url=f"{pair['a']}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # a adopts it
+        assert r.get(f"{pair['stream']}:gateway:moved:{sid}") == pair["a"].encode()
+        turn(openai.OpenAI(base_url=f"{pair['b']}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # b relays to a
+        # One batch through b: sid (b knows it moved to a) and the other session, still parked (b finds e gone,
+        # adopts it and finishes it itself).
+        res = httpx.post(pair["b"] + "/v1/episodes", headers=AUTH, json={"episodes": [
+            {"session_id": sid, "reward": 1}, {"session_id": other["session_id"], "reward": 0}]})
+        assert res.json()["written"] == 2, res.text
+        assert not r.exists(f"{pair['stream']}:gateway:handoff:{other['session_id']}")
+        assert r.zscore(count_key(pair["stream"], KEYS[0]), sid) is None
+        [seg] = _read(pair)[sid].segments
+        spans = seg.action_spans.tolist()
+        assert len(spans) == 3
+        offset = 0  # the segment's logprobs are its action tokens', span after span
+        for (start, end), lp in zip(spans, told):
+            assert seg.logprobs[offset: offset + end - start].tolist() == pytest.approx(lp, abs=1e-6)
+            offset += end - start
+        assert "parked in Redis" in log.read_text()
+    finally:
+        stop(proc)
+        r.close()
+
+
 def test_sessions_still_open_when_the_drain_runs_out_are_lost_and_free_their_slots(pair):
-    """A session its agent never finishes cannot hold a replica up past --session.drain_s: the replica exits,
-    says how many episodes it lost, and takes them off its key's open-session count in Redis (which every
-    replica shares), so they do not hold the key's slots until their lease lapses."""
+    """With --session.handoff false, a session its agent never finishes cannot hold a replica up past
+    --session.drain_s: the replica exits, says how many episodes it lost, and takes them off its key's
+    open-session count in Redis (which every replica shares), so they do not hold the key's slots until their
+    lease lapses."""
     port = free_port()
     log = pair["logs"] / "gateway-d.log"
     proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
-                             "--session.drain_s", "1"], log)
+                             "--session.drain_s", "1", "--session.handoff", "false"], log)
     r = redis.Redis.from_url(pair["redis"])
     try:
         sid = _open(f"http://127.0.0.1:{port}")["session_id"]
