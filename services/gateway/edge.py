@@ -170,9 +170,9 @@ class Edge:
                              time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
 
         try:
-            owner = self.relay and self.replicas.target(scope)
-            if owner:
-                body = await self.relay(owner, scope, receive, timed_send)
+            owner = self.replicas.target(scope) if self.relay else None
+            if owner is not None:  # "" included: a session of this replica's that it does not hold
+                body = await self.relay(owner, scope, receive, timed_send)  # type: ignore[misc]
                 if body is not None:  # the owner was gone and this replica adopted the session: answered here
                     await self.router(scope, _replay(body, receive), timed_send)
             else:

@@ -104,10 +104,19 @@ class Replicas:
         """The replica to relay this request to: it names a session another replica holds (``owner``, or the
         replica that adopted it when that one exited), it was not relayed here already (so a request travels
         at most once), and it is not a HEAD (whose answer announces a Content-Length with no body to wait for:
-        answered where it lands)."""
-        if not self._tag or scope["method"] == "HEAD" or any(k == _FORWARDED for k, _ in scope["headers"]):
+        answered where it lands). ``""``: it names this replica, which does not hold the session: it may have
+        been parked, or adopted by another replica while this one restarted at the same address (look it up).
+        None: answer it here."""
+        if not self._tag or scope["method"] == "HEAD":
             return None
-        return self.where(session_of(scope["path"]))
+        sid = session_of(scope["path"])
+        if sid is None or self.holds(sid):
+            return None
+        if self.owner(sid) is None:  # this replica's id (or no replica's): parked or moved, or unknown
+            return "" if sid.endswith(self._tag) else None
+        if any(k == _FORWARDED for k, _ in scope["headers"]):
+            return None
+        return self.moved.get(sid) or self.owner(sid)
 
     def where(self, sid: str | None) -> str | None:
         """The other replica holding ``sid`` as far as this one knows (the one its id names, or the one that

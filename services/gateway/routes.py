@@ -139,28 +139,33 @@ class Handlers:
 
         When ``replica`` does not answer at all, it may have exited and parked the session
         (services/gateway/handoff.py): this replica then adopts it and returns the request's body, to be
-        answered here, or relays to the replica that adopted it first."""
+        answered here, or relays to the replica that adopted it first. ``replica`` ``""``: the session is this
+        replica's own but not held here (see ``Replicas.target``): looked up the same way first."""
         request = Request(scope, receive, send)
         owner = self.owner(request)
         body = await self.raw_body(request)
         sid = session_of(scope["path"])
-        for hop in range(3):  # the owner, then at most two replicas that adopted the session in turn
-            try:
-                await self.replicas.forward(replica, scope, body, send)
-                return None
-            except GatewayError as exc:
-                if exc.code != "replica_unreachable" or scope["state"].get("relay_answered") or sid is None \
-                        or hop == 2:
-                    raise
-                where = await self.gw.locate(sid, owner)
-                if where == "":
-                    scope["state"].pop("relayed", None)
-                    return body
-                if where is None or where == replica or where == self.replicas.public_url:
-                    raise
-                self.replicas.remember_move(sid, where)
-                replica = where
-        raise AssertionError("unreachable")
+        failed: GatewayError | None = None
+        for _ in range(3):  # the owner, then at most two replicas that adopted the session in turn
+            if replica:
+                try:
+                    await self.replicas.forward(replica, scope, body, send)
+                    return None
+                except GatewayError as exc:
+                    if exc.code != "replica_unreachable" or scope["state"].get("relay_answered") or sid is None:
+                        raise
+                    failed = exc
+            where = await self.gw.locate(sid, owner) if sid is not None else None
+            if where in ("", self.replicas.public_url) or (where is None and failed is None):
+                scope["state"].pop("relayed", None)  # held here now, or nowhere else: answered here (404)
+                return body
+            if where is None or where == replica:
+                assert failed is not None
+                raise failed
+            self.replicas.remember_move(sid, where)  # type: ignore[arg-type]
+            replica = where
+        assert failed is not None
+        raise failed
 
     # ---- control plane
 

@@ -186,8 +186,9 @@ def test_sigterm_drains_open_sessions_then_exits(pair):
 def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
     """A rolling update: replica e exits while an episode is open on it (its drain ran out). The next turn,
     sent to replica a under e's id, finds e gone: a adopts the session and answers it. A turn sent to b
-    follows the session to a; the episode is finished through b's /v1/episodes; the stream holds one segment
-    with every turn, each turn's tokens and logprobs those its client was told."""
+    follows the session to a, and so does one sent to e once it is back at its old address; the episode is
+    finished through b's /v1/episodes; the stream holds one segment with every turn, each turn's tokens and
+    logprobs those its client was told."""
     port = free_port()
     e = f"http://127.0.0.1:{port}"
     log = pair["logs"] / "gateway-e.log"
@@ -216,6 +217,10 @@ def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
         turn(openai.OpenAI(base_url=f"{pair['a']}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # a adopts it
         assert r.get(f"{pair['stream']}:gateway:moved:{sid}") == pair["a"].encode()
         turn(openai.OpenAI(base_url=f"{pair['b']}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # b relays to a
+        # e comes back at the same address (a fixed hostname, a StatefulSet): the id names it, a holds the session.
+        proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port)],
+                                pair["logs"] / "gateway-e2.log")
+        turn(openai.OpenAI(base_url=f"{e}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # e relays to a
         # One batch through b: sid (b knows it moved to a) and the other session, still parked (b finds e gone,
         # adopts it and finishes it itself).
         res = httpx.post(pair["b"] + "/v1/episodes", headers=AUTH, json={"episodes": [
@@ -225,7 +230,7 @@ def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
         assert r.zscore(count_key(pair["stream"], KEYS[0]), sid) is None
         [seg] = _read(pair)[sid].segments
         spans = seg.action_spans.tolist()
-        assert len(spans) == 3
+        assert len(spans) == 4
         offset = 0  # the segment's logprobs are its action tokens', span after span
         for (start, end), lp in zip(spans, told):
             assert seg.logprobs[offset: offset + end - start].tolist() == pytest.approx(lp, abs=1e-6)

@@ -92,7 +92,18 @@ def test_target_relays_once_and_never_a_head():
         return {"method": method, "path": path, "headers": list(headers)}
 
     assert b.target(scope()) == A and b.target(scope("GET", f"/v1/sessions/{sid}")) == A
-    assert a.target(scope()) is None  # its own session
+    a.holds = {sid}.__contains__
+    assert a.target(scope()) is None  # its own session, held here
+    a.holds = lambda s: False
+    assert a.target(scope()) == ""  # its own id, not held here (parked, or adopted elsewhere): looked up
+    assert a.target(scope(headers=[(b"x-molt-forwarded-by", B.encode())])) == ""  # forwarded to it, likewise
+    b.holds = {sid}.__contains__
+    assert b.target(scope()) is None  # adopted by b: answered there, whatever the id names
+    b.holds = lambda s: False
+    b.remember_move(sid, "http://10.0.0.9:8080")
+    assert b.target(scope()) == "http://10.0.0.9:8080"  # followed to the replica that adopted it
+    b.moved.clear()
+    assert a.target(scope(path="/s/0123456789abcdef/v1/chat/completions")) is None  # no replica's id: here
     assert b.target(scope("HEAD", f"/v1/sessions/{sid}")) is None
     assert b.target(scope(headers=[(b"x-molt-forwarded-by", A.encode())])) is None  # already relayed once
     assert b.target(scope(path="/v1/episodes")) is None and Replicas("", []).target(scope()) is None
