@@ -30,6 +30,10 @@ TURN_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "st
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
+PARKED_FORMAT = 1
+"""Version of ``Session.parked_state``: bump it when the parked state changes shape."""
+
+
 @dataclass
 class TurnResult:
     token_ids: list[int]
@@ -95,7 +99,7 @@ class Session:
         JSON through the standard library: what a client sent (labels, sampling params) comes back as it was."""
         cap = self.capture
         return json.dumps({
-            "id": self.id, "group_id": self.group_id, "sample_index": self.sample_index, "label": self.label,
+            "format": PARKED_FORMAT, "id": self.id, "group_id": self.group_id, "sample_index": self.sample_index, "label": self.label,
             "env_name": self.env_name, "env_version": self.env_version, "sampling_params": self.sampling_params,
             "metadata": self.metadata, "created_at": self.created_at, "idle_s": time.monotonic() - self.last_used,
             "pod": self.pod, "turns": self.turns, "last_key": self.last_key,
@@ -107,7 +111,17 @@ class Session:
 
     @classmethod
     def from_state(cls, raw: bytes, owner: str | None) -> Session:
-        d = json.loads(raw)
+        """The session ``parked_state`` wrote. Raises ValueError for another format (a replica of another
+        version parked it) or a damaged state."""
+        try:
+            return cls._from_state(json.loads(raw), owner)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"unreadable parked session ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_state(cls, d: dict, owner: str | None) -> Session:
+        if d.get("format") != PARKED_FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, this replica reads {PARKED_FORMAT}")
         c = d["capture"]
         segments = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]])) for seg in c["segments"]]
         capture = Capture(max_length=c["max_length"], segments=segments,
@@ -239,7 +253,14 @@ class Gateway:
                                     "shortly", code="sessions_unavailable", retry_after_s=1) from None
         if raw is None or sid in self.sessions:
             return
-        s = Session.from_state(raw, owner)
+        try:
+            s = Session.from_state(raw, owner)
+        except ValueError as exc:  # taken off Redis already: said loudly, and counted, never a silent 404
+            log.error("session %s was parked by another replica but cannot be read here: %s; its episode is lost",
+                      sid, exc)
+            self.metrics.child("molt_gateway_sessions_total", "lost").inc()
+            raise GatewayError(500, f"session {sid} was parked by a gateway replica this one cannot read ({exc}); "
+                                    "its episode is lost: open a new session", code="handoff_unreadable") from None
         self.sessions[sid] = s
         self.num_open += 1
         self.metrics["molt_gateway_open_sessions"].inc()

@@ -218,3 +218,20 @@ async def test_without_handoff_or_redis_open_sessions_are_lost_and_counted(repli
     assert r.status_code == 503 and r.json()["error"]["code"] == "sessions_unavailable"
     assert r.headers["retry-after"] == "1"
     await app.gateway.queue.close()
+
+
+async def test_a_parked_state_this_replica_cannot_read_is_a_500_and_counted_lost(replicas, redis_url, stream_name):
+    from services.gateway.handoff import owner_tag
+
+    d, http_d, _ = replicas()
+    rds = aioredis.from_url(redis_url)
+    try:
+        await rds.hset(f"{stream_name}:gateway:handoff:s-new", mapping={"owner": owner_tag(KEY),
+                                                                         "state": b'{"format": 99}'})
+        r = await http_d.post("/s/s-new/v1/chat/completions", headers=AUTH,
+                              json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "handoff_unreadable"
+        assert "format 99" in r.json()["error"]["message"]
+        assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in d.gateway.metrics.render()[0].decode()
+    finally:
+        await rds.aclose()

@@ -48,3 +48,15 @@ def test_every_field_survives_parking():
     assert all(isinstance(span, tuple) for seg in back.capture.segments for span in seg.spans)
     assert {f.name for f in dataclasses.fields(Capture)} == {"max_length", "segments", "chat", "completion_text",
                                                             "events"}, "a new Capture field: carry it in parked_state"
+
+
+def test_a_state_of_another_format_is_refused_not_misread():
+    import json
+
+    import pytest
+
+    state = json.loads(_session().parked_state())
+    for damaged in (dict(state, format=2), {k: v for k, v in state.items() if k != "capture"}, "[1, 2]"):
+        raw = damaged.encode() if isinstance(damaged, str) else json.dumps(damaged).encode()
+        with pytest.raises(ValueError, match="unreadable parked session"):
+            Session.from_state(raw, owner=None)
