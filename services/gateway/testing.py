@@ -92,6 +92,46 @@ def read_trajectories(redis_url: str, stream: str) -> list:
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class ReplicaGroup:
+    """Gateway replicas in this process on one real Redis stream, each with its own fake pod at ``pod`` and an
+    httpx client over ASGI (no lifespan runs: tests call the core's loops and ``shut_down`` themselves).
+    ``close()`` deletes the stream's keys and closes the replicas' queues."""
+
+    def __init__(self, model, redis_url: str, stream: str, pod: str) -> None:
+        self.model, self.redis_url, self.stream, self.pod = model, redis_url, stream, pod
+        self.apps: list = []
+
+    def add(self, script: Script, **sections: dict) -> tuple:
+        """A replica: ``sections`` are settings sections over the group's (e.g. ``auth={...}``).
+        (app, httpx client, its FakePods)."""
+        import httpx
+
+        from services.gateway.app import build_app
+        from services.gateway.config import GatewaySettings
+
+        cfg: dict = {"model": {"path": str(self.model.path)}, "rollout": {"urls": [self.pod]},
+                     "redis": {"url": self.redis_url, "stream": self.stream}}
+        for name, values in sections.items():
+            cfg[name] = {**cfg.get(name, {}), **values}
+        pods = FakePods([self.pod], script)
+        app = build_app(GatewaySettings.model_validate(cfg), transport=pods, model=self.model)
+        self.apps.append(app)
+        return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw"), pods
+
+    async def close(self) -> None:
+        import redis.asyncio as aioredis
+
+        r = aioredis.from_url(self.redis_url)
+        try:
+            keys = [k async for k in r.scan_iter(match=f"{self.stream}*")]
+            if keys:
+                await r.delete(*keys)
+        finally:
+            await r.aclose()
+        for app in self.apps:
+            await app.gateway.queue.close()
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -20,7 +20,7 @@ from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import count_key
-from services.gateway.testing import FakePods
+from services.gateway.testing import FakePods, ReplicaGroup
 
 pytestmark = pytest.mark.redis
 
@@ -41,32 +41,16 @@ def model(tiny_qwen3) -> ChatModel:
 
 @pytest.fixture
 async def replicas(model, redis_url, stream_name):
-    """``make()``: a gateway replica on the shared stream (the pod answers REPLIES by turn number)."""
-    made = []
+    """``make(**session)``: a gateway replica on the shared stream (the pod answers REPLIES by turn number)."""
+    group = ReplicaGroup(model, redis_url, stream_name, POD)
 
     def script(prompt: list[int], sp: dict) -> list[int]:
         turn = sum(1 for i in range(len(prompt)) if prompt[i:i + 2] == model.encode("<|im_start|>assistant"))
         return model.encode(REPLIES[min(turn, len(REPLIES)) - 1])
 
-    def make(**session):
-        settings = GatewaySettings.model_validate({
-            "model": {"path": str(model.path)}, "rollout": {"urls": [POD]},
-            "redis": {"url": redis_url, "stream": stream_name}, "session": session,
-            "auth": {"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4}})
-        pods = FakePods([POD], script)
-        app = build_app(settings, transport=pods, model=model)
-        made.append(app)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
-        return app, http, pods
-
-    yield make
-    r = aioredis.from_url(redis_url)
-    keys = [k async for k in r.scan_iter(match=f"{stream_name}*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
-    for app in made:
-        await app.gateway.queue.close()
+    yield lambda **session: group.add(script, session=session,
+                                      auth={"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4})
+    await group.close()
 
 
 def _client(http: httpx.AsyncClient, sid: str) -> openai.AsyncOpenAI:

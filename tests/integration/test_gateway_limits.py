@@ -6,13 +6,10 @@ import asyncio
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings
 from services.gateway.limits import RedisOpenSessions
-from services.gateway.testing import FakePods
+from services.gateway.testing import ReplicaGroup
 
 POD = "http://pod-a:1"
 
@@ -24,26 +21,16 @@ def model(tiny_qwen3) -> ChatModel:
 
 @pytest.fixture
 async def replicas(model, redis_url, stream_name):
-    made = []
+    group = ReplicaGroup(model, redis_url, stream_name, POD)
 
     def make(url: str = redis_url, lease_s: float = 60.0):
-        settings = GatewaySettings.model_validate({
-            "model": {"path": str(model.path)}, "rollout": {"urls": [POD]},
-            "redis": {"url": url, "stream": stream_name},
-            "auth": {"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2, "session_lease_s": lease_s}})
-        app = build_app(settings, transport=FakePods([POD], lambda prompt, sp: model.encode("Hi.<|im_end|>")),
-                        model=model)
-        made.append(app)
-        return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+        app, http, _ = group.add(lambda prompt, sp: model.encode("Hi.<|im_end|>"), redis={"url": url},
+                                 auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2,
+                                       "session_lease_s": lease_s})
+        return app, http
 
     yield make
-    r = aioredis.from_url(redis_url)
-    keys = [k async for k in r.scan_iter(match=f"{stream_name}*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
-    for app in made:
-        await app.gateway.queue.close()
+    await group.close()
 
 
 def _key(k: str) -> dict:
