@@ -56,7 +56,9 @@ def pair(tiny_qwen3, redis_url, tmp_path_factory):
             stop(proc)
         stop(pod)
         r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+        keys = list(r.scan_iter(match=f"{stream}*"))  # the stream, its groups' keys, parked and moved sessions
+        if keys:
+            r.delete(*keys)
         r.close()
 
 
