@@ -4,34 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
 from molt.schema import Provenance, Trajectory, encode_many
-from services.gateway.capture import Capture, ChatState, SegmentState, TurnPlan
+from services.gateway.capture import Capture, ChatState, TurnPlan
 from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import GatewayError
-from services.gateway.handoff import SessionHandoff
+from services.gateway.errors import GatewayError, UnreadableParkedSession
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import Generation, Pod, PodFailed, PodPool
+
+if TYPE_CHECKING:
+    from services.gateway.handoff import SessionHandoff
 
 log = logging.getLogger("molt.gateway")
 
 # Sampling keys a request may set per turn (anything else in a session's params is passed through too).
 TURN_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
-
-
-PARKED_FORMAT = 1
-"""Version of ``Session.parked_state``: bump it when the parked state changes shape."""
 
 
 @dataclass
@@ -93,46 +90,6 @@ class Session:
             "max_length": cap.max_length, "pod": self.pod, "events": cap.events, "result": self.result,
             "metadata": self.metadata,
         }
-
-    def parked_state(self) -> bytes:
-        """Everything another replica needs to go on with this open session (services/gateway/handoff.py).
-        JSON through the standard library: what a client sent (labels, sampling params) comes back as it was."""
-        cap = self.capture
-        return json.dumps({
-            "format": PARKED_FORMAT, "id": self.id, "group_id": self.group_id, "sample_index": self.sample_index, "label": self.label,
-            "env_name": self.env_name, "env_version": self.env_version, "sampling_params": self.sampling_params,
-            "metadata": self.metadata, "created_at": self.created_at, "idle_s": time.monotonic() - self.last_used,
-            "pod": self.pod, "turns": self.turns, "last_key": self.last_key,
-            "last_result": dataclasses.asdict(self.last_result) if self.last_result is not None else None,
-            "capture": {"max_length": cap.max_length, "segments": [dataclasses.asdict(s) for s in cap.segments],
-                        "chat": dataclasses.asdict(cap.chat) if cap.chat is not None else None,
-                        "completion_text": cap.completion_text, "events": cap.events},
-        }).encode()
-
-    @classmethod
-    def from_state(cls, raw: bytes, owner: str | None) -> Session:
-        """The session ``parked_state`` wrote. Raises ValueError for another format (a replica of another
-        version parked it) or a damaged state."""
-        try:
-            return cls._from_state(json.loads(raw), owner)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"unreadable parked session ({type(exc).__name__}: {exc})") from None
-
-    @classmethod
-    def _from_state(cls, d: dict, owner: str | None) -> Session:
-        if d.get("format") != PARKED_FORMAT:
-            raise ValueError(f"format {d.get('format')!r}, this replica reads {PARKED_FORMAT}")
-        c = d["capture"]
-        segments = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]])) for seg in c["segments"]]
-        capture = Capture(max_length=c["max_length"], segments=segments,
-                          chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
-                          completion_text=c["completion_text"], events=c["events"])
-        last = d["last_result"]
-        return cls(id=d["id"], owner=owner, group_id=d["group_id"], sample_index=d["sample_index"], label=d["label"],
-                   env_name=d["env_name"], env_version=d["env_version"], sampling_params=d["sampling_params"],
-                   metadata=d["metadata"], capture=capture, created_at=d["created_at"],
-                   last_used=time.monotonic() - d["idle_s"], pod=d["pod"], turns=d["turns"], last_key=d["last_key"],
-                   last_result=TurnResult(**last) if last is not None else None)
 
 
 def _finite(x: Any, name: str, optional: bool = False) -> float | None:
@@ -212,8 +169,7 @@ class Gateway:
             ttl = self.settings.session.idle_ttl_s
             ready = [s for s in taken if s.state == "open"]
             assert self.handoff is not None
-            await self.handoff.park([(s.id, s.owner, ttl - (time.monotonic() - s.last_used), s.parked_state())
-                                     for s in ready])
+            await self.handoff.park(ready, ttl)
             for s in ready:
                 self._close(s, "handed_off", "handed_off", release=False)
             if ready:
@@ -247,20 +203,18 @@ class Gateway:
     async def _adopt(self, sid: str, owner: str | None) -> None:
         assert self.handoff is not None
         try:
-            raw = await self.handoff.take(sid, owner)
-        except Exception as exc:
-            raise GatewayError(503, f"cannot look up session {sid} in Redis ({type(exc).__name__}: {exc}); retry "
-                                    "shortly", code="sessions_unavailable", retry_after_s=1) from None
-        if raw is None or sid in self.sessions:
-            return
-        try:
-            s = Session.from_state(raw, owner)
-        except ValueError as exc:  # taken off Redis already: said loudly, and counted, never a silent 404
+            s = await self.handoff.take(sid, owner)
+        except UnreadableParkedSession as exc:  # taken off Redis already: said loudly and counted, never a 404
             log.error("session %s was parked by another replica but cannot be read here: %s; its episode is lost",
                       sid, exc)
             self.metrics.child("molt_gateway_sessions_total", "lost").inc()
             raise GatewayError(500, f"session {sid} was parked by a gateway replica this one cannot read ({exc}); "
                                     "its episode is lost: open a new session", code="handoff_unreadable") from None
+        except Exception as exc:
+            raise GatewayError(503, f"cannot look up session {sid} in Redis ({type(exc).__name__}: {exc}); retry "
+                                    "shortly", code="sessions_unavailable", retry_after_s=1) from None
+        if s is None or sid in self.sessions:
+            return
         self.sessions[sid] = s
         self.num_open += 1
         self.metrics["molt_gateway_open_sessions"].inc()

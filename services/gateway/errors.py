@@ -58,3 +58,7 @@ def error_headers(err: GatewayError) -> dict[str, str]:
 
 def wire_of_path(path: str) -> Wire:
     return "anthropic" if path.endswith("/messages") or path.endswith("/messages/count_tokens") else "openai"
+
+
+class UnreadableParkedSession(ValueError):
+    """A parked session (handoff.py) of another format (a replica of another version parked it), or damaged."""

@@ -18,8 +18,15 @@ out. With the trajectory stream on Redis (and ``--session.handoff``, the default
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import time
 from typing import Any
+
+from services.gateway.capture import Capture, ChatState, SegmentState
+from services.gateway.core import Session, TurnResult
+from services.gateway.errors import UnreadableParkedSession
 
 # KEYS[1]: the parked session, KEYS[2]: its moved marker. ARGV: the owner tag, the adopter's URL ('' for none),
 # the marker's TTL in seconds. The parked state, or false (none, or another key's: the same answer).
@@ -34,6 +41,49 @@ return state
 MOVED_TTL_S = 24 * 3600
 """How long a moved marker lasts: a session adopted by another replica is followed there this long after
 the adoption (a later request reaching a third replica is otherwise a 502 ``replica_unreachable``)."""
+
+
+PARKED_FORMAT = 1
+"""Version of ``parked_state``: bump it when the parked state changes shape."""
+
+
+def parked_state(s: Session) -> bytes:
+    """Everything another replica needs to go on with the open session ``s``. JSON through the standard
+    library: what a client sent (labels, sampling params, NaN included) comes back as it was."""
+    cap = s.capture
+    return json.dumps({
+        "format": PARKED_FORMAT, "id": s.id, "group_id": s.group_id, "sample_index": s.sample_index,
+        "label": s.label, "env_name": s.env_name, "env_version": s.env_version, "sampling_params": s.sampling_params,
+        "metadata": s.metadata, "created_at": s.created_at, "idle_s": time.monotonic() - s.last_used,
+        "pod": s.pod, "turns": s.turns, "last_key": s.last_key,
+        "last_result": dataclasses.asdict(s.last_result) if s.last_result is not None else None,
+        "capture": {"max_length": cap.max_length, "segments": [dataclasses.asdict(seg) for seg in cap.segments],
+                    "chat": dataclasses.asdict(cap.chat) if cap.chat is not None else None,
+                    "completion_text": cap.completion_text, "events": cap.events},
+    }).encode()
+
+
+def session_from_state(raw: bytes, owner: str | None) -> Session:
+    """The open session ``parked_state`` wrote, held by ``owner`` (the API key of the request adopting it).
+    Raises UnreadableParkedSession."""
+    try:
+        d = json.loads(raw)
+        if d.get("format") != PARKED_FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, this replica reads {PARKED_FORMAT}")
+        c = d["capture"]
+        segments = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]])) for seg in c["segments"]]
+        capture = Capture(max_length=c["max_length"], segments=segments,
+                          chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
+                          completion_text=c["completion_text"], events=c["events"])
+        last = d["last_result"]
+        return Session(id=d["id"], owner=owner, group_id=d["group_id"], sample_index=d["sample_index"],
+                       label=d["label"], env_name=d["env_name"], env_version=d["env_version"],
+                       sampling_params=d["sampling_params"], metadata=d["metadata"], capture=capture,
+                       created_at=d["created_at"], last_used=time.monotonic() - d["idle_s"], pod=d["pod"],
+                       turns=d["turns"], last_key=d["last_key"],
+                       last_result=TurnResult(**last) if last is not None else None)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UnreadableParkedSession(f"unreadable parked session ({type(exc).__name__}: {exc})") from None
 
 
 def owner_tag(owner: str | None) -> str:
@@ -56,22 +106,23 @@ class SessionHandoff:
     def moved_key(self, sid: str) -> str:
         return f"{self.stream}:gateway:moved:{sid}"
 
-    async def park(self, parked: list[tuple[str, str | None, float, bytes]]) -> None:
-        """Store (session id, owner, seconds to keep, state) for each; all or raise."""
-        for i in range(0, len(parked), 500):
+    async def park(self, sessions: list[Session], idle_ttl_s: float) -> None:
+        """Park each open session until it would have expired idle; all or raise."""
+        for i in range(0, len(sessions), 500):
             pipe = self.redis.pipeline(transaction=False)
-            for sid, owner, ttl_s, state in parked[i:i + 500]:
-                key = self.key(sid)
+            for s in sessions[i:i + 500]:
+                key = self.key(s.id)
                 pipe.delete(key)
-                pipe.hset(key, mapping={"owner": owner_tag(owner), "state": state})
-                pipe.expire(key, max(1, int(ttl_s)))
+                pipe.hset(key, mapping={"owner": owner_tag(s.owner), "state": parked_state(s)})
+                pipe.expire(key, max(1, int(idle_ttl_s - (time.monotonic() - s.last_used))))
             await pipe.execute()
 
-    async def take(self, sid: str, owner: str | None) -> bytes | None:
-        """The parked state of ``sid`` if ``owner`` holds it (it is no longer parked then), else None."""
+    async def take(self, sid: str, owner: str | None) -> Session | None:
+        """The session ``sid`` if it is parked under ``owner``'s key (it is no longer parked then), else None.
+        Raises UnreadableParkedSession (it was taken off Redis all the same)."""
         state = await self._take(keys=[self.key(sid), self.moved_key(sid)],
                                  args=[owner_tag(owner), self.public_url, MOVED_TTL_S])
-        return state or None
+        return session_from_state(state, owner) if state else None
 
     async def moved_to(self, sid: str) -> str | None:
         """The URL of the replica that adopted ``sid``, if one did."""

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.redis
 POD = "http://pod-a:1"
 KEY = "k1"
 AUTH = {"authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}]
 REPLIES = [('<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>\n'
             '<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>'),
            "Paris is sunny, Rome rainy.<|im_end|>", "You are welcome.<|im_end|>"]
@@ -175,7 +176,8 @@ async def test_only_the_sessions_key_adopts_it_and_only_one_replica_does(replica
         # Deleting and finishing work on a parked session too (adopted on the way).
         r = await http_d.delete(f"/v1/sessions/{sids[1]}", headers=AUTH)
         assert r.status_code == 200 and r.json()["aborted"]
-        r = await http_e.post("/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": sids[2], "reward": 0.5}]})
+        r = await http_e.post("/v1/episodes", headers=AUTH,
+                              json={"episodes": [{"session_id": sids[2], "reward": 0.5}]})
         assert r.json()["written"] == 1, r.text
         assert await rds.zcard(count_key(stream_name, KEY)) == 1  # only sids[0] is still open
     finally:

@@ -1,6 +1,6 @@
 """A parked session (services/gateway/handoff.py) comes back whole: every field of Session, Capture, the chat
-state and the last answer survives ``parked_state`` / ``from_state``, so a field added later and not carried
-fails here rather than as a quietly different trajectory after a replica restart."""
+state and the last answer survives ``parked_state`` / ``session_from_state``, so a field added later and not
+carried fails here rather than as a quietly different trajectory after a replica restart."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 from services.gateway.capture import Capture, ChatState, SegmentState
 from services.gateway.core import Session, TurnResult
+from services.gateway.handoff import parked_state, session_from_state
 
 NOT_CARRIED = {"lock": "a new lock per process", "last_used": "carried as idle seconds, a monotonic time here",
                "owner": "the API key is not stored, only its hash; the adopting request's key is set",
@@ -34,7 +35,7 @@ def _session() -> Session:
 def test_every_field_survives_parking():
     s = _session()
     s.last_used = time.monotonic() - 30
-    back = Session.from_state(s.parked_state(), owner="key")
+    back = session_from_state(parked_state(s), owner="key")
     for f in dataclasses.fields(Session):
         if f.name in NOT_CARRIED:
             continue
@@ -46,8 +47,8 @@ def test_every_field_survives_parking():
     assert back.owner == "key" and back.state == "open" and isinstance(back.lock, asyncio.Lock)
     assert 29 < time.monotonic() - back.last_used < 40  # idle time carries over, so the TTL still applies
     assert all(isinstance(span, tuple) for seg in back.capture.segments for span in seg.spans)
-    assert {f.name for f in dataclasses.fields(Capture)} == {"max_length", "segments", "chat", "completion_text",
-                                                            "events"}, "a new Capture field: carry it in parked_state"
+    carried = {"max_length", "segments", "chat", "completion_text", "events"}
+    assert {f.name for f in dataclasses.fields(Capture)} == carried, "a new Capture field: carry it in parked_state"
 
 
 def test_a_state_of_another_format_is_refused_not_misread():
@@ -55,8 +56,8 @@ def test_a_state_of_another_format_is_refused_not_misread():
 
     import pytest
 
-    state = json.loads(_session().parked_state())
+    state = json.loads(parked_state(_session()))
     for damaged in (dict(state, format=2), {k: v for k, v in state.items() if k != "capture"}, "[1, 2]"):
         raw = damaged.encode() if isinstance(damaged, str) else json.dumps(damaged).encode()
         with pytest.raises(ValueError, match="unreadable parked session"):
-            Session.from_state(raw, owner=None)
+            session_from_state(raw, owner=None)
