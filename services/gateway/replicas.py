@@ -112,11 +112,12 @@ class Replicas:
         sid = session_of(scope["path"])
         if sid is None or self.holds(sid):
             return None
-        if self.owner(sid) is None:  # this replica's id (or no replica's): parked or moved, or unknown
+        owner = self.owner(sid)
+        if owner is None:  # this replica's id (or no replica's): parked or moved, or unknown
             return "" if sid.endswith(self._tag) else None
         if any(k == _FORWARDED for k, _ in scope["headers"]):
             return None
-        return self.moved.get(sid) or self.owner(sid)
+        return self.moved.get(sid, owner)
 
     def where(self, sid: str | None) -> str | None:
         """The other replica holding ``sid`` as far as this one knows (the one its id names, or the one that

@@ -232,27 +232,30 @@ class Handlers:
                 by_replica.setdefault(None if forwarded else replica_of(i), []).append(i)
             return by_replica
 
+        def failed(i: int, exc: GatewayError) -> dict:
+            return {"session_id": sid_of(i), "status": exc.status, "error": {"message": exc.message, "code": exc.code}}
+
         async def finish(replica: str | None, idx: list[int], last_try: bool) -> None:
-            part = [items[i] for i in idx]
             try:
                 if replica is None:
-                    out = await self.gw.finish_many(part, owner)
+                    out = await self.gw.finish_many([items[i] for i in idx], owner)
                 else:
                     try:
-                        out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": part},
-                                                             request.scope["headers"]))["results"]
+                        out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": [
+                            items[i] for i in idx]}, request.scope["headers"]))["results"]
                     except GatewayError as exc:
                         if exc.code != "replica_unreachable" or last_try:
                             raise
                         places = {i: await self.gw.locate(sid_of(i) or "", owner) for i in idx}
-                        if not any(p == "" or (p and p != replica) for p in places.values()):
-                            raise
-                        await asyncio.gather(*(finish(None if r == "" else r, sub, True) for r, sub in group(
-                            idx, lambda i: replica if places[i] is None else places[i]).items()))
+                        moved = {i: p for i, p in places.items() if p is not None and p != replica}
+                        for i in idx:
+                            if i not in moved:  # not parked, not adopted: the replica's failure is their answer
+                                results[i] = failed(i, exc)
+                        await asyncio.gather(*(finish(r or None, sub, True)  # "": adopted here
+                                               for r, sub in group(list(moved), moved.__getitem__).items()))
                         return
             except GatewayError as exc:
-                out = [{"session_id": it.get("session_id") if isinstance(it, dict) else None, "status": exc.status,
-                        "error": {"message": exc.message, "code": exc.code}} for it in part]
+                out = [failed(i, exc) for i in idx]
             for i, res in zip(idx, out):
                 results[i] = res
 
