@@ -160,16 +160,19 @@ class Gateway:
         taken: list[Session] = []
         left: list[Session] = []
         for s in sessions:
-            try:
-                await asyncio.wait_for(s.lock.acquire(), max(0.0, deadline - time.monotonic()))
-                taken.append(s)
-            except TimeoutError:
-                left.append(s)
+            if s.lock.locked():  # wait_for would time a free lock out too once the deadline has passed
+                try:
+                    await asyncio.wait_for(s.lock.acquire(), max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
+                    left.append(s)
+                    continue
+            else:
+                await s.lock.acquire()
+            taken.append(s)
         try:
-            ttl = self.settings.session.idle_ttl_s
             ready = [s for s in taken if s.state == "open"]
             assert self.handoff is not None
-            await self.handoff.park(ready, ttl)
+            await self.handoff.park(ready, self.settings.session.idle_ttl_s)
             for s in ready:
                 self._close(s, "handed_off", "handed_off", release=False)
             if ready:

@@ -221,3 +221,18 @@ async def test_a_parked_state_this_replica_cannot_read_is_a_500_and_counted_lost
         assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in d.gateway.metrics.render()[0].decode()
     finally:
         await rds.aclose()
+
+
+async def test_a_turn_that_never_ends_is_lost_alone_and_the_others_are_parked(replicas, redis_url, stream_name):
+    c, http_c, _ = replicas()
+    stuck, free = await _open_with_a_turn(http_c), await _open_with_a_turn(http_c)
+    await c.gateway.sessions[stuck].lock.acquire()  # a turn still running at exit, past the wait
+    left = await c.gateway._park([c.gateway.sessions[stuck], c.gateway.sessions[free]], wait_s=0.2)
+    assert [s.id for s in left] == [stuck]  # the free one was parked although the wait was used up before it
+    assert c.gateway.sessions[free].state == "handed_off"
+    rds = aioredis.from_url(redis_url)
+    try:
+        assert await rds.exists(f"{stream_name}:gateway:handoff:{free}")
+        assert not await rds.exists(f"{stream_name}:gateway:handoff:{stuck}")
+    finally:
+        await rds.aclose()
