@@ -24,18 +24,21 @@ import json
 import time
 from typing import Any
 
+import msgspec
+
 from services.gateway.capture import Capture, ChatState, SegmentState
 from services.gateway.core import Session, TurnResult
 from services.gateway.errors import UnreadableParkedSession
 
 # KEYS[1]: the parked session, KEYS[2]: its moved marker. ARGV: the owner tag, the adopter's URL ('' for none),
-# the marker's TTL in seconds. The parked state, or false (none, or another key's: the same answer).
+# the marker's TTL in seconds. [state, segments] of the parked session, or false (none, or another key's:
+# the same answer).
 _TAKE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return false end
-local state = redis.call('HGET', KEYS[1], 'state')
+local parked = redis.call('HMGET', KEYS[1], 'state', 'segments')
 redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-return state
+return parked
 """
 
 MOVED_TTL_S = 24 * 3600
@@ -47,32 +50,41 @@ PARKED_FORMAT = 1
 """Version of ``parked_state``: bump it when the parked state changes shape."""
 
 
-def parked_state(s: Session) -> bytes:
-    """Everything another replica needs to go on with the open session ``s``. JSON through the standard
-    library: what a client sent (labels, sampling params, NaN included) comes back as it was."""
+def parked_state(s: Session) -> dict[str, bytes]:
+    """Everything another replica needs to go on with the open session ``s``, as the fields of its parked hash:
+    ``segments`` (the token-exact trace, all ints and finite logprobs: msgspec, 10x faster than json) and
+    ``state`` (the rest, through the standard library: what a client sent, labels and sampling params with
+    NaN included, comes back as it was)."""
     cap = s.capture
-    return json.dumps({
+    state = json.dumps({
         "format": PARKED_FORMAT, "id": s.id, "group_id": s.group_id, "sample_index": s.sample_index,
         "label": s.label, "env_name": s.env_name, "env_version": s.env_version, "sampling_params": s.sampling_params,
         "metadata": s.metadata, "created_at": s.created_at, "idle_s": time.monotonic() - s.last_used,
         "pod": s.pod, "turns": s.turns, "last_key": s.last_key,
-        "last_result": dataclasses.asdict(s.last_result) if s.last_result is not None else None,
-        "capture": {"max_length": cap.max_length, "segments": [dataclasses.asdict(seg) for seg in cap.segments],
-                    "chat": dataclasses.asdict(cap.chat) if cap.chat is not None else None,
+        "last_result": _fields(s.last_result) if s.last_result is not None else None,
+        "capture": {"max_length": cap.max_length, "chat": _fields(cap.chat) if cap.chat is not None else None,
                     "completion_text": cap.completion_text, "events": cap.events},
     }).encode()
+    return {"state": state, "segments": msgspec.json.encode([_fields(seg) for seg in cap.segments])}
 
 
-def session_from_state(raw: bytes, owner: str | None) -> Session:
+def _fields(obj: Any) -> dict:
+    """A dataclass's fields, not copied: ``dataclasses.asdict`` copies every element of every list one call at
+    a time (7 ms for a 4096-token session)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def session_from_state(state: bytes, segments: bytes, owner: str | None) -> Session:
     """The open session ``parked_state`` wrote, held by ``owner`` (the API key of the request adopting it).
     Raises UnreadableParkedSession."""
     try:
-        d = json.loads(raw)
+        d = json.loads(state)
         if d.get("format") != PARKED_FORMAT:
             raise ValueError(f"format {d.get('format')!r}, this replica reads {PARKED_FORMAT}")
         c = d["capture"]
-        segments = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]])) for seg in c["segments"]]
-        capture = Capture(max_length=c["max_length"], segments=segments,
+        segs = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]]))
+                for seg in msgspec.json.decode(segments)]
+        capture = Capture(max_length=c["max_length"], segments=segs,
                           chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
                           completion_text=c["completion_text"], events=c["events"])
         last = d["last_result"]
@@ -82,7 +94,7 @@ def session_from_state(raw: bytes, owner: str | None) -> Session:
                        created_at=d["created_at"], last_used=time.monotonic() - d["idle_s"], pod=d["pod"],
                        turns=d["turns"], last_key=d["last_key"],
                        last_result=TurnResult(**last) if last is not None else None)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:
         raise UnreadableParkedSession(f"unreadable parked session ({type(exc).__name__}: {exc})") from None
 
 
@@ -113,16 +125,19 @@ class SessionHandoff:
             for s in sessions[i:i + 500]:
                 key = self.key(s.id)
                 pipe.delete(key)
-                pipe.hset(key, mapping={"owner": owner_tag(s.owner), "state": parked_state(s)})
+                pipe.hset(key, mapping={"owner": owner_tag(s.owner), **parked_state(s)})
                 pipe.expire(key, max(1, int(idle_ttl_s - (time.monotonic() - s.last_used))))
             await pipe.execute()
 
     async def take(self, sid: str, owner: str | None) -> Session | None:
         """The session ``sid`` if it is parked under ``owner``'s key (it is no longer parked then), else None.
         Raises UnreadableParkedSession (it was taken off Redis all the same)."""
-        state = await self._take(keys=[self.key(sid), self.moved_key(sid)],
-                                 args=[owner_tag(owner), self.public_url, MOVED_TTL_S])
-        return session_from_state(state, owner) if state else None
+        parked = await self._take(keys=[self.key(sid), self.moved_key(sid)],
+                                  args=[owner_tag(owner), self.public_url, MOVED_TTL_S])
+        if not parked:
+            return None
+        state, segments = parked
+        return session_from_state(state or b"", segments or b"", owner)
 
     async def moved_to(self, sid: str) -> str | None:
         """The URL of the replica that adopted ``sid``, if one did."""

@@ -212,8 +212,8 @@ async def test_a_parked_state_this_replica_cannot_read_is_a_500_and_counted_lost
     d, http_d, _ = replicas()
     rds = aioredis.from_url(redis_url)
     try:
-        await rds.hset(f"{stream_name}:gateway:handoff:s-new", mapping={"owner": owner_tag(KEY),
-                                                                         "state": b'{"format": 99}'})
+        parked = {"owner": owner_tag(KEY), "state": b'{"format": 99}', "segments": b"[]"}
+        await rds.hset(f"{stream_name}:gateway:handoff:s-new", mapping=parked)
         r = await http_d.post("/s/s-new/v1/chat/completions", headers=AUTH,
                               json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 500 and r.json()["error"]["code"] == "handoff_unreadable"

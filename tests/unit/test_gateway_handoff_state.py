@@ -35,7 +35,8 @@ def _session() -> Session:
 def test_every_field_survives_parking():
     s = _session()
     s.last_used = time.monotonic() - 30
-    back = session_from_state(parked_state(s), owner="key")
+    parked = parked_state(s)
+    back = session_from_state(parked["state"], parked["segments"], owner="key")
     for f in dataclasses.fields(Session):
         if f.name in NOT_CARRIED:
             continue
@@ -56,8 +57,11 @@ def test_a_state_of_another_format_is_refused_not_misread():
 
     import pytest
 
-    state = json.loads(parked_state(_session()))
-    for damaged in (dict(state, format=2), {k: v for k, v in state.items() if k != "capture"}, "[1, 2]"):
+    parked = parked_state(_session())
+    state = json.loads(parked["state"])
+    for damaged, segments in ((dict(state, format=2), parked["segments"]),
+                              ({k: v for k, v in state.items() if k != "capture"}, parked["segments"]),
+                              (state, b"[1, 2]"), (state, b"not json"), ("[1, 2]", parked["segments"])):
         raw = damaged.encode() if isinstance(damaged, str) else json.dumps(damaged).encode()
         with pytest.raises(ValueError, match="unreadable parked session"):
-            session_from_state(raw, owner=None)
+            session_from_state(raw, segments, owner=None)
