@@ -119,6 +119,7 @@ class Gateway:
         self.handoff = handoff
         """Where open sessions are parked when this replica exits and adopted from (handoff.py); None: lost."""
         self._adopting: dict[tuple[str, str | None], asyncio.Future] = {}  # (session id, key): a take
+        self._moved_marks: dict[str, float] = {}  # adopted session -> when its moved marker was last written
         scfg = settings.session
         self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
         limit = model.max_model_len
@@ -222,6 +223,8 @@ class Gateway:
         self.num_open += 1
         self.metrics["molt_gateway_open_sessions"].inc()
         self.metrics["molt_gateway_sessions_adopted_total"].inc()
+        if self.handoff.public_url:  # take() wrote its moved marker
+            self._moved_marks[sid] = time.monotonic()
         if s.pod is not None and s.pod in self.pool.pods:
             self.pool.get(s.pod).sessions += 1
         if owner is not None:
@@ -662,6 +665,29 @@ class Gateway:
                 del self.sessions[sid]
         return expired
 
+    async def renew_moved(self, now: float | None = None) -> int:
+        """Renew the moved markers of the adopted sessions still open here once half their TTL has passed
+        (handoff.py), so peers keep finding them however long they run; forget the closed ones."""
+        if self.handoff is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        due = []
+        for sid, marked in list(self._moved_marks.items()):
+            s = self.sessions.get(sid)
+            if s is None or s.state != "open":
+                del self._moved_marks[sid]
+            elif now - marked >= self.handoff.moved_ttl_s / 2:
+                due.append(sid)
+        if due:
+            try:
+                await self.handoff.renew_moved(due)
+            except Exception as exc:  # tried again on the next pass
+                log.warning("could not renew the moved markers of %d adopted sessions: %s", len(due), exc)
+                return 0
+            for sid in due:
+                self._moved_marks[sid] = now
+        return len(due)
+
     async def reap_loop(self) -> None:
         period = max(0.05, min(5.0, self.settings.session.idle_ttl_s / 4))
         while True:
@@ -670,6 +696,8 @@ class Gateway:
             if n:
                 log.info("expired %d idle sessions", n)
             await self.release_closed()
+            if self._moved_marks:
+                await self.renew_moved()
 
 
 def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:

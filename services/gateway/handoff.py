@@ -42,8 +42,8 @@ return parked
 """
 
 MOVED_TTL_S = 24 * 3600
-"""How long a moved marker lasts: a session adopted by another replica is followed there this long after
-the adoption (a later request reaching a third replica is otherwise a 502 ``replica_unreachable``)."""
+"""How long a moved marker lasts unless renewed: the replica that adopted a session renews its marker while
+the session is open (``Gateway.renew_moved``), so a request reaching a third replica can follow it there."""
 
 
 PARKED_FORMAT = 1
@@ -110,6 +110,7 @@ class SessionHandoff:
         self.redis = redis
         self.stream = stream
         self.public_url = public_url
+        self.moved_ttl_s = MOVED_TTL_S
         self._take = redis.register_script(_TAKE)
 
     def key(self, sid: str) -> str:
@@ -133,11 +134,18 @@ class SessionHandoff:
         """The session ``sid`` if it is parked under ``owner``'s key (it is no longer parked then), else None.
         Raises UnreadableParkedSession (it was taken off Redis all the same)."""
         parked = await self._take(keys=[self.key(sid), self.moved_key(sid)],
-                                  args=[owner_tag(owner), self.public_url, MOVED_TTL_S])
+                                  args=[owner_tag(owner), self.public_url, self.moved_ttl_s])
         if not parked:
             return None
         state, segments = parked
         return session_from_state(state or b"", segments or b"", owner)
+
+    async def renew_moved(self, sids: list[str]) -> None:
+        """Extend the moved markers of sessions this replica adopted and still holds."""
+        pipe = self.redis.pipeline(transaction=False)
+        for sid in sids:
+            pipe.expire(self.moved_key(sid), self.moved_ttl_s)
+        await pipe.execute()
 
     async def moved_to(self, sid: str) -> str | None:
         """The URL of the replica that adopted ``sid``, if one did."""

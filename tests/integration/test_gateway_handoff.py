@@ -8,6 +8,7 @@ logprobs, spans and events. The real openai SDK drives the turns (over ASGI, wit
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -234,5 +235,30 @@ async def test_a_turn_that_never_ends_is_lost_alone_and_the_others_are_parked(re
     try:
         assert await rds.exists(f"{stream_name}:gateway:handoff:{free}")
         assert not await rds.exists(f"{stream_name}:gateway:handoff:{stuck}")
+    finally:
+        await rds.aclose()
+
+
+async def test_the_adopters_moved_marker_is_renewed_while_the_session_lasts(replicas, redis_url, stream_name):
+    """With several replicas the adopter names itself in a moved marker, so a request reaching a third replica
+    can follow the session there; the marker is renewed as long as the session is open, then left to lapse."""
+    c, http_c, _ = replicas()
+    sid = await _open_with_a_turn(http_c)
+    await c.gateway.shut_down()
+    d, http_d, _ = replicas()
+    d.gateway.handoff.public_url = "http://10.0.0.9:8080"  # as --replica.public_url would set it
+    d.gateway.handoff.moved_ttl_s = 100
+    assert await d.gateway.adopt(sid, KEY)
+    rds = aioredis.from_url(redis_url)
+    marker = f"{stream_name}:gateway:moved:{sid}"
+    try:
+        assert await rds.get(marker) == b"http://10.0.0.9:8080" and 90 <= await rds.ttl(marker) <= 100
+        await rds.expire(marker, 10)
+        assert await d.gateway.renew_moved() == 0  # not due yet: renewed once half the TTL has passed
+        assert await d.gateway.renew_moved(now=time.monotonic() + 60) == 1
+        assert 90 <= await rds.ttl(marker) <= 100
+        r = await http_d.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}, headers=AUTH)
+        assert r.status_code == 200
+        assert await d.gateway.renew_moved(now=time.monotonic() + 120) == 0 and not d.gateway._moved_marks
     finally:
         await rds.aclose()
