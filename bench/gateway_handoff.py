@@ -27,7 +27,7 @@ sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != 
 import redis.asyncio as aioredis  # noqa: E402
 
 from services.gateway.capture import Capture, ChatState, SegmentState  # noqa: E402
-from services.gateway.core import Session  # noqa: E402
+from services.gateway.session import Session  # noqa: E402
 from services.gateway.handoff import SessionHandoff, parked_state  # noqa: E402
 
 

@@ -8,8 +8,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
@@ -18,78 +17,16 @@ from services.gateway.capture import Capture, ChatState, TurnPlan
 from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import GatewayError, UnreadableParkedSession
+from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import Generation, Pod, PodFailed, PodPool
-
-if TYPE_CHECKING:
-    from services.gateway.handoff import SessionHandoff
+from services.gateway.session import Session, TurnResult
 
 log = logging.getLogger("molt.gateway")
 
 # Sampling keys a request may set per turn (anything else in a session's params is passed through too).
 TURN_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
-
-
-@dataclass
-class TurnResult:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    policy_version: int
-    text: str
-    """Decoded generation without special tokens (what a client sees)."""
-    raw_text: str
-    """Decoded generation with special tokens kept (what the template saw)."""
-    content: str
-    tool_calls: list[dict]
-    prompt_tokens: int
-    num_tokens: int
-    remaining_tokens: int
-    pod_wait_s: float = 0.0
-    cached: bool = False
-
-    @property
-    def reply(self) -> dict:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        return msg
-
-
-@dataclass(eq=False)
-class Session:
-    id: str
-    owner: str | None
-    group_id: str
-    sample_index: int
-    label: Any
-    env_name: str
-    env_version: str
-    sampling_params: dict
-    metadata: dict
-    capture: Capture
-    created_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    pod: str | None = None
-    state: str = "open"
-    result: dict | None = None
-    turns: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_key: str | None = None
-    last_result: TurnResult | None = None
-    closed_at: float = 0.0
-
-    def summary(self) -> dict:
-        cap = self.capture
-        return {
-            "session_id": self.id, "state": self.state, "group_id": self.group_id,
-            "sample_index": self.sample_index, "env_name": self.env_name, "turns": self.turns,
-            "segments": len(cap.segments), "num_tokens": cap.num_tokens(),
-            "action_tokens": sum(e - s for seg in cap.segments for s, e in seg.spans),
-            "max_length": cap.max_length, "pod": self.pod, "events": cap.events, "result": self.result,
-            "metadata": self.metadata,
-        }
 
 
 def _finite(x: Any, name: str, optional: bool = False) -> float | None:

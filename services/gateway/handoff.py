@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from services.gateway.capture import Capture, ChatState, SegmentState
-from services.gateway.core import Session, TurnResult
+from services.gateway.session import Session, TurnResult
 from services.gateway.errors import UnreadableParkedSession
 
 # KEYS[1]: the parked session, KEYS[2]: its moved marker. ARGV: the owner tag, the adopter's URL ('' for none),

@@ -10,7 +10,7 @@ import math
 import time
 
 from services.gateway.capture import Capture, ChatState, SegmentState
-from services.gateway.core import Session, TurnResult
+from services.gateway.session import Session, TurnResult
 from services.gateway.handoff import parked_state, session_from_state
 
 NOT_CARRIED = {"lock": "a new lock per process", "last_used": "carried as idle seconds, a monotonic time here",

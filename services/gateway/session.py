@@ -1,0 +1,72 @@
+"""A gateway session and a turn's result: the state one replica holds per episode (services/gateway/core.py
+drives it; services/gateway/handoff.py parks it for another replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.capture import Capture
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    text: str
+    """Decoded generation without special tokens (what a client sees)."""
+    raw_text: str
+    """Decoded generation with special tokens kept (what the template saw)."""
+    content: str
+    tool_calls: list[dict]
+    prompt_tokens: int
+    num_tokens: int
+    remaining_tokens: int
+    pod_wait_s: float = 0.0
+    cached: bool = False
+
+    @property
+    def reply(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    owner: str | None
+    group_id: str
+    sample_index: int
+    label: Any
+    env_name: str
+    env_version: str
+    sampling_params: dict
+    metadata: dict
+    capture: Capture
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    pod: str | None = None
+    state: str = "open"
+    result: dict | None = None
+    turns: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_key: str | None = None
+    last_result: TurnResult | None = None
+    closed_at: float = 0.0
+
+    def summary(self) -> dict:
+        cap = self.capture
+        return {
+            "session_id": self.id, "state": self.state, "group_id": self.group_id,
+            "sample_index": self.sample_index, "env_name": self.env_name, "turns": self.turns,
+            "segments": len(cap.segments), "num_tokens": cap.num_tokens(),
+            "action_tokens": sum(e - s for seg in cap.segments for s, e in seg.spans),
+            "max_length": cap.max_length, "pod": self.pod, "events": cap.events, "result": self.result,
+            "metadata": self.metadata,
+        }
