@@ -177,7 +177,8 @@ class WeightSyncCore:
                 raise SyncError("failed_precondition", "protocol", "empty Push stream")
             if pending.pos != pending.layout.total_bytes:
                 raise SyncError("aborted", "interrupted",
-                                f"Push ended after {pending.buckets_done} of {pending.layout.num_buckets} buckets")
+                                f"Push interrupted: the stream ended after {pending.buckets_done} of "
+                                f"{pending.layout.num_buckets} buckets")
         except SyncError as err:
             raise self._fail(pending, err) from None
         except BaseException as exc:  # the stream broke (client gone, cancelled): never apply half a sync

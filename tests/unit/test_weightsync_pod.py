@@ -125,7 +125,8 @@ async def test_interrupted_stream_keeps_old_weights_then_next_sync_succeeds():
     chunks = _decoded(layout, tensors, "s1")
     with pytest.raises(Exception, match="ended after"):
         await core.push(_chunks(chunks[: len(chunks) // 2]))
-    assert core.status()["state"] == "idle" and "Push ended after" in core.status()["last_error"]
+    status = core.status()
+    assert status["state"] == "idle" and "Push interrupted: the stream ended after" in status["last_error"]
     with pytest.raises(Exception, match="no pending sync"):
         await core.commit("s1", 1)
     assert engine.policy_version == 0 and engine.applied == 0 and _equal(engine, old)
