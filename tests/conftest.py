@@ -97,3 +97,22 @@ def redis_url():
 def stream_name(request) -> str:
     """A unique stream name per test; tests delete their keys when done."""
     return f"molt:test:{request.node.name[:40]}:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_qwen3):
+    """The gateway's view of tiny_qwen3 (tokenizer and chat template), loaded once."""
+    from services.gateway.chat import ChatModel
+
+    return ChatModel(tiny_qwen3)
+
+
+@pytest.fixture
+async def replica_group(chat_model, redis_url, stream_name):
+    """In-process gateway replicas on this test's stream (``services.gateway.testing.ReplicaGroup``; fake pod
+    ``http://pod-a:1``); every key of the stream is deleted afterwards."""
+    from services.gateway.testing import ReplicaGroup
+
+    group = ReplicaGroup(chat_model, redis_url, stream_name, "http://pod-a:1")
+    yield group
+    await group.close()

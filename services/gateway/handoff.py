@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 
 from services.gateway.capture import Capture, ChatState, SegmentState
-from services.gateway.session import Session, TurnResult
 from services.gateway.errors import UnreadableParkedSession
+from services.gateway.session import Session, TurnResult
 
 # KEYS[1]: the parked session, KEYS[2]: its moved marker. ARGV: the owner tag, the adopter's URL ('' for none),
 # the marker's TTL in seconds. [state, segments] of the parked session, or false (none, or another key's:

@@ -17,11 +17,10 @@ import redis.asyncio as aioredis
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.gateway.app import build_app
-from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import count_key
-from services.gateway.testing import FakePods, ReplicaGroup
+from services.gateway.testing import FakePods
 
 pytestmark = pytest.mark.redis
 
@@ -36,23 +35,17 @@ REPLIES = [('<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}<
            "Paris is sunny, Rome rainy.<|im_end|>", "You are welcome.<|im_end|>"]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_qwen3) -> ChatModel:
-    return ChatModel(tiny_qwen3)
-
-
 @pytest.fixture
-async def replicas(model, redis_url, stream_name):
+def replicas(replica_group, chat_model):
     """``make(**session)``: a gateway replica on the shared stream (the pod answers REPLIES by turn number)."""
-    group = ReplicaGroup(model, redis_url, stream_name, POD)
 
     def script(prompt: list[int], sp: dict) -> list[int]:
-        turn = sum(1 for i in range(len(prompt)) if prompt[i:i + 2] == model.encode("<|im_start|>assistant"))
-        return model.encode(REPLIES[min(turn, len(REPLIES)) - 1])
+        marker = chat_model.encode("<|im_start|>assistant")
+        turn = sum(1 for i in range(len(prompt)) if prompt[i:i + 2] == marker)
+        return chat_model.encode(REPLIES[min(turn, len(REPLIES)) - 1])
 
-    yield lambda **session: group.add(script, session=session,
-                                      auth={"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4})
-    await group.close()
+    return lambda **session: replica_group.add(script, session=session,
+                                               auth={"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4})
 
 
 def _client(http: httpx.AsyncClient, sid: str) -> openai.AsyncOpenAI:
@@ -185,12 +178,13 @@ async def test_only_the_sessions_key_adopts_it_and_only_one_replica_does(replica
         await rds.aclose()
 
 
-async def test_without_handoff_or_redis_open_sessions_are_lost_and_counted(replicas, redis_url, model):
+async def test_without_handoff_or_redis_open_sessions_are_lost_and_counted(replicas, chat_model):
     c, http_c, _ = replicas(handoff=False)
     await _open_with_a_turn(http_c)
     assert await c.gateway.shut_down() == 1
     assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in c.gateway.metrics.render()[0].decode()
     # Redis gone by the time the replica exits: parking fails, the sessions are lost and said to be, not hidden.
+    model = chat_model
     settings = GatewaySettings.model_validate({"model": {"path": str(model.path)}, "rollout": {"urls": [POD]},
                                                "redis": {"url": "redis://127.0.0.1:1/0", "stream": "gone"}})
     app = build_app(settings, transport=FakePods([POD], lambda p, sp: model.encode("Hi.<|im_end|>")), model=model)

@@ -7,30 +7,18 @@ import asyncio
 import httpx
 import pytest
 
-from services.gateway.chat import ChatModel
 from services.gateway.limits import RedisOpenSessions
-from services.gateway.testing import ReplicaGroup
-
-POD = "http://pod-a:1"
-
-
-@pytest.fixture(scope="module")
-def model(tiny_qwen3) -> ChatModel:
-    return ChatModel(tiny_qwen3)
 
 
 @pytest.fixture
-async def replicas(model, redis_url, stream_name):
-    group = ReplicaGroup(model, redis_url, stream_name, POD)
-
+def replicas(replica_group, chat_model, redis_url):
     def make(url: str = redis_url, lease_s: float = 60.0):
-        app, http, _ = group.add(lambda prompt, sp: model.encode("Hi.<|im_end|>"), redis={"url": url},
-                                 auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2,
-                                       "session_lease_s": lease_s})
+        app, http, _ = replica_group.add(lambda prompt, sp: chat_model.encode("Hi.<|im_end|>"), redis={"url": url},
+                                         auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2,
+                                               "session_lease_s": lease_s})
         return app, http
 
-    yield make
-    await group.close()
+    return make
 
 
 def _key(k: str) -> dict:
@@ -42,7 +30,7 @@ async def _open(http: httpx.AsyncClient, key: str) -> httpx.Response:
 
 
 async def test_a_keys_limit_holds_across_replicas(replicas):
-    (a, http_a), (b, http_b) = replicas(), replicas()
+    (a, http_a), (_, http_b) = replicas(), replicas()
     assert isinstance(a.gateway.limits, RedisOpenSessions)
     first = (await _open(http_a, "k1")).json()["session_id"]
     second = (await _open(http_b, "k1")).json()["session_id"]
@@ -70,7 +58,7 @@ async def test_a_keys_limit_holds_across_replicas(replicas):
 
 
 async def test_a_dead_replicas_sessions_lapse_and_live_ones_are_renewed(replicas):
-    (a, http_a), (b, http_b) = replicas(lease_s=0.6), replicas(lease_s=0.6)
+    (a, http_a), (_, http_b) = replicas(lease_s=0.6), replicas(lease_s=0.6)
     for http in (http_a, http_b):
         assert (await _open(http, "k1")).status_code == 201
     assert (await _open(http_a, "k1")).status_code == 429
