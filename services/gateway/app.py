@@ -19,7 +19,7 @@ from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
 from services.gateway.transport import HttpTransport, PodTransport
-from services.gateway.routes import Handlers, routes
+from services.gateway.routes import Handlers, routes, session_posts
 
 
 def build_app(settings: GatewaySettings, *, transport: PodTransport | None = None,
@@ -66,7 +66,8 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             await queue.close()
 
     handlers = Handlers(gw, replicas)
-    edge = Edge(Router(routes(handlers), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,
-                handlers.relay if replicas.public_url else None)
+    posts = session_posts(handlers)
+    edge = Edge(Router(routes(handlers, posts), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,
+                handlers.relay if replicas.public_url else None, posts)
     edge.gateway = gw  # type: ignore[attr-defined]
     return edge

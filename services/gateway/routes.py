@@ -356,13 +356,18 @@ class Handlers:
         return self.json({"input_tokens": len(ids)})
 
 
-def routes(h: Handlers) -> list[Route]:
-    # Starlette tries routes in order (a regex match each): the per-turn routes come first.
+def session_posts(h: Handlers) -> dict[str, Endpoint]:
+    """The POST routes under a session's base URL, ``/s/{sid}`` + key: what ``Edge`` dispatches by a dict lookup
+    (the turns), ahead of the Router."""
+    return {"/v1/chat/completions": Endpoint(h.chat), "/v1/messages": Endpoint(h.messages),
+            "/v1/completions": Endpoint(h.completions), "/v1/messages/count_tokens": Endpoint(h.count_tokens)}
+
+
+def routes(h: Handlers, posts: dict[str, Endpoint]) -> list[Route]:
+    """All routes. ``posts`` (``session_posts``) usually never reach the Router: ``Edge`` dispatches them first."""
     return [
-        Route("/s/{sid}/v1/chat/completions", Endpoint(h.chat), methods=["POST"]),
+        *(Route("/s/{sid}" + suffix, endpoint, methods=["POST"]) for suffix, endpoint in posts.items()),
         Route("/v1/sessions/{sid}/generate", Endpoint(h.generate), methods=["POST"]),
-        Route("/s/{sid}/v1/messages", Endpoint(h.messages), methods=["POST"]),
-        Route("/s/{sid}/v1/completions", Endpoint(h.completions), methods=["POST"]),
         Route("/v1/sessions", Endpoint(h.open_session), methods=["POST"]),
         Route("/v1/sessions/{sid}/finish", Endpoint(h.finish), methods=["POST"]),
         Route("/v1/episodes", Endpoint(h.episodes), methods=["POST"]),
@@ -374,7 +379,6 @@ def routes(h: Handlers) -> list[Route]:
         Route("/v1/messages/count_tokens", Endpoint(h.count_tokens), methods=["POST"]),
         Route("/v1/models", Endpoint(h.models), methods=["GET"]),
         Route("/s/{sid}/v1/models", Endpoint(h.models), methods=["GET"]),
-        Route("/s/{sid}/v1/messages/count_tokens", Endpoint(h.count_tokens), methods=["POST"]),
         Route("/healthz", Endpoint(h.healthz), methods=["GET"]),
         Route("/readyz", Endpoint(h.readyz), methods=["GET"]),
         Route("/metrics", Endpoint(h.metrics), methods=["GET"]),

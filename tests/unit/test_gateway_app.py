@@ -227,6 +227,31 @@ async def test_errors_have_each_wires_shape(env):
     assert r.json()["type"] == "error"
 
 
+async def test_session_turns_dispatched_ahead_of_the_router_as_the_router_would(env):
+    """Edge finds a session's POST routes by a dict lookup; the Router holds the same routes. Both must pick the
+    same endpoint with the same path params, and what the lookup does not take still gets the Router's answer."""
+    from starlette.routing import Match
+
+    app, _, _, http = env()
+    assert app.session_posts
+    for suffix, endpoint in app.session_posts.items():
+        scope = {"type": "http", "method": "POST", "path": f"/s/abc-1{suffix}", "root_path": ""}
+        matched = [(r, child) for r in app.router.routes for m, child in [r.matches(scope)] if m is Match.FULL]
+        assert len(matched) >= 1 and matched[0][0].endpoint is endpoint
+        assert matched[0][1]["path_params"] == {"sid": "abc-1"}
+    sid = (await _open(http))["session_id"]
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert (await http.post(f"/s/{sid}/v1/chat/completions", json=body)).status_code == 200
+    r = await http.post("/s//v1/chat/completions", json=body)  # no id: no route at all
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await http.put(f"/s/{sid}/v1/chat/completions", json=body)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = await http.post(f"/s/{sid}/v1/chat", json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await http.post(f"/s/{sid}/v1/messages/count_tokens", json={"messages": body["messages"]})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+
+
 async def test_oversized_bodies_are_refused_before_they_are_held(env):
     app, pods, replies, http = env(session={"max_body_bytes": 2000})
     sid = (await _open(http))["session_id"]
