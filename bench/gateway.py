@@ -358,6 +358,8 @@ def main() -> None:
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request "
                         "per call.")
+    p.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
+                   help="Extra rollout pod flag (repeat), e.g. --pod-arg=--rollout.idle_poll_ms=0.")
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     p.add_argument("--instant-pod", action="store_true",
                    help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
@@ -390,7 +392,7 @@ def main() -> None:
             procs.append(proc)
             pod_pid = proc.pid
         elif pod is None:
-            proc, pod = start_rollout_pod(args.model, logs / "pod.log", prefix=pod_prefix)
+            proc, pod = start_rollout_pod(args.model, logs / "pod.log", prefix=pod_prefix, extra=args.pod_arg)
             procs.append(proc)
             pod_pid = proc.pid
         gateways = []

@@ -65,6 +65,12 @@ class RolloutSettingsBlock(Section):
     """Largest number of samples per request."""
     max_prompt_tokens: int | None = None
     """Largest prompt accepted (unset: the context length minus max_tokens is the only limit)."""
+    idle_poll_ms: float = Field(5.0, ge=0)
+    """When the engine runs out of requests, its thread polls for the next one this long (yielding the CPU
+    to anything else runnable) before it sleeps. A request arriving within it starts without a thread
+    wake-up on a core that went idle: on a VM that does not poll idle cores itself (this project's CI box:
+    ``haltpoll.guest_halt_poll_ns=0``), the next request otherwise ran ~10% slower at one request in flight
+    (BENCHMARKS.md, "idle poll"). 0: sleep at once (many pods sharing few cores)."""
 
 
 class GrpcConfig(Section):

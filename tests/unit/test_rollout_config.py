@@ -64,3 +64,27 @@ def test_prompt_checks():
         assert needle in str(exc.value)
     with pytest.raises(RolloutInputError, match="at most 3"):
         check_prompt([1, 2, 3, 4], Limits(1024, 256, 8, max_prompt_tokens=3))
+
+
+def test_idle_poll_takes_what_comes_during_it_then_waits_for_the_next(tiny_qwen3):
+    """The engine thread's wait for work (``--rollout.idle_poll_ms``): a command posted while it polls is
+    taken by the poll; once the poll is over it still gets the next one, however late."""
+    import threading
+    import time
+
+    from services.rollout.engine import RolloutEngine
+
+    assert parse(["--model", "/m"]).rollout.idle_poll_ms == 5.0
+    assert parse(["--model", "/m", "--rollout.idle_poll_ms", "0"]).rollout.idle_poll_ms == 0
+    with pytest.raises(SystemExit):
+        parse(["--model", "/m", "--rollout.idle_poll_ms", "-1"])
+    engine = RolloutEngine(parse(["--model", str(tiny_qwen3), "--rollout.idle_poll_ms", "200"]))
+    timer = threading.Timer(0.01, engine._cmds.put, args=("during",))
+    timer.start()
+    assert engine._next_command(time.perf_counter() + 10.0) == "during"
+    engine._cmds.put("queued")
+    assert engine._next_command(0.0) == "queued"  # poll already over: a plain wait
+    timer = threading.Timer(0.05, engine._cmds.put, args=("late",))
+    timer.start()
+    assert engine._next_command(time.perf_counter() + 0.001) == "late"
+    timer.join()
