@@ -43,7 +43,7 @@ def prompts(n: int) -> list[list[int]]:
 
 def engine_flags(args) -> list[str]:
     return ["--vllm.dtype", "float32", "--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(256 << 20),
-            "--vllm.max_model_len", "512"]
+            "--vllm.max_model_len", "512", *args.engine_arg]
 
 
 def params(i: int, args) -> dict:
@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed full runs per engine first")
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
                     help="HTTP client of the load generator")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                    help="extra pod flag for the pod and the in-process RolloutEngine (repeat), e.g. "
+                         "--engine-arg=--rollout.idle_poll_ms=0")
     ap.add_argument("--write", action="store_true", help="write .cache/bench/BENCH_rollout.md")
     ap.add_argument("--append", action="store_true", help="add this run as a section to that file")
     args = ap.parse_args()
