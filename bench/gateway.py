@@ -419,7 +419,9 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
           f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
           f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, "
-          f"{'every turn relayed by a second replica, ' if args.relay else ''}logs {logs}")
+          f"{'every turn relayed by a second replica, ' if args.relay else ''}"
+          f"{'pod flags ' + ' '.join(args.pod_arg) + ', ' if args.pod_arg else ''}"
+          f"{'gateway flags ' + ' '.join(args.gateway_arg) + ', ' if args.gateway_arg else ''}logs {logs}")
     print(table(rows))
     for r in rows:
         print(f"concurrency {r['concurrency']}: gateway / direct req/s per round: {r['throughput_ratio_per_round']}")
