@@ -6,9 +6,10 @@ per-request HTTP work. The lines of the calls made in one pass of the event loop
 requests, parsed together) leave in one write at the end of that pass, or once the first has waited
 ``MAX_HOLD_S``: one send for several calls, and the pod reads them in one go (fewer wake-ups of its event
 loop, which shares the GIL with its engine thread), so they join the same engine step. Measured at 64
-concurrent turns: ~10% less gateway CPU per turn and ~4% more throughput, for up to 0.5 ms more added
-latency (BENCHMARKS.md, session 7). A lone call leaves as soon as the turn that made it yields, and each
-call's pod wait counts from when its line left, so the hold counts as the gateway's time.
+concurrent turns: ~10% less gateway CPU per turn and ~4% more throughput (BENCHMARKS.md, session 7). A
+lone call leaves as soon as the turn that made it yields, and each call's pod wait counts from when its
+line left, so the hold counts as the gateway's time: 0.25 ms rather than 0.5 took 0.06-0.26 ms off the
+added p50 at 64 concurrent turns with the same throughput (session 8, 4 pairs).
 
 Failure model (the same as single calls, so ``PodPool`` treats both alike): a refused connection, a
 dropped stream, a stream the pod ends early or a call that times out raises ``PodConnectionError``
@@ -38,7 +39,7 @@ UNSUPPORTED = object()
 
 PATH = "/v1/generate_stream"
 
-MAX_HOLD_S = 0.0005
+MAX_HOLD_S = 0.00025
 """Longest a call line waits for the other lines of its pass of the event loop (see ``_Stream.write_line``)."""
 
 
