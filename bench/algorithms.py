@@ -23,13 +23,13 @@ import sys
 # bench/queue.py shadows the stdlib `queue` that torch imports: drop bench/ from the path.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import statistics
+import time
 
-import torch  # noqa: E402
+import torch
 
-from molt.algorithms import PolicyLoss, compute_advantages  # noqa: E402
+from molt.algorithms import PolicyLoss, compute_advantages
 
 
 def _median_s(fn, repeat: int) -> float:
@@ -81,8 +81,9 @@ def main() -> None:
     token_rewards = torch.zeros(B, T).scatter_(1, (lengths - 1).unsqueeze(1), rewards.unsqueeze(1))
 
     rows = []
-    ours = _median_s(lambda: compute_advantages("grpo", rewards, mask, group_ids=group_ids,
-                                                rollout_ids=rollout_ids), args.repeat)
+    ours = _median_s(
+        lambda: compute_advantages("grpo", rewards, mask, group_ids=group_ids, rollout_ids=rollout_ids), args.repeat
+    )
     rows.append(("grpo advantages", ours, _median_s(lambda: _bare_grpo(rewards, mask, n), args.repeat)))
     ours = _median_s(lambda: compute_advantages("gae", rewards, mask, values=values, lam=0.95), args.repeat)
     rows.append(("gae advantages", ours, _median_s(lambda: _bare_gae(token_rewards, values), args.repeat)))

@@ -19,21 +19,21 @@ import sys
 # bench/queue.py is named like the stdlib module: keep bench/ off the path when run as a script.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import math
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-import psutil  # noqa: E402
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from molt.stack.recipes import RECIPES, write_prompts  # noqa: E402
+from molt.stack.recipes import RECIPES, write_prompts
 
 
 def _flag(flags: list[str], name: str, default=None):
@@ -87,8 +87,19 @@ def _mean(xs):
 
 def ours(recipe: str, steps: int, work: Path, sync: bool) -> dict:
     run_dir = work / f"ours-{'sync' if sync else 'async'}"
-    cmd = [sys.executable, "-m", "molt.cli", "up", "--recipe", recipe, "--steps", str(steps), "--run-dir",
-           str(run_dir), "--no-progress"] + (["--sync"] if sync else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "molt.cli",
+        "up",
+        "--recipe",
+        recipe,
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ] + (["--sync"] if sync else [])
     code, wall_s, peak_gb = run_measured(cmd, work / f"ours-{'sync' if sync else 'async'}.log")
     if code != 0:
         raise SystemExit(f"molt up failed ({code}); see {work}")
@@ -98,10 +109,17 @@ def ours(recipe: str, steps: int, work: Path, sync: bool) -> dict:
     # service start-up and model builds are excluded on both sides.
     train_s = sum(r["seconds"] for r in rows)
     k = max(1, math.ceil(len(rows) * 0.1))
-    return {"impl": "molt (sync)" if sync else "molt (async)", "steps": len(rows), "samples": samples,
-            "samples_per_s": samples / train_s, "s_per_step": train_s / max(len(rows), 1),
-            "reward_first": _mean([r["reward_mean"] for r in rows[:k]]),
-            "reward_last": _mean([r["reward_mean"] for r in rows[-k:]]), "peak_gb": peak_gb, "wall_s": wall_s}
+    return {
+        "impl": "molt (sync)" if sync else "molt (async)",
+        "steps": len(rows),
+        "samples": samples,
+        "samples_per_s": samples / train_s,
+        "s_per_step": train_s / max(len(rows), 1),
+        "reward_first": _mean([r["reward_mean"] for r in rows[:k]]),
+        "reward_last": _mean([r["reward_mean"] for r in rows[-k:]]),
+        "peak_gb": peak_gb,
+        "wall_s": wall_s,
+    }
 
 
 def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Path, threads: int) -> None:
@@ -122,8 +140,9 @@ def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Pa
     spec.loader.exec_module(agent)
     env_cls = agent.AgentRunner().env_cls
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["input"]}], "label": r["label"]}
-                              for r in rows])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["input"]}], "label": r["label"]} for r in rows]
+    )
 
     def reward(prompts, completions, label, **_):
         import asyncio
@@ -131,8 +150,9 @@ def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Pa
         out = []
         for completion, lab in zip(completions, label):
             text = completion[0]["content"] if isinstance(completion, list) else completion
-            res = asyncio.run(env_cls().step({"action_text": text, "label": lab, "observation_text": "",
-                                              "sampling_params": {}}))
+            res = asyncio.run(
+                env_cls().step({"action_text": text, "label": lab, "observation_text": "", "sampling_params": {}})
+            )
             out.append(float(res.reward))
         return out
 
@@ -144,19 +164,40 @@ def trl_worker(recipe_name: str, steps: int, prompts: Path, model: Path, out: Pa
             if logs and "reward" in logs:
                 log.append({"step": state.global_step, "reward": logs["reward"], "t": time.monotonic()})
 
-    cfg = GRPOConfig(output_dir=str(out.parent / "trl-out"), use_vllm=False, use_cpu=True,
-                     per_device_train_batch_size=prompts_per_step * n, num_generations=n,
-                     steps_per_generation=1, max_completion_length=int(_flag(recipe.trainer, "--rollout.max_new_tokens")),
-                     temperature=1.0, beta=0.0, learning_rate=float(_flag(recipe.trainer, "--actor.adam.lr")),
-                     max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
-                     gradient_checkpointing=False, bf16=False, seed=0)
+    cfg = GRPOConfig(
+        output_dir=str(out.parent / "trl-out"),
+        use_vllm=False,
+        use_cpu=True,
+        per_device_train_batch_size=prompts_per_step * n,
+        num_generations=n,
+        steps_per_generation=1,
+        max_completion_length=int(_flag(recipe.trainer, "--rollout.max_new_tokens")),
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=float(_flag(recipe.trainer, "--actor.adam.lr")),
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        bf16=False,
+        seed=0,
+    )
     start = time.monotonic()
-    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=cfg, train_dataset=data,
-                          callbacks=[Log()])
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Log()])
     t0 = time.monotonic()
     trainer.train()
-    out.write_text(json.dumps({"log": log, "train_s": time.monotonic() - t0, "setup_s": t0 - start,
-                               "samples": steps * prompts_per_step * n, "threads": torch.get_num_threads()}))
+    out.write_text(
+        json.dumps(
+            {
+                "log": log,
+                "train_s": time.monotonic() - t0,
+                "setup_s": t0 - start,
+                "samples": steps * prompts_per_step * n,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def trl(recipe: str, steps: int, work: Path, threads: int) -> dict:
@@ -169,17 +210,37 @@ def trl(recipe: str, steps: int, work: Path, threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    code, wall_s, peak_gb = run_measured([sys.executable, __file__, "--trl-worker", recipe, str(steps), str(prompts),
-                                          str(model), str(out), str(threads)], log, env)
+    code, wall_s, peak_gb = run_measured(
+        [
+            sys.executable,
+            __file__,
+            "--trl-worker",
+            recipe,
+            str(steps),
+            str(prompts),
+            str(model),
+            str(out),
+            str(threads),
+        ],
+        log,
+        env,
+    )
     if code != 0:
         raise SystemExit(f"TRL run failed ({code}); see {log}")
     res = json.loads(out.read_text())
     rewards = [r["reward"] for r in res["log"]]
     k = max(1, math.ceil(len(rewards) * 0.1))
-    return {"impl": f"TRL GRPOTrainer ({res['threads']} thread{'s' if res['threads'] > 1 else ''})", "steps": steps, "samples": res["samples"],
-            "samples_per_s": res["samples"] / res["train_s"], "s_per_step": res["train_s"] / steps,
-            "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]), "peak_gb": peak_gb,
-            "wall_s": wall_s}
+    return {
+        "impl": f"TRL GRPOTrainer ({res['threads']} thread{'s' if res['threads'] > 1 else ''})",
+        "steps": steps,
+        "samples": res["samples"],
+        "samples_per_s": res["samples"] / res["train_s"],
+        "s_per_step": res["train_s"] / steps,
+        "reward_first": _mean(rewards[:k]),
+        "reward_last": _mean(rewards[-k:]),
+        "peak_gb": peak_gb,
+        "wall_s": wall_s,
+    }
 
 
 def main() -> None:
@@ -193,8 +254,11 @@ def main() -> None:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--sync-too", action="store_true", help="also run our stack strictly on-policy")
-    ap.add_argument("--trl-threads", default="0",
-                    help="comma list of torch thread counts, one TRL run each (0: torch's default, every core)")
+    ap.add_argument(
+        "--trl-threads",
+        default="0",
+        help="comma list of torch thread counts, one TRL run each (0: torch's default, every core)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix=f"molt-bench-e2e-{args.recipe}-"))
@@ -213,8 +277,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
-        print(f"| {r['impl']} | {r['samples_per_s']:.1f} | {r['s_per_step']:.2f} | {r['reward_first']:.3f} | "
-              f"{r['reward_last']:.3f} | {r['peak_gb']:.2f} | {ratio} |")
+        print(
+            f"| {r['impl']} | {r['samples_per_s']:.1f} | {r['s_per_step']:.2f} | {r['reward_first']:.3f} | "
+            f"{r['reward_last']:.3f} | {r['peak_gb']:.2f} | {ratio} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

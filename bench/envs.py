@@ -3,8 +3,8 @@
 1. Episodes through a worker (``python -m services.envs``, its own process, HTTP) vs the same runner
    called in-process (no worker hop), both against the fake gateway (``molt.agents.testing``, its own
    process), at several concurrencies: episodes/s and p50/p99 latency; ratio worker / direct.
-2. ``molt.agents.sandbox.run_python`` (limits + network fence) vs a bare ``python -I -c`` subprocess:
-   p50 latency of a trivial program; ratio sandbox / bare.
+2. ``molt.agents.sandbox.run_python`` (bwrap: namespaces + limits; none: limits + audit hook) vs a bare
+   ``python -I -c`` subprocess: p50 latency of a trivial program; ratio sandbox / bare.
 
     .venv/bin/python bench/envs.py [--episodes 400] [--concurrency 1 64]
 """
@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run as a script, bench/ is sys.path[0], and its scripts shadow stdlib modules (bench/queue.py).
 sys.path[:1] = [str(ROOT)] if Path(sys.path[0]).resolve() == ROOT / "bench" else [sys.path[0], str(ROOT)]
 
-from molt.agents import Episode  # noqa: E402
-from molt.agents.base import load_agent_runner  # noqa: E402
-from molt.agents.gateway import GatewayClient  # noqa: E402
-from molt.agents.sandbox import netns_available, run_python  # noqa: E402
+from molt.agents import Episode
+from molt.agents.base import load_agent_runner
+from molt.agents.gateway import GatewayClient
+from molt.agents.sandbox import bwrap_status, run_python
+from molt.serve import cpu_env
 
 AGENT = ROOT / "examples" / "agents" / "math.py"
 FAKE_GATEWAY = """
@@ -43,11 +44,11 @@ uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(s
 
 
 def _start(argv: list[str], pattern: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = cpu_env({**os.environ, "PYTHONPATH": str(ROOT)})
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     line = proc.stdout.readline().strip()
     assert pattern in line, f"{argv[:3]} did not start: {line!r}"
-    return proc, line[line.index("http"):]
+    return proc, line[line.index("http") :]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -80,8 +81,10 @@ async def bench_worker(gateway_url: str, worker_url: str, episodes: int, concurr
         assert out.reward == 1.0
 
     async def via_worker(i: int) -> None:
-        r = await http.post(f"{worker_url}/v1/episodes:run", json={
-            "agent": "math", "prompt": "What is 2+2?", "label": "4", "group_id": "b", "sample_index": i})
+        r = await http.post(
+            f"{worker_url}/v1/episodes:run",
+            json={"agent": "math", "prompt": "What is 2+2?", "label": "4", "group_id": "b", "sample_index": i},
+        )
         assert r.status_code == 200 and r.json()["reward"] == 1.0, r.text
 
     await _drive(20, 4, direct)  # warm-up both paths
@@ -91,22 +94,27 @@ async def bench_worker(gateway_url: str, worker_url: str, episodes: int, concurr
     for c in concurrencies:
         d_rate, d_lat = await _drive(episodes, c, direct)
         w_rate, w_lat = await _drive(episodes, c, via_worker)
-        print(f"| {c} | {d_rate:.0f} | {w_rate:.0f} | {w_rate / d_rate:.2f} | {_pct(d_lat, .5) * 1e3:.1f} | "
-              f"{_pct(w_lat, .5) * 1e3:.1f} | {_pct(w_lat, .99) * 1e3:.1f} |")
+        print(
+            f"| {c} | {d_rate:.0f} | {w_rate:.0f} | {w_rate / d_rate:.2f} | {_pct(d_lat, 0.5) * 1e3:.1f} | "
+            f"{_pct(w_lat, 0.5) * 1e3:.1f} | {_pct(w_lat, 0.99) * 1e3:.1f} |"
+        )
     await http.aclose()
     await gateway.aclose()
 
 
 async def bench_sandbox(runs: int) -> None:
     async def bare() -> None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", "-c", "print(1)",
-                                                    stdout=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-c", "print(1)", stdout=asyncio.subprocess.PIPE
+        )
         await proc.communicate()
 
     rows = [("bare python -I", bare)]
-    for iso in ["audit"] + (["netns"] if netns_available() else []):
+    for iso in ["none"] + (["bwrap"] if bwrap_status()[0] else []):
+
         async def sandboxed(iso=iso) -> None:
             assert (await run_python("print(1)", isolation=iso)).stdout == "1\n"
+
         rows.append((f"sandbox ({iso})", sandboxed))
     p50 = {}
     for name, fn in rows:
@@ -129,8 +137,20 @@ def main() -> None:
     ap.add_argument("--sandbox-runs", type=int, default=30)
     args = ap.parse_args()
     gw, gw_url = _start([sys.executable, "-c", FAKE_GATEWAY], "http://")
-    worker, worker_url = _start([sys.executable, "-m", "services.envs", "--agent", f"math={AGENT}",
-                                 "--gateway.url", gw_url, "--server.log_level", "warning"], "listening on")
+    worker, worker_url = _start(
+        [
+            sys.executable,
+            "-m",
+            "services.envs",
+            "--agent",
+            f"math={AGENT}",
+            "--gateway.url",
+            gw_url,
+            "--server.log_level",
+            "warning",
+        ],
+        "listening on",
+    )
     try:
         asyncio.run(bench_worker(gw_url, worker_url, args.episodes, args.concurrency))
         asyncio.run(bench_sandbox(args.sandbox_runs))

@@ -17,9 +17,12 @@ the same prompts, each (round, side) its own, so the pod's prefix cache favours 
 on the pod). CPU seconds per request of the gateway, the pod and this load generator (psutil) are reported
 too: on a shared 2-core box they are the figures that do not depend on the neighbours' load. Targets: added
 p50 < 2 ms, p99 < 10 ms, gateway throughput >= 90% of direct.
-The load generator sends prepared requests over one keep-alive connection per worker (``RawClient``, ~0.1 ms
-of CPU per request against ~0.3-0.4 for aiohttp before session 6): on this box its CPU comes out of the same
-two cores as the pod's and the gateway's.
+Time to first token (``--ttft-tokens``, ``--ttft-requests``): one long streamed generation at a time, direct
+(the pod's generate stream, a streamed call: its first delta line) vs gateway (a streamed chat turn: its first
+content chunk), each with the whole generation's time, so the first token's share of it shows.
+The load generator sends prepared requests over one keep-alive connection per worker (``RawClient``, a
+fraction of aiohttp's CPU per request): on a small box its CPU comes out of the same cores as the pod's
+and the gateway's.
 """
 
 from __future__ import annotations
@@ -38,16 +41,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Running a script puts bench/ first on sys.path, where sibling scripts (bench/queue.py) shadow stdlib modules.
 sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from molt.serve import apply_cpu_env
 
-import aiohttp  # noqa: E402
-import psutil  # noqa: E402
-import uvloop  # noqa: E402
+apply_cpu_env()
 
-from molt.net import free_port  # noqa: E402
-from services.gateway.chat import ChatModel  # noqa: E402
-from services.gateway.testing import start_gateway, start_instant_pod, start_rollout_pod, stop  # noqa: E402
+import aiohttp
+import psutil
+import uvloop
+
+from molt.net import free_port
+from services.gateway.chat import ChatModel
+from tests.gateway_testlib import start_gateway, start_instant_pod, start_rollout_pod, stop
 
 RELAY_KEY = "bench-relay-key-0123456789"
 
@@ -84,10 +88,10 @@ class _Connection(asyncio.Protocol):
         at = head.find(b"\r\ncontent-length:")
         if at >= 0:
             eol = head.find(b"\r\n", at + 2)
-            total = end + 4 + int(head[at + 17:eol if eol > 0 else len(head)])
+            total = end + 4 + int(head[at + 17 : eol if eol > 0 else len(head)])
             if len(self.buf) < total:
                 return
-            body = bytes(self.buf[end + 4:total])
+            body = bytes(self.buf[end + 4 : total])
         elif b"\r\ntransfer-encoding: chunked" in head:
             parsed = self._chunked(end + 4)
             if parsed is None:
@@ -112,7 +116,7 @@ class _Connection(asyncio.Protocol):
                 return (b"".join(pieces), eol + 4) if len(self.buf) >= eol + 4 else None
             if len(self.buf) < eol + 4 + size:
                 return None
-            pieces.append(bytes(self.buf[eol + 2:eol + 2 + size]))
+            pieces.append(bytes(self.buf[eol + 2 : eol + 2 + size]))
             pos = eol + 4 + size
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -137,8 +141,10 @@ class RawClient:
 
     def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "content-type")
-        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
+        ).encode() + body
 
     async def send(self, worker: int, data: bytes) -> tuple[bytes, bytes]:
         conn = self.conns.get(worker)
@@ -160,7 +166,7 @@ def header(head: bytes, name: bytes) -> bytes:
     if at < 0:
         raise KeyError(name)
     end = head.find(b"\r\n", at + 2)
-    return head[at + len(name) + 3:end if end > 0 else None].strip()
+    return head[at + len(name) + 3 : end if end > 0 else None].strip()
 
 
 async def run_load(n: int, concurrency: int, one) -> tuple[list[float], list[float], float]:
@@ -233,35 +239,54 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pids: li
     # sides do the same client work per request, one POST, read the whole answer. aiohttp does the rest.
     pod_raw, gw_raw = RawClient(pod), RawClient(gw)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as client:
+
         def direct(ks: list[int]):
-            requests = [pod_raw.post("/v1/generate", json.dumps({
-                "prompt_token_ids": model.encode(model.render(messages(k), None, True)), "sampling_params": sp,
-            }).encode(), headers) for k in ks]
+            requests = [
+                pod_raw.post(
+                    "/v1/generate",
+                    json.dumps(
+                        {
+                            "prompt_token_ids": model.encode(model.render(messages(k), None, True)),
+                            "sampling_params": sp,
+                        }
+                    ).encode(),
+                    headers,
+                )
+                for k in ks
+            ]
 
             async def one(i: int, w: int):
                 head, body = await pod_raw.send(w, requests[i])
                 assert head.startswith(b"http/1.1 200"), (head, body[:300])
                 return None
+
             return one
 
         async def open_sessions(n: int) -> list[str]:
             out = []
             for _ in range(n):
-                async with client.post(owner + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}},
-                                       headers=auth) as r:
+                async with client.post(
+                    owner + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}}, headers=auth
+                ) as r:
                     out.append((await r.json())["session_id"])
             return out
 
         def via_gateway(sids: list[str], ks: list[int]):
-            requests = [gw_raw.post(f"/s/{sids[i]}/v1/chat/completions", json.dumps({
-                "model": "policy", "messages": messages(k), "max_tokens": args.max_tokens}).encode(), headers)
-                for i, k in enumerate(ks)]
+            requests = [
+                gw_raw.post(
+                    f"/s/{sids[i]}/v1/chat/completions",
+                    json.dumps({"model": "policy", "messages": messages(k), "max_tokens": args.max_tokens}).encode(),
+                    headers,
+                )
+                for i, k in enumerate(ks)
+            ]
 
             async def one(i: int, w: int):
                 head, body = await gw_raw.send(w, requests[i])
                 assert head.startswith(b"http/1.1 200"), (head, body[:300])
                 timing = dict(p.strip().split(b";dur=") for p in header(head, b"server-timing").split(b","))
                 return float(timing[b"gateway"])
+
             return one
 
         for c in args.concurrency:
@@ -294,27 +319,38 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pids: li
                 g_lat += lat
                 g_added += added
                 g_rps.append(rps)
-                async with client.post(gw + "/v1/episodes", headers=auth, json={"episodes": [
-                        {"session_id": s, "reward": 0.0} for s in sids]}) as r:
+                async with client.post(
+                    gw + "/v1/episodes",
+                    headers=auth,
+                    json={"episodes": [{"session_id": s, "reward": 0.0} for s in sids]},
+                ) as r:
                     assert r.status == 200, await r.text()
             per_req = 1e3 / (n * args.rounds)
-            rows.append({
-                "concurrency": c, "requests": n * args.rounds, "group_size": args.group_size,
-                "direct_p50_ms": pct(d_lat, 0.5), "direct_p99_ms": pct(d_lat, 0.99),
-                "gateway_p50_ms": pct(g_lat, 0.5), "gateway_p99_ms": pct(g_lat, 0.99),
-                "added_p50_ms": pct(g_added, 0.5), "added_p99_ms": pct(g_added, 0.99),
-                "direct_rps": statistics.median(d_rps), "gateway_rps": statistics.median(g_rps),
-                "gateway_cpu_ms_per_req": gw_cpu * per_req,
-                "gateway_cpu_wait_ms_per_req": gw_wait * per_req,
-                "pod_cpu_ms_per_req_direct": pod_cpu_direct * per_req,
-                "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * per_req,
-                "client_cpu_ms_per_req_direct": client_direct * per_req,
-                "client_cpu_ms_per_req_via_gateway": client_gw * per_req,
-                "pod_steps_per_req_direct": steps["direct"] / (n * args.rounds),
-                "pod_steps_per_req_via_gateway": steps["gw"] / (n * args.rounds),
-                "pod_step_ms_direct": 1e3 * step_s["direct"] / max(steps["direct"], 1),
-                "pod_step_ms_via_gateway": 1e3 * step_s["gw"] / max(steps["gw"], 1),
-            })
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": n * args.rounds,
+                    "group_size": args.group_size,
+                    "direct_p50_ms": pct(d_lat, 0.5),
+                    "direct_p99_ms": pct(d_lat, 0.99),
+                    "gateway_p50_ms": pct(g_lat, 0.5),
+                    "gateway_p99_ms": pct(g_lat, 0.99),
+                    "added_p50_ms": pct(g_added, 0.5),
+                    "added_p99_ms": pct(g_added, 0.99),
+                    "direct_rps": statistics.median(d_rps),
+                    "gateway_rps": statistics.median(g_rps),
+                    "gateway_cpu_ms_per_req": gw_cpu * per_req,
+                    "gateway_cpu_wait_ms_per_req": gw_wait * per_req,
+                    "pod_cpu_ms_per_req_direct": pod_cpu_direct * per_req,
+                    "pod_cpu_ms_per_req_via_gateway": pod_cpu_gw * per_req,
+                    "client_cpu_ms_per_req_direct": client_direct * per_req,
+                    "client_cpu_ms_per_req_via_gateway": client_gw * per_req,
+                    "pod_steps_per_req_direct": steps["direct"] / (n * args.rounds),
+                    "pod_steps_per_req_via_gateway": steps["gw"] / (n * args.rounds),
+                    "pod_step_ms_direct": 1e3 * step_s["direct"] / max(steps["direct"], 1),
+                    "pod_step_ms_via_gateway": 1e3 * step_s["gw"] / max(steps["gw"], 1),
+                }
+            )
             # Each gateway round against the direct round just before it: the machine's speed drifts by more than
             # the gateway's cost between rounds, and adjacent rounds drift least. The median of those pairs is
             # the ratio; the per-round figures show the spread.
@@ -326,21 +362,60 @@ async def bench(pod: str, gw: str, model, args, pod_pid: int | None, gw_pids: li
     return rows
 
 
+async def ttft(pod: str, gw: str, owner: str, model, args, auth: dict) -> dict:
+    """Median seconds to the first token and to the end of a ``--ttft-tokens`` generation, direct and via the
+    gateway (a session per request)."""
+    sp = {"max_tokens": args.ttft_tokens, "temperature": 1.0, "ignore_eos": True}
+    prompt = model.encode(model.render(messages(1 << 29), None, True))
+    out: dict[str, list[float]] = {"direct_first": [], "direct_total": [], "gateway_first": [], "gateway_total": []}
+    async with aiohttp.ClientSession() as client:
+        for _ in range(args.ttft_requests):
+            line = json.dumps({"id": "t", "prompt_token_ids": prompt, "sampling_params": sp, "stream": True})
+            t0, first = time.perf_counter(), None
+            async with client.post(pod + "/v1/generate_stream", data=line.encode() + b"\n") as r:
+                async for raw in r.content:
+                    if first is None and b'"delta"' in raw:
+                        first = time.perf_counter() - t0
+            out["direct_first"].append(first if first is not None else float("nan"))
+            out["direct_total"].append(time.perf_counter() - t0)
+            async with client.post(
+                owner + "/v1/sessions", json={"sampling_params": {"ignore_eos": True}}, headers=auth
+            ) as r:
+                sid = (await r.json())["session_id"]
+            body = {"model": "policy", "messages": messages(1 << 29), "max_tokens": args.ttft_tokens, "stream": True}
+            t0, first = time.perf_counter(), None
+            async with client.post(f"{gw}/s/{sid}/v1/chat/completions", json=body, headers=auth) as r:
+                async for raw in r.content:
+                    if first is None and raw.startswith(b"data: {"):
+                        delta = json.loads(raw[6:])["choices"]
+                        if delta and delta[0]["delta"].get("content"):
+                            first = time.perf_counter() - t0
+            out["gateway_first"].append(first if first is not None else float("nan"))
+            out["gateway_total"].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms (target < 2 / < 10) "
-             "| direct req/s | gateway req/s | ratio (target >= 0.90; median of per-round pairs) | gateway CPU ms/req (waiting for a CPU) "
-             "| pod CPU ms/req direct / via gw | client CPU ms/req direct / via gw "
-             "| pod steps/req (ms/step) direct / via gw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms (target < 2 / < 10) "
+        "| direct req/s | gateway req/s | ratio (target >= 0.90; median of per-round pairs) "
+        "| gateway CPU ms/req (waiting for a CPU) "
+        "| pod CPU ms/req direct / via gw | client CPU ms/req direct / via gw "
+        "| pod steps/req (ms/step) direct / via gw |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
-                     f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | "
-                     f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
-                     f"{r['gateway_rps']:.0f} | {r['throughput_ratio']:.2f} | {r['gateway_cpu_ms_per_req']:.2f} ({r['gateway_cpu_wait_ms_per_req']:.2f}) | "
-                     f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} | "
-                     f"{r['client_cpu_ms_per_req_direct']:.2f} / {r['client_cpu_ms_per_req_via_gateway']:.2f} | "
-                     f"{r['pod_steps_per_req_direct']:.3f} ({r['pod_step_ms_direct']:.2f}) / "
-                     f"{r['pod_steps_per_req_via_gateway']:.3f} ({r['pod_step_ms_via_gateway']:.2f}) |")
+        lines.append(
+            f"| {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+            f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | "
+            f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
+            f"{r['gateway_rps']:.0f} | {r['throughput_ratio']:.2f} | "
+            f"{r['gateway_cpu_ms_per_req']:.2f} ({r['gateway_cpu_wait_ms_per_req']:.2f}) | "
+            f"{r['pod_cpu_ms_per_req_direct']:.2f} / {r['pod_cpu_ms_per_req_via_gateway']:.2f} | "
+            f"{r['client_cpu_ms_per_req_direct']:.2f} / {r['client_cpu_ms_per_req_via_gateway']:.2f} | "
+            f"{r['pod_steps_per_req_direct']:.3f} ({r['pod_step_ms_direct']:.2f}) / "
+            f"{r['pod_steps_per_req_via_gateway']:.3f} ({r['pod_step_ms_via_gateway']:.2f}) |"
+        )
     return "\n".join(lines)
 
 
@@ -352,24 +427,53 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=1,
-                   help="Sessions that share a first turn (GRPO's n samples per prompt); 1: every prompt differs, so "
-                        "the gateway's first-turn prompt cache never hits.")
-    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
-                   help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request "
-                        "per call.")
-    p.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
-                   help="Extra rollout pod flag (repeat), e.g. --pod-arg=--rollout.idle_poll_ms=0.")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="Sessions that share a first turn (GRPO's n samples per prompt); 1: every prompt differs, so "
+        "the gateway's first-turn prompt cache never hits.",
+    )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="Extra gateway flag (repeat), e.g. --gateway-arg=--rollout.stream=false for one request per call.",
+    )
+    p.add_argument(
+        "--pod-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="Extra rollout pod flag (repeat), e.g. --pod-arg=--rollout.idle_poll_ms=0.",
+    )
     p.add_argument("--json", default=None, help="Also write the rows as JSON here.")
-    p.add_argument("--instant-pod", action="store_true",
-                   help="Use a model-free pod that answers at once: measures what the gateway alone can carry.")
-    p.add_argument("--relay", action="store_true",
-                   help="Two gateway replicas: sessions open on one, every turn is sent to the other, which forwards "
-                        "it (what a Service does to a client without affinity). Added latency is what both add; "
-                        "gateway CPU is both processes'.")
-    p.add_argument("--pin", action="store_true",
-                   help="Pin the pod to the last CPU and the gateway + load generator to the others, so the pod's "
-                        "compute is not shared with the gateway (as when the pod has its own GPU node).")
+    p.add_argument(
+        "--ttft-tokens",
+        type=int,
+        default=256,
+        help="Tokens of the streamed generations that time the first token (0: skip that part).",
+    )
+    p.add_argument("--ttft-requests", type=int, default=3, help="Streamed generations per path for the first token.")
+    p.add_argument(
+        "--instant-pod",
+        action="store_true",
+        help="Use a model-free pod that answers at once: measures what the gateway alone can carry.",
+    )
+    p.add_argument(
+        "--relay",
+        action="store_true",
+        help="Two gateway replicas: sessions open on one, every turn is sent to the other, which forwards "
+        "it (what a Service does to a client without affinity). Added latency is what both add; "
+        "gateway CPU is both processes'.",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="Pin the pod to the last CPU and the gateway + load generator to the others, so the pod's "
+        "compute is not shared with the gateway (as when the pod has its own GPU node).",
+    )
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         from molt.models.tiny import build_tiny
@@ -400,33 +504,67 @@ def main() -> None:
             extra = []
             if args.relay:
                 port = free_port()
-                extra = ["--server.port", str(port), "--replica.public_url", f"http://127.0.0.1:{port}",
-                         "--auth.api_keys", RELAY_KEY]
-            proc, url = start_gateway(["--model", args.model, "--rollout.urls", pod, "--redis.url", "memory://",
-                                       "--session.max_length", "1024", *extra, *args.gateway_arg],
-                                      logs / f"{name}.log", prefix=gw_prefix)
+                extra = [
+                    "--server.port",
+                    str(port),
+                    "--replica.public_url",
+                    f"http://127.0.0.1:{port}",
+                    "--auth.api_keys",
+                    RELAY_KEY,
+                ]
+            proc, url = start_gateway(
+                [
+                    "--model",
+                    args.model,
+                    "--rollout.urls",
+                    pod,
+                    "--redis.url",
+                    "memory://",
+                    "--session.max_length",
+                    "1024",
+                    *extra,
+                    *args.gateway_arg,
+                ],
+                logs / f"{name}.log",
+                prefix=gw_prefix,
+            )
             procs.append(proc)
             gateways.append((proc.pid, url))
         model = ChatModel(args.model)
         gc.collect()
         gc.freeze()  # keep full collections of the torch/transformers import graph off the timed path
-        rows = uvloop.run(bench(pod, gateways[-1][1], model, args, pod_pid, [pid for pid, _ in gateways],
-                                 gateways[0][1]))
+        rows = uvloop.run(
+            bench(pod, gateways[-1][1], model, args, pod_pid, [pid for pid, _ in gateways], gateways[0][1])
+        )
+        first = None
+        if args.ttft_tokens and args.ttft_requests:
+            auth = {"authorization": f"Bearer {RELAY_KEY}"} if args.relay else {}
+            first = uvloop.run(ttft(pod, gateways[-1][1], gateways[0][1], model, args, auth))
     finally:
         for proc in reversed(procs):
             stop(proc)
-    print(f"# gateway vs direct, {args.max_tokens} generated tokens per request, group size {args.group_size}, "
-          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
-          f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
-          f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, "
-          f"{'every turn relayed by a second replica, ' if args.relay else ''}"
-          f"{'pod flags ' + ' '.join(args.pod_arg) + ', ' if args.pod_arg else ''}"
-          f"{'gateway flags ' + ' '.join(args.gateway_arg) + ', ' if args.gateway_arg else ''}logs {logs}")
+    print(
+        f"# gateway vs direct, {args.max_tokens} generated tokens per request, group size {args.group_size}, "
+        f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
+        f"{'pod pinned to its own CPU' if args.pin else 'unpinned'}, "
+        f"{'instant model-free pod' if args.instant_pod else 'vLLM pod on ' + Path(args.model).name}, "
+        f"{'every turn relayed by a second replica, ' if args.relay else ''}"
+        f"{'pod flags ' + ' '.join(args.pod_arg) + ', ' if args.pod_arg else ''}"
+        f"{'gateway flags ' + ' '.join(args.gateway_arg) + ', ' if args.gateway_arg else ''}logs {logs}"
+    )
     print(table(rows))
     for r in rows:
         print(f"concurrency {r['concurrency']}: gateway / direct req/s per round: {r['throughput_ratio_per_round']}")
+    if first is not None:
+        print(f"\n# time to first token, {args.ttft_tokens} tokens streamed, median of {args.ttft_requests}")
+        print("| path | first token ms | whole generation ms | first / whole |\n|---|---|---|---|")
+        for side in ("direct", "gateway"):
+            print(
+                f"| {side} | {1e3 * first[side + '_first']:.1f} | {1e3 * first[side + '_total']:.1f} | "
+                f"{first[side + '_first'] / first[side + '_total']:.3f} |"
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "ttft": first}, indent=2))
 
 
 if __name__ == "__main__":

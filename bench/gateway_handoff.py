@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 
-import redis.asyncio as aioredis  # noqa: E402
+import redis.asyncio as aioredis
 
-from services.gateway.capture import Capture, ChatState, SegmentState  # noqa: E402
-from services.gateway.session import Session  # noqa: E402
-from services.gateway.handoff import SessionHandoff, parked_state  # noqa: E402
+from services.gateway.capture import Capture, ChatState, SegmentState
+from services.gateway.handoff import SessionHandoff, parked_state
+from services.gateway.session import Session
 
 
 def make_session(tokens: int, turns: int = 8) -> Session:
@@ -39,9 +39,18 @@ def make_session(tokens: int, turns: int = 8) -> Session:
     seg = SegmentState(ids, spans, [-0.123456789 - i * 1e-4 for i in range(generated)], [3] * generated)
     text = "lorem ipsum dolor sit amet " * (tokens // 6)
     chat = ChatState([{"role": "user", "content": text}], None, text, {"role": "assistant", "content": "ok"}, "ok")
-    return Session(id=uuid.uuid4().hex, owner="bench-key", group_id="g", sample_index=0, label=None, env_name="bench",
-                   env_version="", sampling_params={"temperature": 1.0}, metadata={},
-                   capture=Capture(max_length=2 * tokens, segments=[seg], chat=chat))
+    return Session(
+        id=uuid.uuid4().hex,
+        owner="bench-key",
+        group_id="g",
+        sample_index=0,
+        label=None,
+        env_name="bench",
+        env_version="",
+        sampling_params={"temperature": 1.0},
+        metadata={},
+        capture=Capture(max_length=2 * tokens, segments=[seg], chat=chat),
+    )
 
 
 async def one_run(redis, stream: str, sessions: list[Session], concurrency: int) -> dict:
@@ -67,7 +76,7 @@ async def one_run(redis, stream: str, sessions: list[Session], concurrency: int)
     t = time.perf_counter()
     for i in range(0, len(sessions), 500):
         pipe = redis.pipeline(transaction=False)
-        for s, fields in zip(sessions[i:i + 500], payloads[i:i + 500]):
+        for s, fields in zip(sessions[i : i + 500], payloads[i : i + 500]):
             pipe.hset(f"{stream}:raw:{s.id}", mapping=fields)
         await pipe.execute()
     out["raw_write"] = time.perf_counter() - t
@@ -102,14 +111,21 @@ def report(runs: list[dict], args) -> str:
     best = {k: min(r[k] for r in runs) for k in ("park", "adopt", "raw_write", "raw_read")}
     mb = runs[0]["bytes"] / 1e6
     n = args.sessions
-    lines = [f"# {n} sessions x {args.tokens} tokens ({mb / n * 1e3:.0f} KB parked each), best of {args.repeats}",
-             "| phase | s | sessions/s | MB/s | ours / plain Redis |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {n} sessions x {args.tokens} tokens ({mb / n * 1e3:.0f} KB parked each), best of {args.repeats}",
+        "| phase | s | sessions/s | MB/s | ours / plain Redis |",
+        "|---|---|---|---|---|",
+    ]
     for phase, limit in (("park", "raw_write"), ("adopt", "raw_read")):
-        lines.append(f"| {phase} | {best[phase]:.3f} | {n / best[phase]:.0f} | {mb / best[phase]:.0f} | "
-                     f"{best[limit] / best[phase]:.2f} |")
+        lines.append(
+            f"| {phase} | {best[phase]:.3f} | {n / best[phase]:.0f} | {mb / best[phase]:.0f} | "
+            f"{best[limit] / best[phase]:.2f} |"
+        )
     for phase in ("raw_write", "raw_read"):
-        lines.append(f"| plain {phase.split('_')[1]} | {best[phase]:.3f} | {n / best[phase]:.0f} | "
-                     f"{mb / best[phase]:.0f} | 1.00 |")
+        lines.append(
+            f"| plain {phase.split('_')[1]} | {best[phase]:.3f} | {n / best[phase]:.0f} | "
+            f"{mb / best[phase]:.0f} | 1.00 |"
+        )
     return "\n".join(lines)
 
 

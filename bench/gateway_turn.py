@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,14 +33,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from molt.serve import apply_cpu_env
 
-from molt.bus.memory import MemoryTrajectoryQueue  # noqa: E402
-from molt.config import parse_settings  # noqa: E402
-from services.gateway.app import build_app  # noqa: E402
-from services.gateway.chat import ChatModel  # noqa: E402
-from services.gateway.config import GatewaySettings  # noqa: E402
-from services.gateway.transport import PodTransport, json_loads  # noqa: E402
+apply_cpu_env()
+
+from molt.bus.memory import MemoryTrajectoryQueue
+from molt.config import parse_settings
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings
+from services.gateway.transport import PodTransport, json_loads
 
 POD = "http://pod-0:8000"
 
@@ -50,8 +51,12 @@ class InstantTransport(PodTransport):
     """Answers every generate call at once with the same 4 tokens (what a rollout pod's answer looks like)."""
 
     def __init__(self, token_ids: list[int]) -> None:
-        self.answer = json.dumps({"outputs": [{"token_ids": token_ids, "logprobs": [-0.25] * len(token_ids),
-                                               "finish_reason": "length"}], "policy_version": 1}).encode()
+        self.answer = json.dumps(
+            {
+                "outputs": [{"token_ids": token_ids, "logprobs": [-0.25] * len(token_ids), "finish_reason": "length"}],
+                "policy_version": 1,
+            }
+        ).encode()
 
     async def get(self, url: str, timeout_s: float) -> int:
         return 200
@@ -70,7 +75,7 @@ class BurstChannel:
         self.answer = answer
         self.waiting: list[asyncio.Future] = []
 
-    async def generate(self, body: bytes):
+    async def generate(self, body: bytes, on_tokens=None):  # on_tokens: a streamed turn; this pod answers whole
         future = asyncio.get_running_loop().create_future()
         self.waiting.append(future)
         sent = time.perf_counter()
@@ -88,23 +93,29 @@ class BurstChannel:
 
 
 async def call(app, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-    """One request through the app; a complete response is taken the way the gateway's server takes it
-    (``molt.send_whole``, services/gateway/server.py), so the edge's fast path is the one measured."""
+    """One request through the app, as uvicorn would pass it."""
     raw = json.dumps(body).encode() if body is not None else b""
     sent = False
     status, chunks = 0, []
 
-    def send_whole(code: int, headers, data: bytes) -> bool:
-        nonlocal status
-        status = code
-        chunks.append(data)
-        return True
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"host", b"gw"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "extensions": {"molt.send_whole": send_whole}}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"gw"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
 
     async def receive():
         nonlocal sent
@@ -137,22 +148,27 @@ async def one_run(app, n: int, prompt: int) -> dict[str, float]:
     replies = []
     t = cpu()
     for sid, messages in zip(sids, first):
-        status, body = await call(app, "POST", f"/s/{sid}/v1/chat/completions", {"model": "policy",
-                                                                               "messages": messages})
+        status, body = await call(
+            app, "POST", f"/s/{sid}/v1/chat/completions", {"model": "policy", "messages": messages}
+        )
         assert status == 200, body
         replies.append(body)
     out["first"] = cpu() - t
-    nexts = [[*m, json.loads(r)["choices"][0]["message"], {"role": "user", "content": "And times 3?"}]
-             for m, r in zip(first, replies)]
+    nexts = [
+        [*m, json.loads(r)["choices"][0]["message"], {"role": "user", "content": "And times 3?"}]
+        for m, r in zip(first, replies)
+    ]
     t = cpu()
     for sid, messages in zip(sids, nexts):
-        status, body = await call(app, "POST", f"/s/{sid}/v1/chat/completions", {"model": "policy",
-                                                                               "messages": messages})
+        status, body = await call(
+            app, "POST", f"/s/{sid}/v1/chat/completions", {"model": "policy", "messages": messages}
+        )
         assert status == 200, body
     out["next"] = cpu() - t
     t = cpu()
-    status, body = await call(app, "POST", "/v1/episodes", {"episodes": [{"session_id": s, "reward": 1.0}
-                                                                          for s in sids]})
+    status, body = await call(
+        app, "POST", "/v1/episodes", {"episodes": [{"session_id": s, "reward": 1.0} for s in sids]}
+    )
     out["finish"] = cpu() - t
     assert status == 200 and json.loads(body)["written"] == n, body[:300]
     return {k: v / n * 1e6 for k, v in out.items()}
@@ -168,10 +184,17 @@ async def burst_run(app, channel: BurstChannel, burst: int, rounds: int, prompt:
             status, body = await call(app, "POST", "/v1/sessions", {})
             sids.append(json.loads(body)["session_id"])
         first = prompt + r * burst
-        bodies = [{"model": "policy", "messages": [{"role": "user", "content": f"What is {first + i} + 2? Answer "
-                                                                               "in one word."}]} for i in range(burst)]
-        tasks = [asyncio.ensure_future(call(app, "POST", f"/s/{sid}/v1/chat/completions", body))
-                 for sid, body in zip(sids, bodies)]
+        bodies = [
+            {
+                "model": "policy",
+                "messages": [{"role": "user", "content": f"What is {first + i} + 2? Answer in one word."}],
+            }
+            for i in range(burst)
+        ]
+        tasks = [
+            asyncio.ensure_future(call(app, "POST", f"/s/{sid}/v1/chat/completions", body))
+            for sid, body in zip(sids, bodies)
+        ]
         while len(channel.waiting) < burst:
             await asyncio.sleep(0)
         t = time.thread_time()
@@ -185,8 +208,9 @@ async def burst_run(app, channel: BurstChannel, burst: int, rounds: int, prompt:
 
 async def main_async(args) -> list[dict[str, float]]:
     model = ChatModel(args.model)
-    settings = parse_settings(GatewaySettings, ["--model.path", args.model, "--rollout.urls", POD,
-                                                "--session.max_length", "1024"])
+    settings = parse_settings(
+        GatewaySettings, ["--model.path", args.model, "--rollout.urls", POD, "--session.max_length", "1024"]
+    )
     reply = model.encode("Five.")[:3] + model.eos_token_ids
     queue = MemoryTrajectoryQueue(max_len=1 << 30)
     transport = InstantTransport(reply)
@@ -200,8 +224,9 @@ async def main_async(args) -> list[dict[str, float]]:
         pod.channel = None  # one call per turn, answered at once
         runs.append(await one_run(app, args.sessions, r * args.sessions))
         pod.channel = BurstChannel(transport.answer)
-        runs[-1]["burst"] = await burst_run(app, pod.channel, args.burst, max(1, args.sessions // args.burst),
-                                            (1 << 24) + r * args.sessions)
+        runs[-1]["burst"] = await burst_run(
+            app, pod.channel, args.burst, max(1, args.sessions // args.burst), (1 << 24) + r * args.sessions
+        )
         queue.entries.clear()
         queue.order.clear()
         queue.cursor = 0
@@ -221,8 +246,10 @@ def main() -> None:
 
         build_tiny(args.model)
     runs = asyncio.run(main_async(args))
-    print(f"# gateway CPU per request, in process (thread CPU, us), {args.sessions} sessions x {args.repeats} runs, "
-          f"model {Path(args.model).name}")
+    print(
+        f"# gateway CPU per request, in process (thread CPU, us), {args.sessions} sessions x {args.repeats} runs, "
+        f"model {Path(args.model).name}"
+    )
     print("| request | best | median |")
     print("|---|---|---|")
     for k in ("open", "first", "next", "finish", "burst"):

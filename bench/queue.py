@@ -21,7 +21,7 @@ import sys
 # This file is named like the stdlib module `queue` (redis-py imports it): drop bench/ from the path.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import argparse  # noqa: E402
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -41,10 +41,15 @@ from molt.schema import Segment, Trajectory, encode
 def make_traj(target_bytes: int) -> Trajectory:
     tokens = max(16, target_bytes // 10)  # int32 ids + float32 logprob + int32 version per action token
     half = tokens // 4
-    seg = Segment(token_ids=np.random.randint(0, 50_000, tokens), action_spans=np.array([[half, tokens]]),
-                  logprobs=-np.random.rand(tokens - half), versions=np.full(tokens - half, 7))
-    return Trajectory(trajectory_id=uuid.uuid4().hex, group_id=uuid.uuid4().hex, sample_index=0,
-                      segments=[seg], reward=1.0)
+    seg = Segment(
+        token_ids=np.random.randint(0, 50_000, tokens),
+        action_spans=np.array([[half, tokens]]),
+        logprobs=-np.random.rand(tokens - half),
+        versions=np.full(tokens - half, 7),
+    )
+    return Trajectory(
+        trajectory_id=uuid.uuid4().hex, group_id=uuid.uuid4().hex, sample_index=0, segments=[seg], reward=1.0
+    )
 
 
 async def bench_bus(url: str, n: int, batch: int, template: Trajectory) -> tuple[float, float]:
@@ -54,7 +59,7 @@ async def bench_bus(url: str, n: int, batch: int, template: Trajectory) -> tuple
     gc.collect()
     t0 = time.perf_counter()
     for i in range(0, n, batch):
-        await q.put_many(trajs[i:i + batch])
+        await q.put_many(trajs[i : i + batch])
     t1 = time.perf_counter()
     got = 0
     while got < n:
@@ -113,10 +118,15 @@ async def run(url: str, n: int, batch: int, rounds: int) -> None:
         for name, times in runs.items():
             tp, tc = sorted(times, key=sum)[len(times) // 2]  # the median round by total time
             e2e = count / (tp + tc)
-            ratio = f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})" \
-                if name == "molt bus" else "1.00"
-            print(f"| {len(payload) / 1024:.0f} KB | {name} | {count / tp:,.0f} | {count / tc:,.0f} | "
-                  f"{e2e:,.0f} | {e2e * mb:,.0f} | {ratio} |")
+            ratio = (
+                f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+                if name == "molt bus"
+                else "1.00"
+            )
+            print(
+                f"| {len(payload) / 1024:.0f} KB | {name} | {count / tp:,.0f} | {count / tc:,.0f} | "
+                f"{e2e:,.0f} | {e2e * mb:,.0f} | {ratio} |"
+            )
 
 
 def main() -> None:

@@ -33,7 +33,9 @@ import time
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from molt.serve import apply_cpu_env
+
+apply_cpu_env()
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep stdout for the report (the pod inherits it)
 
 
@@ -42,8 +44,16 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def engine_flags(args) -> list[str]:
-    return ["--vllm.dtype", "float32", "--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(256 << 20),
-            "--vllm.max_model_len", "512", *args.engine_arg]
+    return [
+        "--vllm.dtype",
+        "float32",
+        "--vllm.enforce_eager",
+        "--vllm.kv_cache_memory_bytes",
+        str(256 << 20),
+        "--vllm.max_model_len",
+        "512",
+        *args.engine_arg,
+    ]
 
 
 def params(i: int, args) -> dict:
@@ -56,16 +66,26 @@ class Pod:
     def __init__(self, args) -> None:
         import threading
 
-        cmd = [sys.executable, "-m", "services.rollout", "--model", args.model, "--port", "0",
-               "--server.log_level", "warning", *engine_flags(args)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.rollout",
+            "--model",
+            args.model,
+            "--port",
+            "0",
+            "--server.log_level",
+            "warning",
+            *engine_flags(args),
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.url = None
         while self.url is None:
             line = self.proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"pod exited with {self.proc.wait()}")
-            if line.startswith("ROLLOUT_READY "):
-                self.url = line.split()[1]
+            if line.startswith("molt-rollout ready "):
+                self.url = line.split()[-1]
         # Keep draining the pod's log so a full pipe never blocks it.
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
@@ -79,8 +99,9 @@ async def http_client(url: str, args):
     if args.client == "httpx":
         import httpx
 
-        client = httpx.AsyncClient(base_url=url, timeout=600,
-                                   limits=httpx.Limits(max_connections=args.concurrency * 2))
+        client = httpx.AsyncClient(
+            base_url=url, timeout=600, limits=httpx.Limits(max_connections=args.concurrency * 2)
+        )
 
         async def one(i: int, prompt: list[int]) -> int:
             body = {"prompt_token_ids": prompt, "sampling_params": params(i, args)}
@@ -91,8 +112,9 @@ async def http_client(url: str, args):
         return one, client.aclose
     import aiohttp
 
-    session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=args.concurrency * 2),
-                                    timeout=aiohttp.ClientTimeout(total=600))
+    session = aiohttp.ClientSession(
+        url, connector=aiohttp.TCPConnector(limit=args.concurrency * 2), timeout=aiohttp.ClientTimeout(total=600)
+    )
 
     async def one(i: int, prompt: list[int]) -> int:
         body = {"prompt_token_ids": prompt, "sampling_params": params(i, args)}
@@ -191,11 +213,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="untimed full runs per engine first")
-    ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
-                    help="HTTP client of the load generator")
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                    help="extra pod flag for the pod and the in-process RolloutEngine (repeat), e.g. "
-                         "--engine-arg=--rollout.idle_poll_ms=0")
+    ap.add_argument(
+        "--client", choices=["aiohttp", "httpx"], default="aiohttp", help="HTTP client of the load generator"
+    )
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra pod flag for the pod and the in-process RolloutEngine (repeat), e.g. "
+        "--engine-arg=--rollout.idle_poll_ms=0",
+    )
     ap.add_argument("--write", action="store_true", help="write .cache/bench/BENCH_rollout.md")
     ap.add_argument("--append", action="store_true", help="add this run as a section to that file")
     args = ap.parse_args()
@@ -211,12 +239,17 @@ def main() -> None:
     runs = asyncio.run(run_all(args))
     idle = runs.pop("idle_s_per_run")
     best = {k: max(v) for k, v in runs.items()}
-    report = {"tokens_per_s": best, "all_runs": runs,
-              "http_over_vllm": best["http"] / best["vllm"], "engine_over_vllm": best["engine"] / best["vllm"],
-              "http_over_engine": best["http"] / best["engine"], "engine_idle_s_per_run": idle,
-              "median_round_http_over_vllm": statistics.median(h / v for h, v in zip(runs["http"], runs["vllm"])),
-              "loadavg": [load_before, os.getloadavg()[0]],
-              "config": vars(args)}
+    report = {
+        "tokens_per_s": best,
+        "all_runs": runs,
+        "http_over_vllm": best["http"] / best["vllm"],
+        "engine_over_vllm": best["engine"] / best["vllm"],
+        "http_over_engine": best["http"] / best["engine"],
+        "engine_idle_s_per_run": idle,
+        "median_round_http_over_vllm": statistics.median(h / v for h, v in zip(runs["http"], runs["vllm"])),
+        "loadavg": [load_before, os.getloadavg()[0]],
+        "config": vars(args),
+    }
     print(json.dumps(report, indent=2))
     if args.write or args.append:
         write_fragment(report, args, append=args.append)
@@ -226,9 +259,11 @@ def write_fragment(report: dict, args, append: bool) -> None:
     r, runs = report["tokens_per_s"], report["all_runs"]
     median_ratio = report["median_round_http_over_vllm"]
     ratio_http, ratio_engine = report["http_over_vllm"], report["engine_over_vllm"]
-    cmd = (f"OMP_NUM_THREADS=1 python bench/rollout.py --requests {args.requests} --concurrency {args.concurrency} "
-           f"--max-tokens {args.max_tokens} --repeats {args.repeats} --warmup {args.warmup} "
-           f"--client {args.client} {'--append' if append else '--write'}")
+    cmd = (
+        f"OMP_NUM_THREADS=1 python bench/rollout.py --requests {args.requests} --concurrency {args.concurrency} "
+        f"--max-tokens {args.max_tokens} --repeats {args.repeats} --warmup {args.warmup} "
+        f"--client {args.client} {'--append' if append else '--write'}"
+    )
     head = """# Rollout pod throughput (bench/rollout.py)
 
 Generated tokens/s through the HTTP pod vs the same vLLM engine in-process, measured in one run:
@@ -251,16 +286,16 @@ shows at short generations (64 tokens) and vanishes into the noise at 256.
 
 | path | tokens/s (best of {args.repeats}) | ratio to vLLM in-process |
 | --- | --- | --- |
-| vLLM `LLMEngine` stepped directly (ceiling) | {r['vllm']:.0f} | 1.00 |
-| `RolloutEngine` in-process (engine thread, futures) | {r['engine']:.0f} | {ratio_engine:.2f} |
-| HTTP pod (`python -m services.rollout`, {args.client} client) | {r['http']:.0f} | **{ratio_http:.2f}** |
+| vLLM `LLMEngine` stepped directly (ceiling) | {r["vllm"]:.0f} | 1.00 |
+| `RolloutEngine` in-process (engine thread, futures) | {r["engine"]:.0f} | {ratio_engine:.2f} |
+| HTTP pod (`python -m services.rollout`, {args.client} client) | {r["http"]:.0f} | **{ratio_http:.2f}** |
 
 Target: HTTP pod >= 0.90 of in-process. Median of the per-round http/vllm ratios: {median_ratio:.2f}.
 Engine thread idle per run (nothing to run, waiting for requests): in-process
-{report['engine_idle_s_per_run']['engine'] * 1e3:.0f} ms, pod {report['engine_idle_s_per_run']['http'] * 1e3:.0f} ms.
-Load average before/after: {report['loadavg'][0]:.1f} / {report['loadavg'][1]:.1f}.
-All runs (tokens/s): vllm {[round(x) for x in runs['vllm']]}, engine {[round(x) for x in runs['engine']]},
-http {[round(x) for x in runs['http']]}.
+{report["engine_idle_s_per_run"]["engine"] * 1e3:.0f} ms, pod {report["engine_idle_s_per_run"]["http"] * 1e3:.0f} ms.
+Load average before/after: {report["loadavg"][0]:.1f} / {report["loadavg"][1]:.1f}.
+All runs (tokens/s): vllm {[round(x) for x in runs["vllm"]]}, engine {[round(x) for x in runs["engine"]]},
+http {[round(x) for x in runs["http"]]}.
 """
     path = ROOT / ".cache" / "bench" / "BENCH_rollout.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,15 +22,17 @@ import sys
 # bench/ holds a queue.py (like the stdlib module redis-py imports): keep bench/ off the path.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from molt.serve import apply_cpu_env
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+apply_cpu_env()
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import argparse
+import time
 
-from molt.schema import Segment, Trajectory, decode, encode  # noqa: E402
+import numpy as np
+import torch
+
+from molt.schema import Segment, Trajectory, decode, encode
 
 
 def make(n: int, tokens: int, vocab: int) -> list[Trajectory]:
@@ -64,7 +66,7 @@ def bench_assembly(trajs, repeat: int) -> tuple[float, float]:
     def ours():
         samples = [x for b in blobs for x in samples_from_trajectory(decode(b), 1 << 20)]
         for i in range(0, len(samples), 8):
-            collate(samples[i:i + 8])
+            collate(samples[i : i + 8])
 
     return best(lambda: [decode(b) for b in blobs], repeat), best(ours, repeat)
 
@@ -85,7 +87,7 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
 
     def bare():
         for i in range(0, len(samples), micro):
-            mb = collate(samples[i:i + micro])
+            mb = collate(samples[i : i + micro])
             out = raw(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
             (-(logp * mb.action_mask).sum() / mb.action_mask.sum()).backward()
@@ -94,16 +96,35 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
 
     result = {"bare": tokens / best(bare, repeat)}
     info = init_distributed()
-    for name, extra in (("learner", []), ("learner_force_on_policy", ["--train.force_on_policy"]),
-                        ("learner_force_on_policy_plain_layout", ["--train.force_on_policy",
-                                                                  "--train.pack_shared_prefix", "false"])):
-        s = parse_settings(TrainerSettings, [
-            "--actor.model_name_or_path", model_dir, "--train.dispatch", "false", "--algo.kl.init_coef", "0",
-            "--train.batch_size", str(len(samples)), "--train.micro_batch_size", str(micro),
-            "--actor.gradient_checkpoint", "off", "--fsdp.strategy", "torch", *extra], environ={})
+    for name, extra in (
+        ("learner", []),
+        ("learner_force_on_policy", ["--train.force_on_policy"]),
+        ("learner_force_on_policy_plain_layout", ["--train.force_on_policy", "--train.pack_shared_prefix", "false"]),
+    ):
+        s = parse_settings(
+            TrainerSettings,
+            [
+                "--actor.model_name_or_path",
+                model_dir,
+                "--train.dispatch",
+                "false",
+                "--algo.kl.init_coef",
+                "0",
+                "--train.batch_size",
+                str(len(samples)),
+                "--train.micro_batch_size",
+                str(micro),
+                "--actor.gradient_checkpoint",
+                "off",
+                "--fsdp.strategy",
+                "torch",
+                *extra,
+            ],
+            environ={},
+        )
         validate_settings(s)
         learner = Learner(s, info)
-        result[name] = tokens / best(lambda: learner.train_step(samples), repeat)
+        result[name] = tokens / best(lambda learner=learner: learner.train_step(samples), repeat)
     return result
 
 
@@ -123,11 +144,15 @@ def main() -> None:
     print(f"\n{a.trajectories} trajectories x ~{a.tokens} tokens, model {a.model}, micro-batch {a.micro}\n")
     print("| hot path | ours | limit | ratio |\n|---|---|---|---|")
     n = len(trajs)
-    print(f"| batch assembly (traj/s) | {n / ours_s:,.0f} | {n / dec_s:,.0f} (schema decode only) | "
-          f"{dec_s / ours_s:.2f} |")
+    print(
+        f"| batch assembly (traj/s) | {n / ours_s:,.0f} | {n / dec_s:,.0f} (schema decode only) | "
+        f"{dec_s / ours_s:.2f} |"
+    )
     for name in ("learner", "learner_force_on_policy", "learner_force_on_policy_plain_layout"):
-        print(f"| train step, {name} (tokens/s) | {steps[name]:,.0f} | {steps['bare']:,.0f} (bare fwd/bwd/AdamW) | "
-              f"{steps[name] / steps['bare']:.2f} |")
+        print(
+            f"| train step, {name} (tokens/s) | {steps[name]:,.0f} | {steps['bare']:,.0f} (bare fwd/bwd/AdamW) | "
+            f"{steps[name] / steps['bare']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

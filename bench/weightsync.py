@@ -11,7 +11,8 @@ leave over, while CPU per byte barely moves, so it shows where a change helps.
 
 Part 2 (when --model exists; build it with ``python -m molt.models smollm2 --out
 .cache/models/smollm2``) runs a real rollout pod (``python -m services.rollout``) and times
-gather + transfer + load of the model's weights over gRPC and over the gloo collective. Prints one markdown table per part.
+gather + transfer + load of the model's weights over gRPC and over the gloo collective. Prints one markdown table
+per part.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
-import argparse  # noqa: E402
+import argparse
 import asyncio
 import json
 import os
@@ -32,7 +33,7 @@ import statistics
 import subprocess
 import time
 
-import torch  # noqa: E402
+import torch
 
 
 def synthetic_state(gib: float) -> dict[str, torch.Tensor]:
@@ -93,8 +94,13 @@ def _raw_sink() -> None:
 
 
 def _spawn(*args: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     return proc, int(proc.stdout.readline())
 
 
@@ -112,8 +118,14 @@ def _timed(fn, peer: int, total: int, cpu: dict, key: str):
     c0, p0 = _cpu_s(), _cpu_s(peer)
     out = fn()
     c1, p1 = _cpu_s(), _cpu_s(peer)
-    cpu.setdefault(key, []).append(((c1[0] - c0[0]) / total * 1e9, (p1[0] - p0[0]) / total * 1e9,
-                                    (c1[1] - c0[1]) / total * 2**20, (p1[1] - p0[1]) / total * 2**20))
+    cpu.setdefault(key, []).append(
+        (
+            (c1[0] - c0[0]) / total * 1e9,
+            (p1[0] - p0[0]) / total * 1e9,
+            (c1[1] - c0[1]) / total * 2**20,
+            (p1[1] - p0[1]) / total * 2**20,
+        )
+    )
     return out
 
 
@@ -148,7 +160,7 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
         for i in range(reps):  # interleaved so both see the same machine load
             raw_rates.append(_timed(lambda: raw_copy(sink_port, state), sink.pid, total, cpu, "raw"))
             fresh_rates.append(raw_copy(sink_port, state, fresh=True))
-            r = _timed(lambda: pusher.push(state, version=i + 2), pod.pid, total, cpu, "grpc")
+            r = _timed(lambda i=i: pusher.push(state, version=i + 2), pod.pid, total, cpu, "grpc")
             grpc_rates.append(r.bytes / r.transfer_s / 1e9)
             e2e.append(r.total_s)
     finally:
@@ -177,10 +189,12 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
         f"{[round(a / b, 2) for a, b in zip(grpc_rates, raw_rates)]}); "
         f"gRPC sync end to end (gather + transfer + commit on a null engine): "
         f"{statistics.median(e2e):.2f} s",
-        "CPU s/GB and page faults/MB (sender, receiver; all threads, medians; gRPC: the whole sync): " + "; ".join(
+        "CPU s/GB and page faults/MB (sender, receiver; all threads, medians; gRPC: the whole sync): "
+        + "; ".join(
             f"{k} {statistics.median(x[0] for x in v):.2f}, {statistics.median(x[1] for x in v):.2f} s/GB, "
             f"{statistics.median(x[2] for x in v):.0f}, {statistics.median(x[3] for x in v):.0f} faults/MB"
-            for k, v in cpu.items()),
+            for k, v in cpu.items()
+        ),
     ]
 
 
@@ -201,9 +215,24 @@ def part2(model_dir: Path, reps: int) -> list[str]:
     from molt.weightsync.pusher import WeightPusher
 
     http_port, grpc_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "services.rollout", "--model", str(model_dir), "--server.port", str(http_port),
-           "--grpc.port", str(grpc_port), "--vllm.dtype", "float32", "--vllm.enforce_eager",
-           "--vllm.kv_cache_memory_bytes", str(256 << 20), "--vllm.max_model_len", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.rollout",
+        "--model",
+        str(model_dir),
+        "--server.port",
+        str(http_port),
+        "--grpc.port",
+        str(grpc_port),
+        "--vllm.dtype",
+        "float32",
+        "--vllm.enforce_eager",
+        "--vllm.kv_cache_memory_bytes",
+        str(256 << 20),
+        "--vllm.max_model_len",
+        "512",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     log = open(f"/tmp/molt-bench-weightsync-pod-{os.getpid()}.log", "w")
     pod = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -229,9 +258,11 @@ def part2(model_dir: Path, reps: int) -> list[str]:
                     r = pusher.push(model.state_dict(), version=version, check=check)
                     version += 1
                     pod_r = next(iter(r.pods.values()))
-                    rows.append(f"| {transport} | {r.bytes / 1e6:.0f} | {r.gather_s:.2f} | {r.transfer_s:.2f} | "
-                                f"{r.load_s:.2f} ({pod_r['load_seconds']:.2f} apply) | {r.total_s:.2f} | "
-                                f"{pod_r['check_max_abs_diff']:.1e} |")
+                    rows.append(
+                        f"| {transport} | {r.bytes / 1e6:.0f} | {r.gather_s:.2f} | {r.transfer_s:.2f} | "
+                        f"{r.load_s:.2f} ({pod_r['load_seconds']:.2f} apply) | {r.total_s:.2f} | "
+                        f"{pod_r['check_max_abs_diff']:.1e} |"
+                    )
             finally:
                 pusher.close()
     finally:
@@ -239,9 +270,14 @@ def part2(model_dir: Path, reps: int) -> list[str]:
         pod.wait(60)
         log.close()
     Path(log.name).unlink()  # kept only when the pod failed
-    return [f"Part 2: {model_dir.name} into a real rollout pod (vLLM CPU, fp32), every rep with the probe check",
-            "", "| transport | MB | gather s | transfer s | load s (commit; of which apply_weights) | total s | "
-            "probe max abs diff |", "| --- | --- | --- | --- | --- | --- | --- |", *rows]
+    return [
+        f"Part 2: {model_dir.name} into a real rollout pod (vLLM CPU, fp32), every rep with the probe check",
+        "",
+        "| transport | MB | gather s | transfer s | load s (commit; of which apply_weights) | total s | "
+        "probe max abs diff |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
 
 
 def main() -> None:

@@ -50,8 +50,13 @@ def dashboard_queries(dashboard: dict) -> list[Query]:
             walk(p.get("panels", []))
             for t in p.get("targets", []):
                 legend = t.get("legendFormat", "")
-                out.append(Query(f"panel {p.get('title')!r} {t.get('refId')}", t["expr"],
-                                 set(LEGEND_RE.findall(legend)) - {"le"}))
+                out.append(
+                    Query(
+                        f"panel {p.get('title')!r} {t.get('refId')}",
+                        t["expr"],
+                        set(LEGEND_RE.findall(legend)) - {"le"},
+                    )
+                )
 
     walk(dashboard.get("panels", []))
     for var in dashboard.get("templating", {}).get("list", []):
@@ -72,8 +77,10 @@ def rule_queries(prometheus_rule: dict) -> list[Query]:
 
 
 def selectors(expr: str) -> list[Selector]:
-    return [Selector(m.group(1), {name for name, _ in MATCHER_RE.findall(m.group(3) or "")})
-            for m in SELECTOR_RE.finditer(expr)]
+    return [
+        Selector(m.group(1), {name for name, _ in MATCHER_RE.findall(m.group(3) or "")})
+        for m in SELECTOR_RE.finditer(expr)
+    ]
 
 
 def grouping_labels(expr: str) -> set[str]:
@@ -118,8 +125,10 @@ def check_catalog(queries: list[Query], catalog: dict) -> list[str]:
             if spec.kind == "counter" and not sel.series.endswith("_total"):
                 errors.append(f"{q.source}: counter {sel.series} must be queried as ..._total")
             if suffix == "_sum" and spec.buckets and spec.buckets[0] < 0:
-                errors.append(f"{q.source}: {sel.series} never exists: prometheus_client omits _sum for a "
-                              "histogram with negative buckets; use histogram_quantile over _bucket")
+                errors.append(
+                    f"{q.source}: {sel.series} never exists: prometheus_client omits _sum for a "
+                    "histogram with negative buckets; use histogram_quantile over _bucket"
+                )
             own = _labels_of(spec, suffix)
             offered |= own
             for label in sel.matchers - own - TARGET_LABELS - {"__name__"}:
@@ -161,8 +170,9 @@ def scraped_series(text: str) -> tuple[set[str], dict[str, list[set[str]]]]:
     return declared, samples
 
 
-def check_scrape(need: dict[str, set[str]], declared: set[str],
-                 samples: dict[str, list[set[str]]]) -> tuple[list[str], list[str]]:
+def check_scrape(
+    need: dict[str, set[str]], declared: set[str], samples: dict[str, list[set[str]]]
+) -> tuple[list[str], list[str]]:
     """(errors, unobserved): a queried series nobody exports, or exported without a queried label;
     unobserved lists labelled series that exist but have no sample yet (labels not visible)."""
     errors, unobserved = [], []

@@ -36,12 +36,23 @@ SETTINGS = {
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "helm.sh"), *args], cwd=ROOT, capture_output=True,
-                          text=True, check=check, timeout=300)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "helm.sh"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
 
 
-def render(*values: str, sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = (),
-           namespace: str = "rl", release: str = "molt") -> list[dict]:
+def render(
+    *values: str,
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    namespace: str = "rl",
+    release: str = "molt",
+) -> list[dict]:
     """``helm template`` the chart with values files (relative to the chart) and --set pairs."""
     import yaml
 
@@ -62,9 +73,22 @@ def compose_schema() -> dict:
         dl = TOOLS / "docker-compose-wheel"
         dl.mkdir(parents=True, exist_ok=True)
         pip = ROOT / ".venv" / "bin" / "pip"
-        subprocess.run([str(pip) if pip.exists() else sys.executable, *([] if pip.exists() else ["-m", "pip"]),
-                        "download", "--disable-pip-version-check", "-q", "--no-deps", COMPOSE_WHEEL, "-d", str(dl)],
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                str(pip) if pip.exists() else sys.executable,
+                *([] if pip.exists() else ["-m", "pip"]),
+                "download",
+                "--disable-pip-version-check",
+                "-q",
+                "--no-deps",
+                COMPOSE_WHEEL,
+                "-d",
+                str(dl),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         wheel = next(dl.glob("docker_compose-*.whl"))
         data = zipfile.ZipFile(io.BytesIO(wheel.read_bytes())).read("compose/config/compose_spec.json")
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
@@ -116,7 +140,7 @@ def service_argv(command: list[str]) -> tuple[str, list[str]]:
     """(service name, its flags) of a container command: python -m services.X ... or torchrun ... -m services.X."""
     for i, tok in enumerate(command):
         if tok == "-m" and i + 1 < len(command) and command[i + 1].startswith("services."):
-            return command[i + 1].split(".", 1)[1], list(command[i + 2:])
+            return command[i + 1].split(".", 1)[1], list(command[i + 2 :])
     raise ValueError(f"not a Molt service command: {command}")
 
 
@@ -141,8 +165,11 @@ def parse_service(service: str, argv: list[str], env: dict[str, str], agent_dir:
     except SystemExit as exc:  # parse_settings exits 2 with the message on stderr
         raise AssertionError(f"services.{service} rejects {argv} (env {sorted(environ)}): exit {exc.code}") from exc
     validate = getattr(sys.modules[model.__module__], "validate_settings", None)
-    if validate is not None:  # cross-flag rules the service applies after parsing (trainer)
-        validate(settings)
+    if validate is not None:  # cross-flag rules the service applies after parsing, with the container's env
+        from unittest import mock
+
+        with mock.patch.dict(os.environ, environ):
+            validate(settings)
     return settings
 
 

@@ -1,18 +1,38 @@
-"""`molt` command line: `molt up --recipe tiny` runs the whole stack locally."""
+"""`molt` command line: `molt up --recipe tiny` runs the whole stack locally; `molt train-rl <Molt's flags>`
+runs Molt's train_rl_ray flag list on it (or writes it as Helm values); `molt train-sft` is SFT; `molt export
+CKPT OUT` writes a checkpoint's policy as an HF model directory."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Literal
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-sft"]:  # Molt's train_sft flags, parsed by the SFT trainer itself
+        from services.trainer.sft import main as train_sft
+
+        train_sft(argv[1:], prog="molt train-sft")
+        return 0
+    if argv[:1] == ["train-rl"]:  # Molt's train_rl_ray flags, routed to the services (molt.stack.train_rl)
+        return train_rl(argv[1:])
     parser = argparse.ArgumentParser(prog="molt", description="Molt Services command line.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="run the whole stack locally on a recipe",
-                        description="Start Redis (embedded unless --redis-url), rollout pods, the gateway, env "
-                                    "workers and the trainer as local processes, train the recipe, stop.")
+    sub.add_parser(
+        "train-sft",
+        add_help=False,
+        help="supervised fine-tuning with Molt's train_sft flags "
+        "(torchrun -m molt.cli train-sft ...; see docs/sft.md)",
+    )
+    up = sub.add_parser(
+        "up",
+        help="run the whole stack locally on a recipe",
+        description="Start Redis (embedded unless --redis-url), rollout pods, the gateway, env "
+        "workers and the trainer as local processes, train the recipe, stop.",
+    )
     from molt.stack.recipes import RECIPES
 
     up.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
@@ -23,9 +43,40 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--async-queue-size", type=int, help="--train.async_queue_size for the trainer")
     up.add_argument("--sync", action="store_true", help="strictly on-policy (--train.force_sync_mode)")
     up.add_argument("--no-progress", action="store_true", help="no per-step progress lines")
-    up.add_argument("--set", nargs="+", action="append", default=[], metavar=("SERVICE", "FLAG"),
-                    help="extra flags for one service, e.g. --set trainer --actor.adam.lr 1e-3")
+    up.add_argument(
+        "--set",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("SERVICE", "FLAG"),
+        help="extra flags for one service, e.g. --set trainer --actor.adam.lr 1e-3",
+    )
+    sub.add_parser(
+        "train-rl", add_help=False, help="Molt's train_rl_ray flags on the local stack (molt train-rl --help)"
+    )
+    exp = sub.add_parser(
+        "export",
+        help="write a checkpoint's policy as an HF model directory",
+        description="CKPT: a checkpoint step folder (<ckpt.path>/global_step<N>) or a --ckpt.path "
+        "root (its latest step). OUT: the HF model directory to write (config, "
+        "safetensors, tokenizer, chat template), loadable by transformers and a pod.",
+    )
+    exp.add_argument("ckpt", type=Path)
+    exp.add_argument("out", type=Path)
     args = parser.parse_args(argv)
+    if args.cmd == "export":
+        from services.trainer.checkpoint import latest_dir
+        from services.trainer.export import export_checkpoint
+
+        step_dir = args.ckpt if (args.ckpt / "extra_state.pt").exists() else latest_dir(str(args.ckpt))
+        if step_dir is None:
+            parser.exit(2, f"molt export: error: {args.ckpt}: not a checkpoint (no global_step<N>/extra_state.pt)\n")
+        try:
+            out = export_checkpoint(step_dir, args.out)
+        except ValueError as exc:
+            parser.exit(2, f"molt export: error: {exc}\n")
+        print(f"[molt export] wrote {out}")
+        return 0
     from molt.stack.up import UpOptions, run_stack
 
     extra: dict[str, list[str]] = {}
@@ -33,11 +84,89 @@ def main(argv: list[str] | None = None) -> int:
         if service not in ("rollout", "gateway", "envs", "trainer"):
             parser.error(f"--set {service}: service must be rollout, gateway, envs or trainer")
         extra.setdefault(service, []).extend(flags)
-    summary = run_stack(UpOptions(recipe=args.recipe, run_dir=args.run_dir, steps=args.steps,
-                                  redis_url=args.redis_url, num_pods=args.pods,
-                                  async_queue_size=args.async_queue_size, force_sync=args.sync, extra=extra,
-                                  progress=not args.no_progress))
+    summary = run_stack(
+        UpOptions(
+            recipe=args.recipe,
+            run_dir=args.run_dir,
+            steps=args.steps,
+            redis_url=args.redis_url,
+            num_pods=args.pods,
+            async_queue_size=args.async_queue_size,
+            force_sync=args.sync,
+            extra=extra,
+            progress=not args.no_progress,
+        )
+    )
     return 130 if summary.get("interrupted") else 0
+
+
+TRAIN_RL_HELP = """usage: molt train-rl [--emit helm-values FILE] [--run-dir DIR] [--redis-url URL] [--dry-run]
+                     [--no-progress] <flags of Molt's python -m molt.cli.train_rl_ray>
+
+Runs Molt's RL flag list on the local stack (embedded Redis, rollout pods, gateway, env workers, trainer as
+processes; each flag goes to the service that owns it). The agent module is Molt's --train.agent_path.
+  --emit helm-values FILE   write the run as values for deploy/k8s/molt instead of running it
+  --run-dir DIR             run folder (default runs/train-rl-<time>)
+  --redis-url URL           use this Redis instead of an embedded one
+  --dry-run                 print where each flag goes and exit
+Flags that need hardware this machine lacks are refused with the reason; see docs/trainer.md."""
+
+
+def train_rl(argv: list[str]) -> int:
+    from molt.stack import train_rl as tr
+
+    own: dict[str, str | bool] = {}
+    rest: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        if tok in ("-h", "--help"):
+            print(TRAIN_RL_HELP)
+            return 0
+        if tok in ("--dry-run", "--no-progress"):
+            own[tok] = True
+        elif tok in ("--run-dir", "--redis-url"):
+            own[tok] = next(it, "")
+        elif tok == "--emit":
+            kind, path = next(it, ""), next(it, "")
+            if kind != "helm-values" or not path:
+                print("molt train-rl: --emit takes 'helm-values FILE'", file=sys.stderr)
+                return 2
+            own["--emit"] = path
+        else:
+            rest.append(tok)
+    target: Literal["local", "helm"] = "helm" if "--emit" in own else "local"
+    gpus = _gpu_count() if target == "local" else 0
+    try:
+        routed = tr.route(rest, target, gpus=gpus)
+        if target == "helm":
+            tr.write_helm_values(routed, Path(str(own["--emit"])))
+            print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
+            return 0
+        for note in routed.notes:
+            print(f"[molt train-rl] {note}")
+        if own.get("--dry-run"):
+            print(tr.describe(routed))
+            return 0
+        run_dir = Path(str(own["--run-dir"])) if own.get("--run-dir") else None
+        plan = tr.local_plan(
+            routed, run_dir, str(own.get("--redis-url") or "") or None, not own.get("--no-progress"), gpus
+        )
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from molt.stack.up import run_plan
+
+    summary = run_plan(plan)
+    return 130 if summary.get("interrupted") else 0
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ literal right under it) is its help text. Values are layered once, at start-up:
     defaults  <  environment (MOLT_<GROUP>__<FIELD>, e.g. MOLT_REDIS__URL)  <  dotted CLI flags
 
 Flags mirror the nesting: ``--algo.advantage.estimator grpo``. Unknown flags are rejected with the
-closest known name; ``--dry-run`` prints the resolved config as JSON and exits. Booleans accept a
+closest known name; ``--dry-run`` runs the service's cross-flag checks (``validate``, the same function
+start-up runs), then prints the resolved config as JSON and exits. Booleans accept a
 bare flag (``--train.routing_replay``), an explicit value (``--train.routing_replay false``) or the
 ``--no-`` form. List fields take several values (``--algo.advantage.is_correction_threshold 0.5 5``).
 """
@@ -17,9 +18,11 @@ import argparse
 import difflib
 import json
 import os
+import re
 import sys
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -48,6 +51,9 @@ class RedisConfig(Section):
     """Backpressure: producers wait (never trim unacked data) while the stream holds this many entries."""
     dead_letter_stream: str | None = None
     """Stream for records that fail to decode. Default: <stream>:dead."""
+    startup_wait_s: float = Field(60.0, ge=0)
+    """At start-up: how long to wait for --redis.url to answer (a Redis started beside the service, in any
+    order), retrying with backoff before the service listens (so it is not ready); then it exits with one line."""
 
 
 class MetricsConfig(Section):
@@ -71,6 +77,13 @@ class ServerConfig(Section):
     """Seconds an idle client connection is kept open. Longer than clients keep theirs (httpx 5 s, aiohttp 15 s),
     so the client closes first: a request it writes into a connection the server is closing fails. Agents
     leave connections idle between turns while their tools run."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A new connection whose first request head has not arrived within this many seconds is closed (slow
+    clients must not hold connections: molt/serve_guard.py)."""
+    max_pending_connections: int = Field(1000, ge=1)
+    """Connections still waiting for their first request head; past this the longest-waiting one is closed."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for each piece of a request body; past it the request gets a 408 (the gateway)."""
 
 
 # ---- CLI machinery
@@ -196,16 +209,23 @@ def build_parser(model: type[BaseModel], prog: str, description: str | None = No
             kw["help"] = help_text + f" [default: {default}]".replace("%", "%%")
         kw.pop("default")
         if _is_bool(annotation):
-            group.add_argument(f"--{dotted}", nargs="?", const=True, type=_bool_value, default=argparse.SUPPRESS,
-                               metavar="BOOL", **kw)
-            group.add_argument(f"--no-{dotted}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
-                               help=argparse.SUPPRESS)
+            group.add_argument(
+                f"--{dotted}", nargs="?", const=True, type=_bool_value, default=argparse.SUPPRESS, metavar="BOOL", **kw
+            )
+            group.add_argument(
+                f"--no-{dotted}", dest=dotted, action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
         elif _is_list(annotation):
             group.add_argument(f"--{dotted}", nargs="+", default=argparse.SUPPRESS, metavar="V", **kw)
         else:
             choices = _choices(annotation)
-            group.add_argument(f"--{dotted}", default=argparse.SUPPRESS, choices=choices,
-                               metavar="{" + ",".join(choices) + "}" if choices else None, **kw)
+            group.add_argument(
+                f"--{dotted}",
+                default=argparse.SUPPRESS,
+                choices=choices,
+                metavar="{" + ",".join(choices) + "}" if choices else None,
+                **kw,
+            )
     return parser
 
 
@@ -217,7 +237,7 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-# Short forms every service accepts (the issues' command lines): `--model DIR --port N --host H`.
+# Short forms every service accepts, for the commands people type most: `--model DIR --port N --host H`.
 SHORT_FLAGS = {"--model": "--model.path", "--port": "--server.port", "--host": "--server.host"}
 
 
@@ -237,9 +257,12 @@ def parse_settings(
     argv: list[str] | None = None,
     prog: str | None = None,
     environ: typing.Mapping[str, str] | None = None,
+    validate: Callable[[_S], object] | None = None,
 ) -> _S:
     """Resolve defaults < env < flags into a validated ``model`` instance.
 
+    ``validate`` is the service's cross-flag check (it may fill derived defaults; a ``ValueError`` rejects the
+    config): it runs here, before ``--dry-run`` prints, so a dry run rejects exactly what start-up rejects.
     Exits with status 2 and a message that names the flag on bad input; with ``--dry-run`` prints
     the resolved config and exits 0.
     """
@@ -254,13 +277,37 @@ def parse_settings(
     data = _deep_merge(env_overrides(model, environ), tree)
     try:
         settings = model.model_validate(data)
+        if validate is not None:
+            validate(settings)
     except (ValidationError, ValueError) as exc:
         msg = _format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
         parser.exit(2, f"{parser.prog}: error: {msg}\n")
     if dry_run:
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        print(json.dumps(mask_secrets(settings.model_dump(mode="json")), indent=2))
         parser.exit(0)
     return settings
+
+
+_SECRET_ENDINGS = {"key", "keys", "password", "passwd", "secret", "token", "credential", "credentials"}
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@:\s]*:)(?P<password>[^/@\s]+)(?=@)", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(value: Any, name: str = "") -> Any:
+    """A resolved config with its secrets masked, for ``--dry-run``: any field named like a key, password,
+    secret, token or credential (API keys, weight-sync credentials), and the password inside any URL
+    (``redis://:PASSWORD@host``). Counts (``max_*``, ``num_*``) are not secrets."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    secret = leaf.split("_")[-1] in _SECRET_ENDINGS and not leaf.startswith(("max_", "num_", "min_"))
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_secrets(v, name) for v in value]
+    if secret and value not in (None, "", False):
+        return MASK
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: m["head"] + MASK, value)
+    return value
 
 
 __all__ = [

@@ -44,7 +44,7 @@ class LineSplitter:
                 self.pending_bytes += len(data)
             return []
         head = b"".join(self._parts) + data[:end] if self._parts else data[:end]
-        tail = data[end + 1:]
+        tail = data[end + 1 :]
         self._parts, self.pending_bytes = ([tail] if tail else []), len(tail)
         return [line for line in head.split(b"\n") if line.strip()]
 

@@ -1,7 +1,7 @@
 """Generate the gRPC stubs for ``proto/*.proto`` into ``molt/_proto/``.
 
-Run by the bootstrap script; generated code is not committed so it always matches the
-installed protobuf runtime.
+Run by the bootstrap script; generated code (with .pyi stubs for the type checker) is not committed,
+so it always matches the installed protobuf runtime.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ def main() -> int:
     (out / "__init__.py").touch()
     protos = sorted((root / "proto").glob("*.proto"))
     for proto in protos:
-        args = ["protoc", f"-I{root / 'proto'}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)]
+        args = [
+            "protoc",
+            f"-I{root / 'proto'}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            str(proto),
+        ]
         if protoc.main(args) != 0:
             print(f"protoc failed on {proto}", file=sys.stderr)
             return 1

@@ -13,13 +13,17 @@ Alignment, per segment (checked on decode, a bad record is rejected with a messa
 - ``logprobs``: float32[A], the rollout logprob of each action token, A = sum of span lengths.
 - ``versions``: int32[A], the policy version that generated each action token.
 - ``routed_experts``: optional int16[T, L, K], MoE top-k expert ids per token and layer (-1: unknown).
+- ``images``: the sha256 of each image in the segment, in the order their token runs appear in
+  ``token_ids`` (vision-language models; ``token_ids`` holds each image's tokens expanded, exactly as the
+  model saw them). The image files themselves are in ``Trajectory.images``, keyed by sha256, stored once
+  per episode however many segments or turns show them; running the model's processor on them gives the
+  same expansion and pixel inputs the rollout pod used.
 
 Wire encoding (v2): one msgpack map, the Python field names as keys, decoded by msgspec into typed
 structs (types are checked in C). Each array is one bin of little-endian bytes in the dtype the schema
 fixes for it (above), never a list; ``routed_experts`` carries its shape. Decoding makes numpy views on
-those bytes: no per-element work. v1 records (short keys, arrays as {dtype, shape, bytes}) are still
-read. ``SCHEMA_VERSION`` is bumped on any incompatible change; decoders reject versions they do not know
-rather than guess.
+those bytes: no per-element work. ``SCHEMA_VERSION`` is bumped on any incompatible change; decoders reject
+versions they do not know rather than guess.
 
 Validation is split in two: the layout (shapes, spans, alignment: plain Python on short lists) and the
 value ranges (numpy reductions). ``encode_many`` / ``decode_many``, the bus's path, check the value
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 import re
 import time
@@ -67,6 +72,8 @@ class Segment:
     logprobs: np.ndarray
     versions: np.ndarray
     routed_experts: np.ndarray | None = None
+    images: list[str] = field(default_factory=list)
+    """sha256 hex of each image shown in this segment, in token order (keys of Trajectory.images)."""
 
     def __post_init__(self) -> None:
         self.token_ids = _arr(self.token_ids, "<i4")
@@ -160,7 +167,7 @@ def check_values_many(segments: list[Segment]) -> bool:
         size += seg.token_ids.size
         if size < _VALUES_CHUNK and k + 1 < len(segments):
             continue
-        chunk = segments[start:k + 1]  # bounded, so the concatenated copies stay a few MB
+        chunk = segments[start : k + 1]  # bounded, so the concatenated copies stay a few MB
         ints = np.concatenate([a for s in chunk for a in (s.token_ids, s.versions)])
         if ints.min() < 0 or not _logprobs_ok(np.concatenate([s.logprobs for s in chunk])):
             return False
@@ -181,6 +188,24 @@ class Provenance:
     env_version: str = ""
 
 
+MAX_ABS_REWARD = 1e6
+"""The bound on a reward's (and score's) magnitude, checked where rewards enter (gateway finish, env worker):
+advantages and their standard deviations must stay finite in float32 (a reward of 1e308 squares to inf)."""
+
+
+def check_reward(value: Any, name: str = "reward") -> float:
+    """``value`` as a float when it is a finite number within +-MAX_ABS_REWARD; else SchemaError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SchemaError(name, f"must be a number, got {str(value)[:80]!a}")
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > MAX_ABS_REWARD:
+        raise SchemaError(name, f"must be a finite number within +-{MAX_ABS_REWARD:g}, got {value!r}")
+    return value
+
+
 @dataclass
 class Trajectory:
     trajectory_id: str
@@ -195,6 +220,8 @@ class Trajectory:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Notable things that happened during the episode, e.g. {"kind": "pod_switch", ...}."""
     created_at: float = field(default_factory=time.time)
+    images: dict[str, bytes] = field(default_factory=dict)
+    """Image files (PNG, JPEG, ...) the segments show, keyed by their sha256 hex: each stored once."""
 
     @staticmethod
     def new_id() -> str:
@@ -231,6 +258,20 @@ class Trajectory:
                 raise SchemaError(f"info.{k}", f"info values must be finite numbers, got {v!r}")
         if self.status not in STATUSES:
             raise SchemaError("status", f"must be one of {STATUSES}, got {self.status!r}")
+        if self.images or any(seg.images for seg in self.segments):
+            self._validate_images()
+
+    def _validate_images(self) -> None:
+        shown = {d for seg in self.segments for d in seg.images}
+        for i, seg in enumerate(self.segments):
+            missing = [d for d in seg.images if d not in self.images]
+            if missing:
+                raise SchemaError(f"segments[{i}].images", f"image {missing[0]} is not in the trajectory's images")
+        for digest, data in self.images.items():
+            if digest not in shown:
+                raise SchemaError("images", f"image {digest} is not shown by any segment")
+            if not isinstance(data, bytes) or hashlib.sha256(data).hexdigest() != digest:
+                raise SchemaError("images", f"the bytes stored under {digest} do not have that sha256")
 
 
 # ---- wire encoding
@@ -249,9 +290,10 @@ class _SegmentWire(msgspec.Struct, omit_defaults=True, gc=False):
     versions: bytes  # <i4[A]
     routed_experts: bytes | None = None  # <i2[T, L, K]
     routed_experts_shape: tuple[int, int, int] | None = None
+    images: list[str] | None = None  # sha256 hex, in token order
 
 
-class _TrajectoryWire(msgspec.Struct, gc=False):
+class _TrajectoryWire(msgspec.Struct, omit_defaults=True, gc=False):
     schema: int  # first, so a decoder can tell the version from the record's first bytes
     trajectory_id: str
     group_id: str
@@ -264,6 +306,7 @@ class _TrajectoryWire(msgspec.Struct, gc=False):
     provenance: Provenance
     events: list[dict[str, Any]]
     created_at: float
+    images: dict[str, bytes] | None = None  # sha256 hex -> image file (absent for text-only episodes)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -271,7 +314,8 @@ _DECODER = msgspec.msgpack.Decoder(_TrajectoryWire)
 _V2_PREFIX = b"\xa6schema" + msgspec.msgpack.encode(SCHEMA_VERSION)  # after the map header byte
 
 
-def _wire_bytes(a: np.ndarray, dtype: np.dtype) -> memoryview:
+def _wire_bytes(a: np.ndarray, dtype: np.dtype) -> Any:
+    """The array's bytes as a memoryview, for a bytes field: msgspec encodes it as bin without a copy."""
     view = a.data
     if a.dtype is not dtype or not view.c_contiguous:  # `is`: numpy reuses its builtin dtype objects
         view = np.ascontiguousarray(a, dtype=dtype).data
@@ -285,14 +329,34 @@ def encode(traj: Trajectory, validate: bool = True) -> bytes:
     segs = []
     for s in traj.segments:
         experts = s.routed_experts
-        segs.append(_SegmentWire(
-            _wire_bytes(s.token_ids, _I4), _wire_bytes(s.action_spans, _I4), _wire_bytes(s.logprobs, _F4),
-            _wire_bytes(s.versions, _I4), None if experts is None else _wire_bytes(experts, _I2),
-            None if experts is None else experts.shape))
-    return _ENCODER.encode(_TrajectoryWire(
-        SCHEMA_VERSION, traj.trajectory_id, traj.group_id, int(traj.sample_index), segs, float(traj.reward),
-        None if traj.score is None else float(traj.score), {k: float(v) for k, v in traj.info.items()},
-        traj.status, traj.provenance, traj.events, float(traj.created_at)))
+        segs.append(
+            _SegmentWire(
+                _wire_bytes(s.token_ids, _I4),
+                _wire_bytes(s.action_spans, _I4),
+                _wire_bytes(s.logprobs, _F4),
+                _wire_bytes(s.versions, _I4),
+                None if experts is None else _wire_bytes(experts, _I2),
+                None if experts is None else experts.shape,
+                list(s.images) or None,
+            )
+        )
+    return _ENCODER.encode(
+        _TrajectoryWire(
+            SCHEMA_VERSION,
+            traj.trajectory_id,
+            traj.group_id,
+            int(traj.sample_index),
+            segs,
+            float(traj.reward),
+            None if traj.score is None else float(traj.score),
+            {k: float(v) for k, v in traj.info.items()},
+            traj.status,
+            traj.provenance,
+            traj.events,
+            float(traj.created_at),
+            traj.images or None,
+        )
+    )
 
 
 def encode_many(trajectories: list[Trajectory]) -> list[bytes]:
@@ -364,8 +428,20 @@ def _decode_v2(data: bytes) -> Trajectory:
     except msgspec.DecodeError as exc:
         raise SchemaError("record", f"not a msgpack trajectory ({exc})") from None
     segments = [_segment_from_wire(w, i) for i, w in enumerate(wire.segments)]
-    traj = Trajectory(wire.trajectory_id, wire.group_id, wire.sample_index, segments, wire.reward, wire.score,
-                      wire.info, wire.status, wire.provenance, wire.events, wire.created_at)
+    traj = Trajectory(
+        wire.trajectory_id,
+        wire.group_id,
+        wire.sample_index,
+        segments,
+        wire.reward,
+        wire.score,
+        wire.info,
+        wire.status,
+        wire.provenance,
+        wire.events,
+        wire.created_at,
+        wire.images or {},
+    )
     traj._validate_fields()
     return traj
 
@@ -378,11 +454,17 @@ def _segment_from_wire(w: _SegmentWire, i: int) -> Segment:
         seg.action_spans = np.frombuffer(w.action_spans, _I4).reshape(-1, 2)
         seg.logprobs = np.frombuffer(w.logprobs, _F4)
         seg.versions = np.frombuffer(w.versions, _I4)
-        seg.routed_experts = None if w.routed_experts is None else np.frombuffer(
-            w.routed_experts, _I2).reshape(w.routed_experts_shape)
+        seg.routed_experts = (
+            None if w.routed_experts is None else np.frombuffer(w.routed_experts, _I2).reshape(w.routed_experts_shape)
+        )
+        seg.images = w.images or []
     except (TypeError, ValueError):
-        sizes = {"token_ids": (w.token_ids, 4), "action_spans": (w.action_spans, 8), "logprobs": (w.logprobs, 4),
-                 "versions": (w.versions, 4)}
+        sizes = {
+            "token_ids": (w.token_ids, 4),
+            "action_spans": (w.action_spans, 8),
+            "logprobs": (w.logprobs, 4),
+            "versions": (w.versions, 4),
+        }
         name = next((k for k, (b, n) in sizes.items() if len(b) % n), "routed_experts")
         raise SchemaError(f"segments[{i}].{name}", "byte length does not match the dtype and shape") from None
     seg.check_layout(f"segments[{i}]")
@@ -400,49 +482,15 @@ def _msgspec_field(message: str) -> str:
 
 
 def _decode_other(data: bytes) -> Trajectory:
-    """Anything but a v2 record: a v1 record, another version (rejected) or garbage (rejected)."""
+    """Anything but a v2 record with its keys in the usual order: the same record in another order, another
+    version (rejected) or garbage (rejected)."""
     try:
         obj = msgpack.unpackb(data, raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage input
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for garbage input
         raise SchemaError("record", f"not a msgpack trajectory ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict):
         raise SchemaError("record", f"expected a map, got {type(obj).__name__}")
     version = obj.get("schema")
-    if version == SCHEMA_VERSION:  # a v2 record whose writer put its keys in another order
-        return _decode_v2(data)
-    if version != 1:
-        raise SchemaError("schema", f"unsupported schema version {version!r} (this decoder reads 1 and 2)")
-    return _decode_v1(obj)
-
-
-def _unpack_array_v1(obj: Any, name: str) -> np.ndarray:
-    try:
-        return np.frombuffer(obj["b"], dtype=np.dtype(obj["d"])).reshape(obj["s"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SchemaError(name, f"malformed array ({exc})") from None
-
-
-def _decode_v1(obj: dict) -> Trajectory:
-    try:
-        segments = []
-        for i, s in enumerate(obj["segments"]):
-            where = f"segments[{i}]"
-            segments.append(Segment(
-                _unpack_array_v1(s["t"], f"{where}.token_ids"),
-                _unpack_array_v1(s["a"], f"{where}.action_spans"),
-                _unpack_array_v1(s["l"], f"{where}.logprobs"),
-                _unpack_array_v1(s["v"], f"{where}.versions"),
-                _unpack_array_v1(s["r"], f"{where}.routed_experts") if "r" in s else None,
-            ))
-        traj = Trajectory(
-            trajectory_id=obj["id"], group_id=obj["group"], sample_index=obj["idx"], segments=segments,
-            reward=obj["reward"], score=obj.get("score"), info=obj.get("info") or {},
-            status=obj.get("status", "completed"), provenance=Provenance(**(obj.get("prov") or {})),
-            events=obj.get("events") or [], created_at=obj.get("created_at", 0.0),
-        )
-    except KeyError as exc:
-        raise SchemaError(str(exc.args[0]), "missing required field") from None
-    except TypeError as exc:
-        raise SchemaError("record", f"malformed field ({exc})") from None
-    traj.validate()
-    return traj
+    if version != SCHEMA_VERSION:
+        raise SchemaError("schema", f"unsupported schema version {version!r} (this decoder reads {SCHEMA_VERSION})")
+    return _decode_v2(data)

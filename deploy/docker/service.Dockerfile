@@ -28,6 +28,9 @@ COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
 # Agent modules the env workers load by path (--agent NAME=examples/agents/NAME.py).
 COPY examples ./examples
+# molt_build_info{revision}: docker build --build-arg MOLT_BUILD_REVISION=$(git rev-parse HEAD) ...
+ARG MOLT_BUILD_REVISION=unknown
+ENV MOLT_BUILD_REVISION=${MOLT_BUILD_REVISION}
 USER molt
 EXPOSE 8080 8090
 CMD ["python", "-m", "services.gateway", "--help"]

@@ -28,10 +28,11 @@ class AnthropicAgent(ChatAgent):
         system = "\n".join(str(m["content"]) for m in ctx.messages if m["role"] == "system")
         messages = [m for m in ctx.messages if m["role"] != "system"]
         kwargs = {"system": system} if system else {}
-        max_tokens = ctx.sampling_params.get("max_tokens") or DEFAULT_MAX_TOKENS
+        max_tokens = ctx.sampling_params.max_tokens or DEFAULT_MAX_TOKENS
         async with anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key) as client:
-            resp = await client.messages.create(model=ctx.model_name, max_tokens=max_tokens, messages=messages,
-                                                **kwargs)
+            resp = await client.messages.create(
+                model=ctx.model_name, max_tokens=max_tokens, messages=messages, **kwargs
+            )
         answer = "".join(block.text for block in resp.content if block.type == "text")
         return Result(reward=grade(answer, ctx.label), info={"answer_chars": len(answer)})
 

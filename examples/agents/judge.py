@@ -32,8 +32,13 @@ def judge_messages(question: str, answer: str, reference) -> list[dict]:
 
 def judge_request(question: str, answer: str, reference, model: str) -> dict:
     """The judge's chat.completions arguments (deterministic: greedy, fixed seed)."""
-    return {"model": model, "messages": judge_messages(question, answer, reference), "temperature": 0.0,
-            "seed": 0, "max_tokens": JUDGE_MAX_TOKENS}
+    return {
+        "model": model,
+        "messages": judge_messages(question, answer, reference),
+        "temperature": 0.0,
+        "seed": 0,
+        "max_tokens": JUDGE_MAX_TOKENS,
+    }
 
 
 def parse_score(verdict: str) -> float:

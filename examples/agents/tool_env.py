@@ -1,7 +1,7 @@
 """A multi-turn tool env: the model runs Python in the sandbox until it answers (Env path).
 
 Each turn the model either writes code in a ```python block, which runs in ``molt.agents.sandbox``
-(subprocess, time / memory / output limits, no network) and whose stdout/stderr comes back as the next
+(an OS-isolated bubblewrap child: no network, read-only fs, rlimits) and whose stdout/stderr comes back as the next
 observation, or it answers with ``<answer>...</answer>``, which is graded like examples/agents/math.py
 and ends the episode. Tool outputs are feedback: appended after the action and masked out of the loss.
 ``MAX_AGENT_TURNS`` (default 5) caps the turns; the sandbox reads ``PYTHON_EXECUTOR_TIMEOUT`` /
@@ -69,8 +69,12 @@ class ToolEnv(Env):
         else:
             self.tool_calls += 1
             output = (await run_python(code)).as_observation()
-        return Result(reward=0.0, observation=self.feedback(output), terminated=self.turns >= self.max_turns,
-                      info={"tool_calls": self.tool_calls})
+        return Result(
+            reward=0.0,
+            observation=self.feedback(output),
+            terminated=self.turns >= self.max_turns,
+            info={"tool_calls": self.tool_calls},
+        )
 
 
 class AgentRunner(StepEnvRunner):

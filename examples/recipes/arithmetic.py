@@ -18,8 +18,12 @@ class ArithmeticEnv(Env):
         numbers = _NUMBER.findall(text)
         correct = bool(numbers) and numbers[-1] == str(state["label"]).strip()
         exact = correct and text.rstrip(".") == numbers[-1]
-        return Result(reward=float(correct) + 0.2 * float(exact), score=float(correct), terminated=True,
-                      info={"correct": float(correct), "exact_format": float(exact)})
+        return Result(
+            reward=float(correct) + 0.2 * float(exact),
+            score=float(correct),
+            terminated=True,
+            info={"correct": float(correct), "exact_format": float(exact)},
+        )
 
 
 class AgentRunner(StepEnvRunner):

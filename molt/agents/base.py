@@ -50,8 +50,9 @@ class Result:
     """Dynamic-filtering / dashboard score; defaults to the episode's reward."""
     images: list[Any] | None = None
     """Next-turn images. The gateway's token API is text-only: images are dropped with a warning."""
-    sampling_params: dict[str, Any] | None = None
-    """Step path: replaces the sampling params (and the per-turn cap) for the following turns."""
+    sampling_params: Any = None
+    """Step path: replaces the sampling params (and the per-turn cap: its max_tokens) for the following turns.
+    A ``SamplingParams``, a vLLM ``SamplingParams`` or a dict of the same names."""
 
 
 def first_scalar(value: Any, what: str = "reward") -> float:
@@ -74,10 +75,18 @@ def first_scalar(value: Any, what: str = "reward") -> float:
 
 
 def numeric_info(info: Any) -> dict[str, float]:
-    """The numeric, finite scalars of ``Result.info`` (Molt logs those and skips the rest)."""
+    """The numeric scalars of ``Result.info``, as Molt logs them: a tensor / numpy array / list gives its first
+    element, booleans count as 0/1, and anything else (text, empty or non-finite values) is skipped."""
     out: dict[str, float] = {}
     for key, value in (info or {}).items():
-        if isinstance(value, (int, float)) and math.isfinite(value):
+        while True:
+            if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch / numpy, without importing them
+                value = value.reshape(-1).tolist()
+            elif isinstance(value, (list, tuple)) and value:
+                value = value[0]
+            else:
+                break
+        if isinstance(value, (bool, int, float)) and math.isfinite(value):
             out[str(key)] = float(value)
     return out
 
@@ -107,6 +116,15 @@ class Episode:
     env_version: str = ""
     trajectory_id: str | None = None
     """Set by the runner once its session is open (the session id is the trajectory id)."""
+    eval: bool = False
+    """Evaluation: the runner grades the episode and aborts its session instead of finishing it (no trajectory)."""
+
+    async def finish(self, session, reward: float, score: float | None, info: dict[str, float]) -> dict[str, Any]:
+        """Finish ``session`` with the reward (the gateway writes the trajectory); an eval episode writes nothing:
+        leaving the session unfinished makes ``GatewayClient.session`` abort it."""
+        if self.eval:
+            return {"written": False}
+        return await session.finish(reward, score, info)
 
     def session_fields(self, sampling_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """The POST /v1/sessions body for this episode."""
@@ -189,9 +207,49 @@ def load_agent_runner(path: str | Path, name: str = "agent_module") -> Runner:
     return runner_cls()
 
 
+# ---- Molt's in-process form (molt.agents.local): its runner-side trajectory and vLLM logprob extraction
+
+
+@dataclass
+class Trajectory:
+    """Molt's runner-side trajectory (the services' wire format is ``molt.schema.Trajectory``)."""
+
+    prompt: Any = None
+    label: Any = None
+    observation_text: str = ""
+    observation_tokens: list[int] = field(default_factory=list)
+    action_ranges: list[tuple[int, int]] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    reward: float = 0.0
+    scores: float | None = None
+    truncated: bool = False
+    extra_logs: dict[str, Any] = field(default_factory=dict)
+
+
+def _extract_generation_logprobs(action_token_ids, generation_logprobs) -> list[float]:
+    """The sampled token's logprob per action token from vLLM's per-position top entries (missing: 0.0)."""
+    if generation_logprobs is None:
+        raise RuntimeError("vLLM did not return token logprobs while rollout importance correction is enabled.")
+    if len(generation_logprobs) != len(action_token_ids):
+        raise RuntimeError(
+            f"vLLM token logprobs must align with generated token ids: got {len(generation_logprobs)} "
+            f"logprob entries for {len(action_token_ids)} tokens."
+        )
+    out = []
+    for token_id, entries in zip(action_token_ids, generation_logprobs):
+        entry = entries.get(token_id) if entries else None
+        out.append(entry.logprob if entry is not None else 0.0)
+    return out
+
+
 # Molt defines Env and StepEnvRunner in molt/agents/base.py; modules that import them from here keep working.
-_MOLT_NAMES = {"Env": "molt.agents.env", "StepEnvRunner": "molt.agents.env", "ChatAgent": "molt.agents.chat_agent",
-               "ChatAgentRunner": "molt.agents.chat_agent", "ChatContext": "molt.agents.chat_agent"}
+_MOLT_NAMES = {
+    "Env": "molt.agents.env",
+    "StepEnvRunner": "molt.agents.env",
+    "ChatAgent": "molt.agents.chat_agent",
+    "ChatAgentRunner": "molt.agents.chat_agent",
+    "ChatContext": "molt.agents.chat_agent",
+}
 
 
 def __getattr__(name: str) -> Any:

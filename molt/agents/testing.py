@@ -14,8 +14,9 @@ bookkeeping as the real gateway, so tests can check what would have been trained
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -58,8 +59,13 @@ def render(messages: list[dict[str, Any]]) -> str:
 
 
 class FakeGateway:
-    def __init__(self, policy: Policy | None = None, default_max_length: int = 4096,
-                 default_max_tokens: int = 64, zero_max_tokens_appends: bool = True) -> None:
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        default_max_length: int = 4096,
+        default_max_tokens: int = 64,
+        zero_max_tokens_appends: bool = True,
+    ) -> None:
         self.policy: Policy = policy or (lambda prompt, turn: f"answer {turn}")
         self.default_max_length = default_max_length
         self.default_max_tokens = default_max_tokens
@@ -87,9 +93,13 @@ class FakeGateway:
         else:
             finish = "length"
         return {
-            "token_ids": ids, "logprobs": [FAKE_LOGPROB] * len(ids),
-            "text": bytes(ids).decode("utf-8", errors="replace"), "finish_reason": finish, "policy_version": 0,
-            "num_tokens": len(s.token_ids), "remaining_tokens": s.max_length - len(s.token_ids),
+            "token_ids": ids,
+            "logprobs": [FAKE_LOGPROB] * len(ids),
+            "text": bytes(ids).decode("utf-8", errors="replace"),
+            "finish_reason": finish,
+            "policy_version": 0,
+            "num_tokens": len(s.token_ids),
+            "remaining_tokens": s.max_length - len(s.token_ids),
         }
 
     def _build(self) -> FastAPI:
@@ -99,6 +109,7 @@ class FakeGateway:
             return JSONResponse({"error": {"message": f"unknown session {sid}", "code": 404}}, 404)
 
         @app.get("/healthz")
+        @app.get("/readyz")
         async def healthz():
             return {"status": "ok"}
 
@@ -108,8 +119,11 @@ class FakeGateway:
             sid = uuid.uuid4().hex
             self.sessions[sid] = FakeSession(sid, body, int(body.get("max_length") or self.default_max_length))
             base = str(request.base_url).rstrip("/")
-            return {"session_id": sid, "openai_base_url": f"{base}/s/{sid}/v1",
-                    "anthropic_base_url": f"{base}/s/{sid}"}
+            return {
+                "session_id": sid,
+                "openai_base_url": f"{base}/s/{sid}/v1",
+                "anthropic_base_url": f"{base}/s/{sid}",
+            }
 
         @app.post("/v1/sessions/{sid}/generate")
         async def generate(sid: str, request: Request):
@@ -139,9 +153,17 @@ class FakeGateway:
                 sp["max_tokens"] = body["max_tokens"]
             out = self._generate(s, list(render(body["messages"]).encode("utf-8")), sp)
             return {
-                "id": f"chatcmpl-{sid}", "object": "chat.completion", "created": 0, "model": "policy",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                             "finish_reason": out["finish_reason"]}],
+                "id": f"chatcmpl-{sid}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "policy",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": out["text"]},
+                        "finish_reason": out["finish_reason"],
+                    }
+                ],
                 "usage": {"prompt_tokens": 0, "completion_tokens": len(out["token_ids"]), "total_tokens": 0},
             }
 
@@ -151,6 +173,13 @@ class FakeGateway:
             if s is None:
                 return missing(sid)
             return {"session_id": sid, "status": s.status, "turns": s.turns, "num_tokens": len(s.token_ids)}
+
+        @app.post("/v1/sessions/{sid}/renew")
+        async def renew(sid: str):
+            s = self.sessions.get(sid)
+            if s is None or s.status != "open":
+                return missing(sid)
+            return {"session_id": sid, "lease_s": s.fields.get("lease_s")}
 
         @app.post("/v1/sessions/{sid}/finish")
         async def finish(sid: str, request: Request):

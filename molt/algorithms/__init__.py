@@ -3,7 +3,7 @@
 Everything here is a torch function on step-axis tensors (``[B, T]``, step k predicts token k+1,
 ``action_mask`` True on policy-generated tokens). Nothing knows about services, transports or
 models, so the trainer service, the rollout side and the unit tests call the same code. Formulas,
-defaults and flag names follow Molt (docs: molt-spec sections 4, 5, 8.2); each module's docstring
+defaults and flag names follow Molt (docs/algorithms.md); each module's docstring
 states its part.
 
 Stable entry points (the trainer service codes against these signatures)::
@@ -44,6 +44,7 @@ trainer parses its flags, and select it with ``--algo.advantage.estimator name``
 global token-mean and metrics are applied around it by the framework.
 """
 
+from molt.algorithms import estimators as _builtin_estimators  # noqa: F401  (importing it registers them)
 from molt.algorithms.advantages import (
     AdvantageBatch,
     AdvantageEstimator,

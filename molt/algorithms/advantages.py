@@ -246,7 +246,3 @@ def compute_advantages(
     if spec.whitens and whiten:
         advantages = whiten_advantages(advantages, mask)
     return advantages, returns
-
-
-# Built-in estimators live in a sibling module; importing it registers them.
-from molt.algorithms import estimators as _builtin_estimators  # noqa: E402,F401

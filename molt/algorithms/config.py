@@ -149,8 +149,10 @@ def validate_algo(
     estimator = get_advantage_estimator(adv.estimator)
     if adv.estimator == "on_policy_distill":
         if kl.use_loss or kl.estimator != "k1":
-            hints.append("on_policy_distill uses the teacher KL as its reward: forcing --algo.kl.estimator k1, "
-                         "--algo.kl.use_loss off")
+            hints.append(
+                "on_policy_distill uses the teacher KL as its reward: forcing --algo.kl.estimator k1, "
+                "--algo.kl.use_loss off"
+            )
         kl.estimator, kl.use_loss = "k1", False
     if kl.init_coef is None:
         kl.init_coef = algo.resolved_kl_coef()

@@ -60,7 +60,7 @@ def filter_group(
         return GroupVerdict(False, INCOMPLETE_GROUP, None, (low, high))
     if any(s is None for s in representative.values()):
         return GroupVerdict(True, None, None, (low, high))
-    group_scores = tuple(float(s) for s in representative.values())  # type: ignore[arg-type]
+    group_scores = tuple(float(s) for s in representative.values() if s is not None)  # none is None (above)
     mean = sum(group_scores) / len(group_scores)
     keep = low < mean < high
     return GroupVerdict(keep, None if keep else DYNAMIC_FILTER, group_scores, (low, high))
@@ -70,13 +70,15 @@ def filtering_metrics(verdicts: Sequence[GroupVerdict]) -> dict[str, float]:
     """Rollout-side metrics for a batch of judged groups (empty input -> empty dict)."""
     if not verdicts:
         return {}
-    scored = [v for v in verdicts if v.scores]
+    # (scores, range) of the groups that have scores (their mean_score is then a float)
+    scored = [(v.scores, v.score_range) for v in verdicts if v.scores]
     metrics = {"dynamic_filtering_pass_rate": 100.0 * sum(v.keep for v in verdicts) / len(verdicts)}
     if scored:
-        all_scores = [s for v in scored for s in v.scores]  # type: ignore[union-attr]
+        all_scores = [s for scores, _ in scored for s in scores]
+        means = [(sum(scores) / len(scores), lo, hi) for scores, (lo, hi) in scored]
         metrics["rollout/pre_filter_mean_score"] = sum(all_scores) / len(all_scores)
-        metrics["rollout/group_all_pass_rate"] = sum(v.mean_score >= v.score_range[1] for v in scored) / len(scored)
-        metrics["rollout/group_all_fail_rate"] = sum(v.mean_score <= v.score_range[0] for v in scored) / len(scored)
+        metrics["rollout/group_all_pass_rate"] = sum(m >= hi for m, _, hi in means) / len(scored)
+        metrics["rollout/group_all_fail_rate"] = sum(m <= lo for m, lo, _ in means) / len(scored)
     return metrics
 
 

@@ -249,6 +249,7 @@ class PolicyLoss:
             correction = is_correction(
                 old_logp, rollout_logp, mask, level=self.is_level, mode=self.is_mode, threshold=self.is_threshold
             )
+            assert correction is not None  # None only for level "off"
             is_coef = correction.coef.to(token_loss.dtype)
             token_loss = token_loss * is_coef
             metrics["vllm_kl"] = correction.vllm_kl

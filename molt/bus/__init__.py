@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
+from molt.bus.base import Delivery, QueueFull, QueueLag, QueueUnavailable, TrajectoryQueue
 from molt.config import RedisConfig
 from molt.metrics import Metrics
 
@@ -30,4 +30,4 @@ def open_queue(cfg: RedisConfig, metrics: Metrics | None = None) -> TrajectoryQu
     return RedisTrajectoryQueue(cfg.url, cfg.stream, cfg.group, cfg.max_len, cfg.dead_letter_stream, metrics)
 
 
-__all__ = ["Delivery", "QUEUE_METRICS", "QueueFull", "QueueLag", "TrajectoryQueue", "open_queue"]
+__all__ = ["Delivery", "QUEUE_METRICS", "QueueFull", "QueueLag", "QueueUnavailable", "TrajectoryQueue", "open_queue"]

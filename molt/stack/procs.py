@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from molt.serve import wait_ready
 
 
 class ServiceFailed(RuntimeError):
@@ -27,6 +26,7 @@ class ManagedProcess:
     cmd: list[str]
     log_path: Path
     ready_url: str | None = None
+    """The service's base URL: ready once its /readyz answers 200 (``molt.serve.wait_ready``)."""
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
@@ -35,8 +35,14 @@ class ManagedProcess:
         log = open(self.log_path, "ab")
         log.write(f"$ {' '.join(self.cmd)}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         log.close()
 
     def alive(self) -> bool:
@@ -50,27 +56,27 @@ class ManagedProcess:
 
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() not in (None, 0):
-            raise ServiceFailed(f"{self.name} exited with code {self.proc.returncode}; log {self.log_path}:\n"
-                                f"{self.tail()}")
+            raise ServiceFailed(
+                f"{self.name} exited with code {self.proc.returncode}; log {self.log_path}:\n{self.tail()}"
+            )
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self.ready_url:
             return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        try:
+            wait_ready(self.ready_url, timeout_s, self.alive, self.name)
+        except RuntimeError:
             self.check()
-            if not self.alive():
-                raise ServiceFailed(f"{self.name} exited before it was ready; log {self.log_path}:\n{self.tail()}")
-            try:
-                if httpx.get(self.ready_url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise ServiceFailed(f"{self.name} not ready at {self.ready_url} after {timeout_s:.0f}s; log {self.log_path}")
+            raise ServiceFailed(
+                f"{self.name} exited before it was ready; log {self.log_path}:\n{self.tail()}"
+            ) from None
+        except TimeoutError:
+            raise ServiceFailed(
+                f"{self.name} not ready at {self.ready_url} after {timeout_s:.0f}s; log {self.log_path}"
+            ) from None
 
     def signal_group(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             try:
                 os.killpg(self.proc.pid, sig)  # the group we created with start_new_session
             except ProcessLookupError:

@@ -34,6 +34,24 @@ class Recipe:
     """OpenMP threads of the trainer process (every other service gets one)."""
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The last value ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), as argparse would read it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def gateway_context_args(rollout_args: list[str]) -> list[str]:
+    """Gateway flags that give its sessions the context the pods run (``--vllm.max_model_len``), derived from the
+    pods' own flags so the two are never set twice: a gateway that budgets more would plan turns the pods refuse."""
+    max_model_len = flag_value(rollout_args, "--vllm.max_model_len")
+    return ["--session.max_length", max_model_len] if max_model_len is not None else []
+
+
 def _prompts_digits(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     starts = ["Write a number", "Count for me", "Give me digits", "List some numbers", "Say a code", "Write"]
@@ -61,15 +79,22 @@ def write_prompts(recipe: Recipe, path: Path) -> Path:
 # Trainer flags both recipes share: GRPO without a reference model, chat-formatted prompts with labels,
 # token-level truncated IS correction.
 _COMMON_TRAINER = [
-    "--algo.advantage.estimator", "grpo",
-    "--algo.kl.init_coef", "0",
-    "--data.apply_chat_template", "true",
-    "--data.label_key", "label",
+    "--algo.advantage.estimator",
+    "grpo",
+    "--algo.kl.init_coef",
+    "0",
+    "--data.apply_chat_template",
+    "true",
+    "--data.label_key",
+    "label",
     # One optimizer step per rollout batch (train.batch_size = prompts x samples), so pi_old equals the
     # current weights: skipping Molt's extra old-logprob forward gives the same gradient, a third faster.
-    "--train.force_on_policy", "true",
-    "--algo.advantage.is_correction_level", "token",
-    "--algo.advantage.is_correction_mode", "trunc",
+    "--train.force_on_policy",
+    "true",
+    "--algo.advantage.is_correction_level",
+    "token",
+    "--algo.advantage.is_correction_mode",
+    "trunc",
 ]
 
 
@@ -81,16 +106,25 @@ RECIPES: dict[str, Recipe] = {
         agent="examples/recipes/digits.py",
         steps=30,
         trainer=[
-            "--rollout.n_samples_per_prompt", "8",
-            "--rollout.batch_size", "8",
-            "--rollout.max_new_tokens", "24",
-            "--rollout.temperature", "1.0",
-            "--train.batch_size", "64",
-            "--train.micro_batch_size", "16",
-            "--actor.adam.lr", "3e-3",
-            "--data.max_len", "128",
+            "--rollout.n_samples_per_prompt",
+            "8",
+            "--rollout.batch_size",
+            "8",
+            "--rollout.max_new_tokens",
+            "24",
+            "--rollout.temperature",
+            "1.0",
+            "--train.batch_size",
+            "64",
+            "--train.micro_batch_size",
+            "16",
+            "--actor.adam.lr",
+            "3e-3",
+            "--data.max_len",
+            "128",
             *_COMMON_TRAINER,
-            "--train.async_queue_size", "2",
+            "--train.async_queue_size",
+            "2",
         ],
         rollout=["--vllm.max_model_len", "256", "--vllm.kv_cache_memory_bytes", str(64 << 20)],
         # Room for every episode the trainer may have in flight ((async_queue_size + 1) x 8 groups x 8), so
@@ -105,22 +139,30 @@ RECIPES: dict[str, Recipe] = {
         steps=16,
         prompts="arithmetic",
         trainer=[
-            "--rollout.n_samples_per_prompt", "4",
-            "--rollout.batch_size", "8",
-            "--rollout.max_new_tokens", "16",
-            "--train.batch_size", "32",
-            "--train.micro_batch_size", "8",
-            "--actor.adam.lr", "2e-5",
-            "--data.max_len", "160",
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--rollout.batch_size",
+            "8",
+            "--rollout.max_new_tokens",
+            "16",
+            "--train.batch_size",
+            "32",
+            "--train.micro_batch_size",
+            "8",
+            "--actor.adam.lr",
+            "2e-5",
+            "--data.max_len",
+            "160",
             *_COMMON_TRAINER,
-            # Molt's default: one step off-policy. With 32 samples per step, 2 versions of staleness kept
-            # the reward flat for 8 steps, while on-policy runs rose 0.0 -> 0.5 in 10 (BENCHMARKS.md).
-            "--train.async_queue_size", "1",
+            # Molt's default: one step off-policy. At 32 samples per step, more staleness keeps this small
+            # model's reward flat for many steps.
+            "--train.async_queue_size",
+            "1",
         ],
         rollout=["--vllm.max_model_len", "512", "--vllm.kv_cache_memory_bytes", str(256 << 20)],
         envs=["--envs.max_concurrency", "128"],
-        # One trainer thread: two measured 8.7 vs 9.7 s/step on a quiet box, but 70-90 s/step when other jobs
-        # load the cores (OpenMP threads wait on descheduled peers). Raise it on a dedicated machine.
+        # One trainer thread: a second one gains little on a quiet box and costs many times over when other
+        # jobs load the cores (OpenMP threads wait on descheduled peers). Raise it on a dedicated machine.
         trainer_threads=1,
     ),
 }

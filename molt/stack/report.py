@@ -35,7 +35,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class Progress:
-    def __init__(self, path: Path, total_steps: int, enabled: bool = True) -> None:
+    def __init__(self, path: Path, total_steps: int | None, enabled: bool = True) -> None:
         self.path = path
         self.total = total_steps
         self.enabled = enabled
@@ -66,21 +66,32 @@ class Progress:
         m = self.last_metrics
         samples = sum(r.get("samples", 0) for r in self.rows)
         rate = samples / max(time.monotonic() - self._started, 1e-9)
-        print(f"[step {row.get('step', len(self.rows)):>4}/{self.total}] reward {row.get('reward_mean', float('nan')):.3f}"
-              f" | mismatch_kl {row.get('mismatch_kl', float('nan')):.2e}"
-              f" (fresh {row.get('mismatch_kl_fresh', float('nan')):.1e})"
-              f" | queue lag {m.get('molt_queue_undelivered_entries', 0) + m.get('molt_queue_pending_entries', 0):.0f}"
-              f" | staleness {row.get('staleness_mean', float('nan')):.2f}"
-              f" | {rate:.1f} samples/s | version {row.get('policy_version', '?')}", flush=True)
+        print(
+            f"[step {row.get('step', len(self.rows)):>4}/{self.total or '?'}]"
+            f" reward {row.get('reward_mean', float('nan')):.3f}"
+            f" | mismatch_kl {row.get('mismatch_kl', float('nan')):.2e}"
+            f" (fresh {row.get('mismatch_kl_fresh', float('nan')):.1e})"
+            f" | queue lag {m.get('molt_queue_undelivered_entries', 0) + m.get('molt_queue_pending_entries', 0):.0f}"
+            f" | staleness {row.get('staleness_mean', float('nan')):.2f}"
+            f" | {rate:.1f} samples/s | version {row.get('policy_version', '?')}",
+            flush=True,
+        )
 
 
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
+def _mean(xs: list[float | None]) -> float:
+    """Mean of the logged values (a step without the metric logs None, a failed one NaN)."""
+    vals = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
-def finish_report(run_dir: Path, progress: Progress, gateway_counts: dict[str, float], wall_s: float,
-                  recipe: str, pod_versions: list[float | None] | None = None) -> dict:
+def finish_report(
+    run_dir: Path,
+    progress: Progress,
+    gateway_counts: dict[str, float],
+    wall_s: float,
+    recipe: str,
+    pod_versions: list[float | None] | None = None,
+) -> dict:
     rows = progress.rows
     rewards = [r.get("reward_mean") for r in rows]
     k = max(1, math.ceil(len(rows) * 0.1))
@@ -96,8 +107,10 @@ def finish_report(run_dir: Path, progress: Progress, gateway_counts: dict[str, f
         "trajectories_trained": int(sum(r.get("trajectories", r.get("samples", 0)) for r in rows)),
         "mismatch_kl_max": max((abs(r.get("mismatch_kl", 0.0)) for r in rows), default=0.0),
         # Tokens scored by the very weights that generated them: engine-vs-trainer numerics alone.
-        "mismatch_kl_fresh_max": max((abs(r["mismatch_kl_fresh"]) for r in rows
-                                      if not math.isnan(r.get("mismatch_kl_fresh", float("nan")))), default=None),
+        "mismatch_kl_fresh_max": max(
+            (abs(r["mismatch_kl_fresh"]) for r in rows if not math.isnan(r.get("mismatch_kl_fresh", float("nan")))),
+            default=None,
+        ),
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
         "final_policy_version": rows[-1].get("policy_version") if rows else None,
         "pod_policy_versions": [None if v is None else int(v) for v in (pod_versions or [])],
@@ -115,7 +128,7 @@ def _plot(path: Path, rows: list[dict], recipe: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
-    ax.plot(steps, [r.get("reward_mean") for r in rows], marker="o", ms=3)
+    ax.plot(steps, [r.get("reward_mean", math.nan) for r in rows], marker="o", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(f"molt up --recipe {recipe}")

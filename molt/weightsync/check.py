@@ -2,7 +2,7 @@
 
 After a sync the pod computes the same probe's prompt logprobs with its engine and compares
 (``WeightSyncCore.commit``); above ``max_abs_diff`` it refuses to promote. fp32 vLLM on CPU agrees
-with transformers fp32 to ~1e-6 (cpu-stack.md), bf16 only to ~3e-2: pick the threshold by dtype.
+with transformers fp32 to ~1e-6, bf16 only to ~3e-2 (bf16 keeps 8 mantissa bits): pick the threshold by dtype.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ def prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]
     return logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
 
-def probe_check(model: torch.nn.Module, token_ids: list[int] | None = None, max_abs_diff: float = 1e-3
-                ) -> pb.ProbeCheck:
+def probe_check(
+    model: torch.nn.Module, token_ids: list[int] | None = None, max_abs_diff: float = 1e-3
+) -> pb.ProbeCheck:
     """A Commit check from the trainer's model (vocab-clipped default probe)."""
-    vocab = model.get_input_embeddings().weight.shape[0]
+    vocab = model.get_input_embeddings().weight.shape[0]  # type: ignore[operator]  # nn.Module.__getattr__ types the HF model's methods as Tensor | Module
     ids = [t % vocab for t in (token_ids or DEFAULT_PROBE)]
     return pb.ProbeCheck(token_ids=ids, expected_logprobs=prompt_logprobs(model, ids), max_abs_diff=max_abs_diff)

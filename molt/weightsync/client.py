@@ -2,17 +2,20 @@
 
 ``GrpcPodClient`` talks to a pod's WeightSync server; ``LocalPodClient`` drives a
 ``WeightSyncCore`` in the same event loop (unit tests, and a trainer colocated with its pod).
-Both speak the protobuf messages of proto/weightsync.proto; Push takes pre-encoded Chunks.
+Both speak the protobuf messages of proto/weightsync.proto; Push takes pre-encoded Chunks. The gRPC
+client sends the weight-sync token (``MOLT_WEIGHTS_TOKEN`` unless given) with every call.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from typing import NoReturn
 
 import grpc
 
 from molt._proto import weightsync_pb2 as pb
+from molt.weightsync.auth import channel_credentials_from_env, token_from_env
 from molt.weightsync.core import SyncError, WeightSyncCore
 from molt.weightsync.server import TRANSPORTS, check_from_commit, status_message
 from molt.weightsync.wire import SERVICE, decode_chunk, grpc_options, identity, layout_from_begin
@@ -68,7 +71,7 @@ class PodClient(ABC):
 class _GrpcPush(PushStream):
     def __init__(self, client: GrpcPodClient) -> None:
         self.client = client
-        self.call = client._push(timeout=client.timeout_s)
+        self.call = client._push(timeout=client.timeout_s, metadata=client.metadata)
 
     async def write(self, chunk: bytes) -> None:
         try:
@@ -83,7 +86,7 @@ class _GrpcPush(PushStream):
         except grpc.aio.AioRpcError as exc:
             await self._raise(exc)
 
-    async def _raise(self, exc) -> None:
+    async def _raise(self, exc) -> NoReturn:
         # A write fails once the server has ended the call; its status says why.
         try:
             await self.call
@@ -91,8 +94,9 @@ class _GrpcPush(PushStream):
             exc = final
         except asyncio.CancelledError:
             raise PodError(self.client.target, "CANCELLED", "push cancelled") from None
-        code, detail = (exc.code().name, exc.details() or "") if isinstance(exc, grpc.aio.AioRpcError) else (
-            "UNKNOWN", str(exc))
+        code, detail = (
+            (exc.code().name, exc.details() or "") if isinstance(exc, grpc.aio.AioRpcError) else ("UNKNOWN", str(exc))
+        )
         if code in ("INTERNAL", "UNAVAILABLE", "UNKNOWN"):
             # The pod may have refused the sync (e.g. DATA_LOSS on a bad checksum) while this side was still
             # writing; gRPC then sometimes reports only a transport error. The pod recorded its reason.
@@ -114,27 +118,49 @@ class _GrpcPush(PushStream):
 
 
 class GrpcPodClient(PodClient):
-    def __init__(self, target: str, timeout_s: float = 600.0, max_message_bytes: int = 64 << 20) -> None:
+    """``token``: the pods' weight-sync token; None reads ``MOLT_WEIGHTS_TOKEN`` ("" sends none).
+    ``credentials``: TLS to the pods; None reads ``MOLT_WEIGHTS_TLS_*`` (plaintext when unset)."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float = 600.0,
+        max_message_bytes: int = 64 << 20,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        token = token_from_env() if token is None else token
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.begun_version: int | None = None  # version of the last Begin, to match the pod's last error
-        self.channel = grpc.aio.insecure_channel(target, options=grpc_options(max_message_bytes))
+        credentials = credentials or channel_credentials_from_env()
+        options = grpc_options(max_message_bytes)
+        self.channel = (
+            grpc.aio.secure_channel(target, credentials, options=options)
+            if credentials
+            else grpc.aio.insecure_channel(target, options=options)
+        )
 
         def unary(name, resp_cls):
-            return self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=lambda m: m.SerializeToString(),
-                                            response_deserializer=resp_cls.FromString)
+            return self.channel.unary_unary(
+                f"/{SERVICE}/{name}",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=resp_cls.FromString,
+            )
 
         self._begin = unary("Begin", pb.BeginResponse)
         self._commit = unary("Commit", pb.CommitResponse)
         self._abort = unary("Abort", pb.AbortResponse)
         self._status = unary("Status", pb.StatusResponse)
         self._init = unary("InitCollective", pb.InitCollectiveResponse)
-        self._push = self.channel.stream_unary(f"/{SERVICE}/Push", request_serializer=identity,
-                                               response_deserializer=pb.PushResponse.FromString)
+        self._push = self.channel.stream_unary(
+            f"/{SERVICE}/Push", request_serializer=identity, response_deserializer=pb.PushResponse.FromString
+        )
 
     async def _call(self, fn, req, timeout_s: float | None = None):
         try:
-            return await fn(req, timeout=timeout_s or self.timeout_s)
+            return await fn(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise PodError(self.target, exc.code().name, exc.details() or "") from None
 
@@ -164,8 +190,14 @@ class GrpcPodClient(PodClient):
 # ---- in memory
 
 
-_CODES = {"invalid_argument": "INVALID_ARGUMENT", "failed_precondition": "FAILED_PRECONDITION",
-          "data_loss": "DATA_LOSS", "aborted": "ABORTED", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}
+_CODES = {
+    "invalid_argument": "INVALID_ARGUMENT",
+    "failed_precondition": "FAILED_PRECONDITION",
+    "data_loss": "DATA_LOSS",
+    "aborted": "ABORTED",
+    "unavailable": "UNAVAILABLE",
+    "internal": "INTERNAL",
+}
 
 
 class _LocalPush(PushStream):
@@ -210,17 +242,26 @@ class LocalPodClient(PodClient):
             raise PodError(self.target, _CODES[err.code], f"[{err.reason}] {err}") from None
 
     async def begin(self, req):
-        out = await self._guard(self.core.begin(req.sync_id, req.version, layout_from_begin(req), list(req.keep),
-                                                TRANSPORTS.get(req.transport, "?"), req.checksum or "xxh3_64",
-                                                req.force))
+        out = await self._guard(
+            self.core.begin(
+                req.sync_id,
+                req.version,
+                layout_from_begin(req),
+                list(req.keep),
+                TRANSPORTS.get(req.transport, "?"),
+                req.checksum or "xxh3_64",
+                req.force,
+            )
+        )
         return pb.BeginResponse(**out)
 
     def open_push(self) -> PushStream:
         return _LocalPush(self)
 
     async def commit(self, req):
-        out = await self._guard(self.core.commit(req.sync_id, req.version, list(req.checksums),
-                                                 check_from_commit(req)))
+        out = await self._guard(
+            self.core.commit(req.sync_id, req.version, list(req.checksums), check_from_commit(req))
+        )
         return pb.CommitResponse(**out)
 
     async def abort(self, req):
@@ -230,6 +271,9 @@ class LocalPodClient(PodClient):
         return status_message(self.core, include_parameters)
 
     async def init_collective(self, req):
-        desc = await self._guard(self.core.init_collective(req.backend, req.master_addr, req.master_port,
-                                                           req.world_size, req.rank, req.group_name, req.timeout_s))
+        desc = await self._guard(
+            self.core.init_collective(
+                req.backend, req.master_addr, req.master_port, req.world_size, req.rank, req.group_name, req.timeout_s
+            )
+        )
         return pb.InitCollectiveResponse(collective=desc)

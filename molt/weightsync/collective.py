@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class Collective:
     backend: str
     rank: int
     world_size: int
-    group: object  # ProcessGroupGloo | PyNcclCommunicator
+    group: Any  # ProcessGroupGloo | PyNcclCommunicator: two unrelated APIs, each called on its backend only
     device: torch.device
     store: object = None  # keeps the TCPStore (the trainer hosts it) alive
 
@@ -51,8 +52,8 @@ class Collective:
         """The per-sync control broadcast; on pods the arguments are ignored and the trainer's returned."""
         t = torch.tensor([int(go), num_buckets, total_bytes], dtype=torch.int64, device=self.device)
         self.broadcast(t)
-        go, n, total = (int(x) for x in t.cpu())
-        return bool(go), n, total
+        started, n, total = (int(x) for x in t.cpu())
+        return bool(started), n, total
 
     def close(self) -> None:
         self.group = None
@@ -62,7 +63,7 @@ class Collective:
 def _gloo(store, rank: int, world_size: int, group_name: str, timeout_s: float, host: str):
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    opts = ProcessGroupGloo._Options()
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # gloo's device list is set only here
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
     return ProcessGroupGloo(PrefixStore(f"molt-weightsync/{group_name}", store), rank, world_size, opts)
@@ -72,13 +73,23 @@ def host_store(host: str, world_size: int, timeout_s: float, port: int = 0):
     """The trainer's TCPStore (gloo); returns (store, bound port)."""
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout_s))
+    store = TCPStore(
+        host, port, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return store, store.port
 
 
-def join(backend: str, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str,
-         timeout_s: float = 120.0, store=None, bind_host: str | None = None) -> Collective:
+def join(
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 120.0,
+    store=None,
+    bind_host: str | None = None,
+) -> Collective:
     """Join (blocking until every rank has joined) a standalone group. Rank 0 passes its own store."""
     if backend not in BACKENDS:
         raise ValueError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
@@ -86,8 +97,9 @@ def join(backend: str, master_addr: str, master_port: int, rank: int, world_size
         if store is None:
             from torch.distributed import TCPStore
 
-            store = TCPStore(master_addr, master_port, world_size, is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+            store = TCPStore(
+                master_addr, master_port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            )
         host = bind_host or ("127.0.0.1" if master_addr in ("127.0.0.1", "localhost") else socket.gethostname())
         group = _gloo(store, rank, world_size, group_name, timeout_s, host)
         return Collective("gloo", rank, world_size, group, torch.device("cpu"), store)
@@ -95,8 +107,9 @@ def join(backend: str, master_addr: str, master_port: int, rank: int, world_size
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
-    pg = StatelessProcessGroup.create(host=master_addr, port=master_port, rank=rank, world_size=world_size,
-                                      store_timeout=int(timeout_s))
+    pg = StatelessProcessGroup.create(
+        host=master_addr, port=master_port, rank=rank, world_size=world_size, store_timeout=int(timeout_s)
+    )
     device = torch.device("cuda", torch.cuda.current_device())
     comm = PyNcclCommunicator(pg, device=device)
     return Collective("nccl", rank, world_size, comm, device, pg)

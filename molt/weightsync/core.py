@@ -30,8 +30,12 @@ from molt.weightsync.manifest import ManifestError, verify_manifest
 
 log = logging.getLogger("molt.weightsync")
 
-POD_METRICS = ("molt_weightsync_bytes_total", "molt_weightsync_phase_seconds", "molt_weightsync_failures_total",
-               "molt_weightsync_version")
+POD_METRICS = (
+    "molt_weightsync_bytes_total",
+    "molt_weightsync_phase_seconds",
+    "molt_weightsync_failures_total",
+    "molt_weightsync_version",
+)
 
 
 class SyncError(Exception):
@@ -73,8 +77,9 @@ class WeightSyncCore:
     """One per rollout pod; ``engine`` has the RolloutEngine members (policy_version, expected_parameters,
     apply_weights, prompt_logprobs)."""
 
-    def __init__(self, engine, metrics: Metrics | None = None, keep_rollback_copy: bool = True,
-                 reuse_staging: bool = True) -> None:
+    def __init__(
+        self, engine, metrics: Metrics | None = None, keep_rollback_copy: bool = True, reuse_staging: bool = True
+    ) -> None:
         self.engine = engine
         self.metrics = metrics or Metrics(POD_METRICS)
         self.keep_rollback_copy = keep_rollback_copy
@@ -120,8 +125,16 @@ class WeightSyncCore:
 
     # ---- Begin
 
-    async def begin(self, sync_id: str, version: int, layout: Layout, keep: list[str], transport: str = "grpc",
-                    checksum: str = "xxh3_64", force: bool = False) -> dict:
+    async def begin(
+        self,
+        sync_id: str,
+        version: int,
+        layout: Layout,
+        keep: list[str],
+        transport: str = "grpc",
+        checksum: str = "xxh3_64",
+        force: bool = False,
+    ) -> dict:
         if self._applying:
             raise self._fail(None, SyncError("unavailable", "busy", "a sync is being applied; retry after it"))
         if self._pending is not None:
@@ -131,15 +144,19 @@ class WeightSyncCore:
         try:
             if transport not in ("grpc", "collective"):
                 raise SyncError("invalid_argument", "manifest", f"unknown transport {transport!r}")
-            if checksum == "none" and not (transport == "collective" and self._collective
-                                           and self._collective.backend == "nccl"):
+            if checksum == "none" and not (
+                transport == "collective" and self._collective and self._collective.backend == "nccl"
+            ):
                 raise SyncError("invalid_argument", "manifest", "checksum 'none' is only allowed on NCCL")
             pending.hasher = Hasher(checksum)  # raises ValueError on an unknown algorithm
             current = self.engine.policy_version
             if not force and version <= current:
-                raise SyncError("failed_precondition", "version",
-                                f"version {version} is not newer than the pod's version {current}; "
-                                "pass force (services.trainer.push --version N) to roll back on purpose")
+                raise SyncError(
+                    "failed_precondition",
+                    "version",
+                    f"version {version} is not newer than the pod's version {current}; "
+                    "pass force (services.trainer.push --version N) to roll back on purpose",
+                )
             validate_layout(layout)
             verify_manifest(layout.entries, keep, self.engine.expected_parameters())
             if transport == "collective" and self._collective is None:
@@ -151,7 +168,11 @@ class WeightSyncCore:
         except SyncError as err:
             self._start_receiver(pending, accept=False)
             raise self._fail(pending, err) from None
-        device = self._collective.device if transport == "collective" else torch.device("cpu")
+        if transport == "collective":
+            assert self._collective is not None  # checked above
+            device = self._collective.device
+        else:
+            device = torch.device("cpu")
         pending.staging = self._staging(layout.total_bytes, device)
         self._pending = pending
         self._start_receiver(pending, accept=True)
@@ -167,8 +188,9 @@ class WeightSyncCore:
                 if pending is None:
                     pending = self._pending
                     if pending is None or pending.sync_id != sync_id or pending.transport != "grpc":
-                        raise SyncError("failed_precondition", "protocol",
-                                        f"no pending gRPC sync {sync_id!r}: call Begin first")
+                        raise SyncError(
+                            "failed_precondition", "protocol", f"no pending gRPC sync {sync_id!r}: call Begin first"
+                        )
                 elif self._pending is not pending:
                     raise SyncError("aborted", "superseded", f"sync {sync_id} was aborted or superseded")
                 self._stage_chunk(pending, sync_id, bucket, offset, digest, data)
@@ -176,14 +198,21 @@ class WeightSyncCore:
             if pending is None:
                 raise SyncError("failed_precondition", "protocol", "empty Push stream")
             if pending.pos != pending.layout.total_bytes:
-                raise SyncError("aborted", "interrupted",
-                                f"Push interrupted: the stream ended after {pending.buckets_done} of "
-                                f"{pending.layout.num_buckets} buckets")
+                raise SyncError(
+                    "aborted",
+                    "interrupted",
+                    f"Push interrupted: the stream ended after {pending.buckets_done} of "
+                    f"{pending.layout.num_buckets} buckets",
+                )
         except SyncError as err:
             raise self._fail(pending, err) from None
         except BaseException as exc:  # the stream broke (client gone, cancelled): never apply half a sync
-            self._fail(pending, SyncError("aborted", "interrupted",
-                                          f"Push stream interrupted after {received} bytes: {type(exc).__name__}"))
+            self._fail(
+                pending,
+                SyncError(
+                    "aborted", "interrupted", f"Push stream interrupted after {received} bytes: {type(exc).__name__}"
+                ),
+            )
             raise
         pending.staged_s = time.perf_counter() - pending.started
         self.metrics["molt_weightsync_bytes_total"].labels(side="pod", transport="grpc").inc(received)
@@ -194,24 +223,31 @@ class WeightSyncCore:
         if sync_id != p.sync_id:
             raise SyncError("failed_precondition", "protocol", f"chunk of sync {sync_id!r} inside sync {p.sync_id!r}")
         if bucket * lay.bucket_bytes + offset != p.pos or bucket >= lay.num_buckets:
-            raise SyncError("invalid_argument", "protocol",
-                            f"chunk at bucket {bucket} offset {offset} out of order (expected stream byte {p.pos})")
+            raise SyncError(
+                "invalid_argument",
+                "protocol",
+                f"chunk at bucket {bucket} offset {offset} out of order (expected stream byte {p.pos})",
+            )
         end = offset + len(data)
         size = lay.bucket_size(bucket)
         if end > size:
             raise SyncError("invalid_argument", "protocol", f"chunk overruns bucket {bucket} ({end} > {size} bytes)")
         # Hash each chunk as it is staged, while its bytes are still in the CPU cache: hashing each finished
-        # 256 MiB bucket again from memory in a worker thread cost the receiver 8-12% more user CPU per GB
-        # (6 same-run A/B pairs, BENCHMARKS.md), for no gain in throughput.
-        assert p.hasher is not None
+        # 256 MiB bucket again from memory in a worker thread reads every byte twice from RAM, for no gain
+        # in throughput.
+        assert p.hasher is not None and p.staging is not None  # both set when Begin accepted the sync
         p.hasher.update(data)
-        memoryview(p.staging.numpy())[p.pos: p.pos + len(data)] = data
+        p.staging.numpy().data[p.pos : p.pos + len(data)] = data
         p.pos += len(data)
         if end == size:
             got, p.hasher = p.hasher.digest(), Hasher(p.checksum)
             if got != digest and p.checksum != "none":
-                raise SyncError("data_loss", "checksum", f"bucket {bucket} checksum mismatch ({p.checksum}: sent "
-                                                         f"{digest:#x}, received bytes hash to {got:#x})")
+                raise SyncError(
+                    "data_loss",
+                    "checksum",
+                    f"bucket {bucket} checksum mismatch ({p.checksum}: sent "
+                    f"{digest:#x}, received bytes hash to {got:#x})",
+                )
             p.digests.append(got)
             p.buckets_done += 1
 
@@ -231,66 +267,94 @@ class WeightSyncCore:
             return "trainer aborted the sync"
         if p is None:  # we refused but the trainer went ahead: stay in step with the group, drop the data
             scratch = torch.empty(min(total, 64 << 20) or 1, dtype=torch.uint8, device=group.device)
-            raise RuntimeError(f"trainer broadcast a sync this pod refused ({num_buckets} buckets); group is "
-                               f"now out of step ({scratch.numel()}): set it up again")
+            raise RuntimeError(
+                f"trainer broadcast a sync this pod refused ({num_buckets} buckets); group is "
+                f"now out of step ({scratch.numel()}): set it up again"
+            )
         lay = p.layout
+        assert p.staging is not None  # set when Begin accepted the sync
         if num_buckets != lay.num_buckets or total != lay.total_bytes:
-            raise RuntimeError(f"broadcast announces {num_buckets} buckets / {total} bytes, "
-                               f"Begin said {lay.num_buckets} / {lay.total_bytes}")
+            raise RuntimeError(
+                f"broadcast announces {num_buckets} buckets / {total} bytes, "
+                f"Begin said {lay.num_buckets} / {lay.total_bytes}"
+            )
         for b in range(lay.num_buckets):
             start = b * lay.bucket_bytes
-            view = p.staging[start: start + lay.bucket_size(b)]
+            view = p.staging[start : start + lay.bucket_size(b)]
             group.broadcast(view)
             if p.checksum != "none":
                 h = Hasher(p.checksum)
-                h.update(memoryview(view.numpy()))
+                h.update(view.numpy().data)
                 p.digests.append(h.digest())
             p.buckets_done += 1
         p.pos = lay.total_bytes
         return ""
 
     async def _await_receiver(self, p: _Pending, timeout_s: float) -> None:
+        assert p.receiver is not None and self._collective is not None  # a collective sync started its receiver
+        backend = self._collective.backend
         try:
             aborted = await asyncio.wait_for(asyncio.shield(p.receiver), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SyncError("aborted", "interrupted", f"collective receive not done after {timeout_s:.0f} s") from None
-        except Exception as exc:  # gloo/NCCL error or timeout: the group is unusable now
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL error or timeout: the group is unusable now
             self._collective = None
-            raise SyncError("aborted", "collective", f"collective receive failed: {exc}; call InitCollective "
-                                                     "again") from None
+            raise SyncError(
+                "aborted", "collective", f"collective receive failed: {exc}; call InitCollective again"
+            ) from None
         if aborted:
             raise SyncError("aborted", "interrupted", aborted)
         p.staged_s = time.perf_counter() - p.started
-        self.metrics["molt_weightsync_bytes_total"].labels(side="pod", transport=self._collective.backend).inc(
-            p.layout.total_bytes)
+        self.metrics["molt_weightsync_bytes_total"].labels(side="pod", transport=backend).inc(p.layout.total_bytes)
 
     # ---- Commit / Abort
 
-    async def commit(self, sync_id: str, version: int, checksums: list[int] | None = None,
-                     check: dict | None = None, receive_timeout_s: float = 600.0) -> dict:
+    async def commit(
+        self,
+        sync_id: str,
+        version: int,
+        checksums: list[int] | None = None,
+        check: dict | None = None,
+        receive_timeout_s: float = 600.0,
+    ) -> dict:
         p = self._pending
         if p is None or p.sync_id != sync_id:
-            raise self._fail(None, SyncError("failed_precondition", "protocol",
-                                             f"no pending sync {sync_id!r} to commit (aborted, failed or never "
-                                             f"begun; last error: {self._last_error or 'none'})"))
+            raise self._fail(
+                None,
+                SyncError(
+                    "failed_precondition",
+                    "protocol",
+                    f"no pending sync {sync_id!r} to commit (aborted, failed or never "
+                    f"begun; last error: {self._last_error or 'none'})",
+                ),
+            )
         try:
             if version != p.version:
-                raise SyncError("invalid_argument", "protocol", f"Commit version {version} != Begin version "
-                                                                f"{p.version}")
+                raise SyncError(
+                    "invalid_argument", "protocol", f"Commit version {version} != Begin version {p.version}"
+                )
             if p.transport == "collective":
                 await self._await_receiver(p, receive_timeout_s)
                 if p.checksum != "none" and list(checksums or []) != p.digests:
                     bad = [i for i, (a, b) in enumerate(zip(checksums or [], p.digests)) if a != b]
-                    raise SyncError("data_loss", "checksum",
-                                    f"collective buckets {bad or 'all'} fail their checksums "
-                                    f"({len(checksums or [])} sent for {len(p.digests)} buckets)")
+                    raise SyncError(
+                        "data_loss",
+                        "checksum",
+                        f"collective buckets {bad or 'all'} fail their checksums "
+                        f"({len(checksums or [])} sent for {len(p.digests)} buckets)",
+                    )
             if p.pos != p.layout.total_bytes:
-                raise SyncError("failed_precondition", "interrupted",
-                                f"only {p.buckets_done} of {p.layout.num_buckets} buckets staged")
+                raise SyncError(
+                    "failed_precondition",
+                    "interrupted",
+                    f"only {p.buckets_done} of {p.layout.num_buckets} buckets staged",
+                )
         except SyncError as err:
             raise self._fail(p, err) from None
         self.metrics["molt_weightsync_phase_seconds"].labels(side="pod", phase="transfer").observe(p.staged_s or 0)
-        tensors = view_tensors(p.layout, p.staging)
+        staging = p.staging
+        assert staging is not None  # every bucket was staged (checked above)
+        tensors = view_tensors(p.layout, staging)
         previous_version = self.engine.policy_version
         self._pending, self._applying = None, True
         try:
@@ -313,13 +377,19 @@ class WeightSyncCore:
                 if self.keep_rollback_copy:
                     if self._previous is not None:
                         self._recycle(self._previous.staging)
-                    self._previous = _Applied(version, tensors, p.keep, p.staging)
+                    self._previous = _Applied(version, tensors, p.keep, staging)
                 else:
-                    self._recycle(p.staging)
+                    self._recycle(staging)
                 self.metrics["molt_weightsync_version"].labels(side="pod").set(version)
-            return {"version": self.engine.policy_version, "promoted": promoted, "untouched": untouched,
-                    "check_max_abs_diff": diff, "stage_seconds": p.staged_s or 0.0, "load_seconds": load_s,
-                    "detail": detail}
+            return {
+                "version": self.engine.policy_version,
+                "promoted": promoted,
+                "untouched": untouched,
+                "check_max_abs_diff": diff,
+                "stage_seconds": p.staged_s or 0.0,
+                "load_seconds": load_s,
+                "detail": detail,
+            }
         finally:
             self._applying = False
 
@@ -328,7 +398,8 @@ class WeightSyncCore:
         got = await self.engine.prompt_logprobs(list(check["token_ids"]))
         want = list(check["expected_logprobs"])
         self.metrics["molt_weightsync_phase_seconds"].labels(side="pod", phase="check").observe(
-            time.perf_counter() - t0)
+            time.perf_counter() - t0
+        )
         if len(got) != len(want):
             return float("inf")
         return max((abs(a - b) for a, b in zip(got, want)), default=0.0)
@@ -341,8 +412,10 @@ class WeightSyncCore:
                 await self.engine.apply_weights(prev.tensors, prev.version, set(prev.keep))
                 msg += f"; rolled back to version {prev.version}"
             except ValueError as exc:  # an engine whose versions only move forward
-                msg += f"; the engine refused the rollback to version {prev.version} ({exc}): it serves the " \
-                       "unverified weights"
+                msg += (
+                    f"; the engine refused the rollback to version {prev.version} ({exc}): it serves the "
+                    "unverified weights"
+                )
         else:
             msg += "; no rollback copy on this pod (first sync since start): it serves the unverified weights"
         self._fail(p, SyncError("aborted", "check", msg))
@@ -357,8 +430,16 @@ class WeightSyncCore:
 
     # ---- collective setup / status
 
-    async def init_collective(self, backend: str, master_addr: str, master_port: int, world_size: int, rank: int,
-                              group_name: str, timeout_s: float) -> str:
+    async def init_collective(
+        self,
+        backend: str,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        timeout_s: float,
+    ) -> str:
         if self._pending is not None or self._applying:
             raise SyncError("unavailable", "busy", "a sync is in progress; set up the group between syncs")
         if self._collective is not None:
@@ -367,24 +448,36 @@ class WeightSyncCore:
         loop = asyncio.get_running_loop()
         try:
             self._collective = await loop.run_in_executor(
-                self._executor, lambda: coll.join(backend, master_addr, master_port, rank, world_size, group_name,
-                                                  timeout_s or 120.0))
+                self._executor,
+                lambda: coll.join(backend, master_addr, master_port, rank, world_size, group_name, timeout_s or 120.0),
+            )
         except ValueError as exc:
             raise SyncError("invalid_argument", "collective", str(exc)) from None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed join (gloo, NCCL, the store) is reported as unavailable
             raise SyncError("unavailable", "collective", f"joining the {backend} group failed: {exc}") from None
         return self._collective.describe()
 
     def status(self) -> dict:
         p = self._pending
-        state = "applying" if self._applying else ("idle" if p is None else
-                                                    "staged" if p.pos == p.layout.total_bytes else "receiving")
-        return {"version": self.engine.policy_version, "state": state, "sync_id": p.sync_id if p else "",
-                "pending_version": p.version if p else -1, "buckets_staged": p.buckets_done if p else 0,
-                "num_buckets": p.layout.num_buckets if p else 0, "last_error": self._last_error,
-                "last_error_version": self._last_error_version, "syncs_ok": self._ok, "syncs_failed": self._failed,
-                "collective": self._collective.describe() if self._collective else "",
-                "has_rollback_copy": self._previous is not None}
+        state = (
+            "applying"
+            if self._applying
+            else ("idle" if p is None else "staged" if p.pos == p.layout.total_bytes else "receiving")
+        )
+        return {
+            "version": self.engine.policy_version,
+            "state": state,
+            "sync_id": p.sync_id if p else "",
+            "pending_version": p.version if p else -1,
+            "buckets_staged": p.buckets_done if p else 0,
+            "num_buckets": p.layout.num_buckets if p else 0,
+            "last_error": self._last_error,
+            "last_error_version": self._last_error_version,
+            "syncs_ok": self._ok,
+            "syncs_failed": self._failed,
+            "collective": self._collective.describe() if self._collective else "",
+            "has_rollback_copy": self._previous is not None,
+        }
 
     def close(self) -> None:
         self._pending = None

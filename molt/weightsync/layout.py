@@ -22,8 +22,20 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
-              torch.float8_e5m2, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
 }
 
 
@@ -84,8 +96,9 @@ def plan_layout(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int =
         seen.add(name)
         pos = -(-pos // ALIGN) * ALIGN
         nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), pos // bucket_bytes,
-                                   pos % bucket_bytes, nbytes))
+        entries.append(
+            TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), pos // bucket_bytes, pos % bucket_bytes, nbytes)
+        )
         pos += nbytes
     return Layout(tuple(entries), bucket_bytes, pos)
 
@@ -118,7 +131,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    return t.view(torch.uint8).numpy().data
 
 
 def iter_stream(layout: Layout, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[int, int, memoryview]]:
@@ -141,13 +154,15 @@ def iter_stream(layout: Layout, tensors: dict[str, torch.Tensor]) -> Iterator[tu
     assert pos == layout.total_bytes
 
 
-def iter_chunks(layout: Layout, tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                ) -> Iterator[tuple[int, int, list[memoryview], bool]]:
+def iter_chunks(
+    layout: Layout, tensors: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tuple[int, int, list[memoryview], bool]]:
     """Group stream pieces into chunks of about chunk_bytes that never cross a bucket.
 
     Yields (bucket, offset, pieces, completes_bucket).
     """
-    cur_bucket, cur_off, cur, size = 0, 0, [], 0
+    cur: list[memoryview] = []
+    cur_bucket, cur_off, size = 0, 0, 0
     for bucket, off, piece in iter_stream(layout, tensors):
         while len(piece):
             if bucket != cur_bucket or size >= chunk_bytes:
@@ -158,26 +173,27 @@ def iter_chunks(layout: Layout, tensors: dict[str, torch.Tensor], chunk_bytes: i
             cur.append(take)
             size += len(take)
             off += len(take)
-            piece = piece[len(take):]
+            piece = piece[len(take) :]
     if cur:
         yield cur_bucket, cur_off, cur, True
 
 
-def iter_buckets(layout: Layout, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None
-                 ) -> Iterator[tuple[int, torch.Tensor]]:
+def iter_buckets(
+    layout: Layout, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Pack bucket after bucket into one reused contiguous uint8 buffer (for collective broadcast).
 
     The yielded tensor is only valid until the next iteration.
     """
     if out is None:
         out = torch.empty(min(layout.bucket_bytes, layout.total_bytes), dtype=torch.uint8)
-    view = memoryview(out.numpy())
+    view = out.numpy().data
     current = 0
     for bucket, off, piece in iter_stream(layout, tensors):
         if bucket != current:
             yield current, out[: layout.bucket_size(current)]
             current = bucket
-        view[off: off + len(piece)] = piece
+        view[off : off + len(piece)] = piece
     if layout.total_bytes:
         yield current, out[: layout.bucket_size(current)]
 
@@ -188,7 +204,7 @@ def view_tensors(layout: Layout, staging: torch.Tensor) -> dict[str, torch.Tenso
     bb = layout.bucket_bytes
     for e in layout.entries:
         start = e.start(bb)
-        raw = staging[start: start + e.nbytes]
+        raw = staging[start : start + e.nbytes]
         out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)
     return out
 
@@ -198,7 +214,7 @@ def view_tensors(layout: Layout, staging: torch.Tensor) -> dict[str, torch.Tenso
 try:
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - xxhash ships with the project's venv
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]  # no wheel: the module is absent and crc32 is the only checksum
 
 CHECKSUMS = ("xxh3_64", "crc32") if _xxhash is not None else ("crc32",)
 DEFAULT_CHECKSUM = CHECKSUMS[0]

@@ -72,7 +72,7 @@ def hf_adapter(model: torch.nn.Module):
     """
     from transformers.core_model_loading import revert_weight_conversion
 
-    return lambda state: revert_weight_conversion(model, dict(state))
+    return lambda state: revert_weight_conversion(model, dict(state))  # type: ignore[arg-type]  # an HF model typed nn.Module by its loaders
 
 
 def _norm_dtype(dtype: str) -> str:
@@ -105,8 +105,10 @@ def verify_manifest(
     if unknown:
         hint = " (tied lm_head: do not send lm_head.weight)" if "lm_head.weight" in unknown else ""
         if any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in unknown):
-            hint += (" (fused in-memory MoE experts: convert to checkpoint names, e.g. "
-                     "WeightPusher(to_hf=molt.weightsync.manifest.hf_adapter(model)))")
+            hint += (
+                " (fused in-memory MoE experts: convert to checkpoint names, e.g. "
+                "WeightPusher(to_hf=molt.weightsync.manifest.hf_adapter(model)))"
+            )
         problems.append(f"{len(unknown)} tensor(s) the engine does not load: {listed(unknown)}{hint}")
     bad_keep = keep - set(expected)
     if bad_keep:
@@ -136,4 +138,3 @@ def _numel(shape: Iterable[int]) -> int:
     for d in shape:
         n *= int(d)
     return n
-

@@ -31,16 +31,29 @@ from molt.metrics import Metrics
 from molt.net import free_port
 from molt.weightsync import collective as coll
 from molt.weightsync.client import GrpcPodClient, PodClient, PodError
-from molt.weightsync.layout import (DEFAULT_BUCKET_BYTES, DEFAULT_CHECKSUM, DEFAULT_CHUNK_BYTES, Hasher, Layout,
-                                    iter_buckets, iter_chunks, plan_layout)
+from molt.weightsync.layout import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHECKSUM,
+    DEFAULT_CHUNK_BYTES,
+    Hasher,
+    Layout,
+    iter_buckets,
+    iter_chunks,
+    plan_layout,
+)
 from molt.weightsync.manifest import select_tensors
 from molt.weightsync.wire import encode_chunk, layout_to_begin
 
 log = logging.getLogger("molt.weightsync")
 
-TRAINER_METRICS = ("molt_weightsync_bytes_total", "molt_weightsync_phase_seconds", "molt_weightsync_failures_total",
-                   "molt_weightsync_version", "molt_weightsync_check_max_abs_diff",
-                   "molt_weightsync_check_failures_total")
+TRAINER_METRICS = (
+    "molt_weightsync_bytes_total",
+    "molt_weightsync_phase_seconds",
+    "molt_weightsync_failures_total",
+    "molt_weightsync_version",
+    "molt_weightsync_check_max_abs_diff",
+    "molt_weightsync_check_failures_total",
+)
 TRANSPORTS = ("grpc", "gloo", "nccl")
 
 
@@ -65,13 +78,20 @@ class PushReport:
 class WeightPushError(RuntimeError):
     def __init__(self, report: PushReport) -> None:
         lines = "; ".join(f"{t}: {why}" for t, why in report.failed.items())
-        super().__init__(f"weight sync of version {report.version} failed on {len(report.failed)} of "
-                         f"{len(report.failed) + len(report.pods)} pod(s): {lines}")
+        super().__init__(
+            f"weight sync of version {report.version} failed on {len(report.failed)} of "
+            f"{len(report.failed) + len(report.pods)} pod(s): {lines}"
+        )
         self.report = report
 
 
-def make_chunks(layout: Layout, tensors: dict[str, torch.Tensor], sync_id: str,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: str = DEFAULT_CHECKSUM) -> Iterator[bytes]:
+def make_chunks(
+    layout: Layout,
+    tensors: dict[str, torch.Tensor],
+    sync_id: str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksum: str = DEFAULT_CHECKSUM,
+) -> Iterator[bytes]:
     """Encoded Chunks of one sync, in order; the chunk completing a bucket carries its checksum."""
     hasher = Hasher(checksum)
     for bucket, offset, pieces, completes in iter_chunks(layout, tensors, chunk_bytes):
@@ -89,14 +109,26 @@ class WeightPusher:
     ``frozen``: names not sent (the pods keep theirs). ``tie_word_embeddings``: None asks a pod
     whether it loads ``lm_head.weight``. ``to_hf``: maps the state dict to HF checkpoint names and
     layout first (``manifest.hf_adapter(model)`` for transformers models with fused MoE experts).
-    ``transport``: grpc, or gloo/nccl broadcast over a group set up at the first push.
+    ``transport``: grpc, or gloo/nccl broadcast over a group set up at the first push. ``token``: the
+    pods' weight-sync token (None: ``MOLT_WEIGHTS_TOKEN``).
     """
 
-    def __init__(self, pods: Iterable[str | PodClient], *, frozen: Iterable[str] = (),
-                 tie_word_embeddings: bool | None = None, transport: str = "grpc",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 checksum: str = DEFAULT_CHECKSUM, timeout_s: float = 600.0, collective_host: str = "127.0.0.1",
-                 to_hf: Callable[[dict], dict] | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        pods: Iterable[str | PodClient],
+        *,
+        frozen: Iterable[str] = (),
+        tie_word_embeddings: bool | None = None,
+        transport: str = "grpc",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksum: str = DEFAULT_CHECKSUM,
+        timeout_s: float = 600.0,
+        collective_host: str = "127.0.0.1",
+        to_hf: Callable[[dict], dict] | None = None,
+        metrics: Metrics | None = None,
+        token: str | None = None,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not 0 < chunk_bytes <= 32 << 20:
@@ -112,6 +144,7 @@ class WeightPusher:
         self.timeout_s = timeout_s
         self.collective_host = collective_host
         self.to_hf = to_hf
+        self.token = token
         self.metrics = metrics or Metrics(TRAINER_METRICS)
         self._clients: list[PodClient] | None = None
         self._group: coll.Collective | None = None
@@ -134,7 +167,8 @@ class WeightPusher:
         """Blocking: sync ``state`` (a state dict or (name, tensor) pairs) to every pod as ``version``."""
         return self._run(self.push_async(state, version, force=force, check=check))
 
-    def status(self) -> dict[str, pb.StatusResponse]:
+    def status(self) -> dict[str, pb.StatusResponse | BaseException]:
+        """Each pod's status, or the error that reaching it raised."""
         return self._run(self.status_async())
 
     def close(self) -> None:
@@ -142,6 +176,7 @@ class WeightPusher:
             return
         self._run(self._close_clients())
         self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread is not None  # started with the loop
         self._thread.join(10)
         self._loop.close()
         self._loop = self._thread = None
@@ -156,11 +191,13 @@ class WeightPusher:
 
     def _pods(self) -> list[PodClient]:
         if self._clients is None:
-            self._clients = [t if isinstance(t, PodClient) else GrpcPodClient(t, timeout_s=self.timeout_s)
-                             for t in self._targets]
+            self._clients = [
+                t if isinstance(t, PodClient) else GrpcPodClient(t, timeout_s=self.timeout_s, token=self.token)
+                for t in self._targets
+            ]
         return self._clients
 
-    async def status_async(self) -> dict[str, pb.StatusResponse]:
+    async def status_async(self) -> dict[str, pb.StatusResponse | BaseException]:
         pods = self._pods()
         out = await asyncio.gather(*(p.status() for p in pods), return_exceptions=True)
         return {p.target: r for p, r in zip(pods, out)}
@@ -177,8 +214,9 @@ class WeightPusher:
             self._expected_names = {p.name for p in status.parameters}
         return "lm_head.weight" not in self._expected_names
 
-    async def push_async(self, state, version: int, *, force: bool = False,
-                         check: pb.ProbeCheck | None = None) -> PushReport:
+    async def push_async(
+        self, state, version: int, *, force: bool = False, check: pb.ProbeCheck | None = None
+    ) -> PushReport:
         t0 = time.perf_counter()
         items = list(state.items() if isinstance(state, Mapping) else state)
         if self.to_hf is not None:
@@ -195,8 +233,15 @@ class WeightPusher:
         if self.transport != "grpc" and self._group is None:
             await self._init_collective(pods)
         sync_id = uuid.uuid4().hex
-        begin = layout_to_begin(layout, sync_id=sync_id, version=version, keep=keep, checksum=self.checksum,
-                                transport=pb.GRPC if self.transport == "grpc" else pb.COLLECTIVE, force=force)
+        begin = layout_to_begin(
+            layout,
+            sync_id=sync_id,
+            version=version,
+            keep=keep,
+            checksum=self.checksum,
+            transport=pb.GRPC if self.transport == "grpc" else pb.COLLECTIVE,
+            force=force,
+        )
         t1 = time.perf_counter()
         results = await asyncio.gather(*(p.begin(begin) for p in pods), return_exceptions=True)
         live = self._drop_failed(pods, results, report, "begin")
@@ -206,18 +251,24 @@ class WeightPusher:
         else:
             try:
                 checksums = await asyncio.get_running_loop().run_in_executor(
-                    None, self._broadcast, layout, tensors, bool(live) and len(live) == len(pods))
+                    None, self._broadcast, layout, tensors, bool(live) and len(live) == len(pods)
+                )
             except Exception:  # gloo/NCCL error or timeout: the group is unusable; the next push sets up a new one
-                self._group.close()
+                if self._group is not None:
+                    self._group.close()
                 self._group = None
-                await asyncio.gather(*(p.abort(pb.AbortRequest(sync_id=sync_id, reason="broadcast failed"))
-                                       for p in live), return_exceptions=True)
+                await asyncio.gather(
+                    *(p.abort(pb.AbortRequest(sync_id=sync_id, reason="broadcast failed")) for p in live),
+                    return_exceptions=True,
+                )
                 raise
             if len(live) != len(pods):  # the group moves in lock step: one refusal stops the sync for all
                 for p in live:
                     report.failed[p.target] = "sync abandoned: another pod refused Begin"
-                await asyncio.gather(*(p.abort(pb.AbortRequest(sync_id=sync_id, reason="another pod refused"))
-                                       for p in live), return_exceptions=True)
+                await asyncio.gather(
+                    *(p.abort(pb.AbortRequest(sync_id=sync_id, reason="another pod refused")) for p in live),
+                    return_exceptions=True,
+                )
                 live = []
         report.transfer_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -226,18 +277,29 @@ class WeightPusher:
         for p, r in zip(live, self._drop_failed_keep(live, results, report, "commit")):
             if r is None:
                 continue
-            report.pods[p.target] = {"version": r.version, "promoted": r.promoted, "untouched": list(r.untouched),
-                                     "check_max_abs_diff": r.check_max_abs_diff, "stage_seconds": r.stage_seconds,
-                                     "load_seconds": r.load_seconds}
+            report.pods[p.target] = {
+                "version": r.version,
+                "promoted": r.promoted,
+                "untouched": list(r.untouched),
+                "check_max_abs_diff": r.check_max_abs_diff,
+                "stage_seconds": r.stage_seconds,
+                "load_seconds": r.load_seconds,
+            }
             if check is not None and check.token_ids:
-                self.metrics["molt_weightsync_check_max_abs_diff"].labels(pod=p.target).set(r.check_max_abs_diff)
+                self.metrics["molt_weightsync_check_max_abs_diff"].labels(rollout_url=p.target).set(
+                    r.check_max_abs_diff
+                )
             if not r.promoted:
-                self.metrics["molt_weightsync_check_failures_total"].labels(pod=p.target).inc()
+                self.metrics["molt_weightsync_check_failures_total"].labels(rollout_url=p.target).inc()
                 report.failed[p.target] = r.detail or "weight check refused the sync"
                 del report.pods[p.target]
             elif r.untouched:
-                log.warning("%s: %d engine parameter(s) not touched by the sync: %s", p.target, len(r.untouched),
-                            ", ".join(list(r.untouched)[:10]))
+                log.warning(
+                    "%s: %d engine parameter(s) not touched by the sync: %s",
+                    p.target,
+                    len(r.untouched),
+                    ", ".join(list(r.untouched)[:10]),
+                )
         report.load_s = time.perf_counter() - t2
         self._record(report)
         if report.failed:
@@ -248,7 +310,7 @@ class WeightPusher:
         return [p for p, r in zip(pods, self._drop_failed_keep(pods, results, report, phase)) if r is not None]
 
     def _drop_failed_keep(self, pods, results, report: PushReport, phase: str) -> list:
-        out = []
+        out: list = []
         for p, r in zip(pods, results):
             if isinstance(r, BaseException):
                 if not isinstance(r, (PodError, OSError, asyncio.TimeoutError)):
@@ -261,8 +323,9 @@ class WeightPusher:
                 out.append(r)
         return out
 
-    async def _stream(self, live: list[PodClient], layout: Layout, tensors, sync_id: str,
-                      report: PushReport) -> list[PodClient]:
+    async def _stream(
+        self, live: list[PodClient], layout: Layout, tensors, sync_id: str, report: PushReport
+    ) -> list[PodClient]:
         if not live:
             return []
         streams = {p.target: p.open_push() for p in live}
@@ -312,22 +375,39 @@ class WeightPusher:
             port = free_port(host)
         name = uuid.uuid4().hex[:12]
         loop = asyncio.get_running_loop()
-        mine = loop.run_in_executor(None, lambda: coll.join(backend, host, port, 0, world, name, timeout_s,
-                                                            store=store, bind_host=host))
-        reqs = [pb.InitCollectiveRequest(backend=backend, master_addr=host, master_port=port, world_size=world,
-                                         rank=i + 1, group_name=name, timeout_s=timeout_s) for i in range(len(pods))]
-        results = await asyncio.gather(mine, *(p.init_collective(r) for p, r in zip(pods, reqs)),
-                                       return_exceptions=True)
-        errors = [f"{t}: {r}" for t, r in zip(["trainer"] + [p.target for p in pods], results)
-                  if isinstance(r, BaseException)]
+        mine = loop.run_in_executor(
+            None, lambda: coll.join(backend, host, port, 0, world, name, timeout_s, store=store, bind_host=host)
+        )
+        reqs = [
+            pb.InitCollectiveRequest(
+                backend=backend,
+                master_addr=host,
+                master_port=port,
+                world_size=world,
+                rank=i + 1,
+                group_name=name,
+                timeout_s=timeout_s,
+            )
+            for i in range(len(pods))
+        ]
+        results = await asyncio.gather(
+            mine, *(p.init_collective(r) for p, r in zip(pods, reqs)), return_exceptions=True
+        )
+        errors = [
+            f"{t}: {r}"
+            for t, r in zip(["trainer"] + [p.target for p in pods], results)
+            if isinstance(r, BaseException)
+        ]
         if errors:
             raise RuntimeError(f"setting up the {backend} weight-sync group failed: {'; '.join(errors)}")
+        assert isinstance(results[0], coll.Collective)  # this side's set-up (no error above)
         self._group = results[0]
         log.info("weight-sync %s group up: %d pods", backend, len(pods))
 
     def _broadcast(self, layout: Layout, tensors, go: bool) -> list[int]:
         """Thread: the control broadcast, then every bucket; returns the bucket checksums."""
         group = self._group
+        assert group is not None  # set up before the collective sync began
         group.control(go, layout.num_buckets, layout.total_bytes)
         if not go:
             return []
@@ -336,7 +416,7 @@ class WeightPusher:
         for _, buf in iter_buckets(layout, tensors):
             if self.checksum != "none":
                 h = Hasher(self.checksum)
-                h.update(memoryview(buf.numpy()))
+                h.update(buf.numpy().data)
                 digests.append(h.digest())
             if group.device.type != "cpu":
                 if device_buf is None:
@@ -357,6 +437,14 @@ class WeightPusher:
             m["molt_weightsync_bytes_total"].labels(side="trainer", transport=transport).inc(sent)
         if not report.failed:
             m["molt_weightsync_version"].labels(side="trainer").set(report.version)
-        log.info("weight sync v%d (%s): %.1f MB to %d pod(s), gather %.3f s, transfer %.3f s, load %.3f s%s",
-                 report.version, transport, report.bytes / 1e6, len(report.pods), report.gather_s, report.transfer_s,
-                 report.load_s, f", FAILED on {sorted(report.failed)}" if report.failed else "")
+        log.info(
+            "weight sync v%d (%s): %.1f MB to %d pod(s), gather %.3f s, transfer %.3f s, load %.3f s%s",
+            report.version,
+            transport,
+            report.bytes / 1e6,
+            len(report.pods),
+            report.gather_s,
+            report.transfer_s,
+            report.load_s,
+            f", FAILED on {sorted(report.failed)}" if report.failed else "",
+        )

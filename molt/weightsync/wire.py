@@ -56,16 +56,26 @@ def keep_malloc_hot(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 <<
         else:
             mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
             _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-                mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+                mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+            )
             log.debug("glibc malloc kept hot for weight-sync buffers: %s", _malloc_tuned)
     return _malloc_tuned
 
 
 def layout_to_begin(layout: Layout, **fields) -> pb.BeginRequest:
-    tensors = [pb.TensorEntry(name=e.name, dtype=e.dtype, shape=list(e.shape), bucket=e.bucket, offset=e.offset,
-                              nbytes=e.nbytes) for e in layout.entries]
-    return pb.BeginRequest(tensors=tensors, bucket_bytes=layout.bucket_bytes, num_buckets=layout.num_buckets,
-                           total_bytes=layout.total_bytes, **fields)
+    tensors = [
+        pb.TensorEntry(
+            name=e.name, dtype=e.dtype, shape=list(e.shape), bucket=e.bucket, offset=e.offset, nbytes=e.nbytes
+        )
+        for e in layout.entries
+    ]
+    return pb.BeginRequest(
+        tensors=tensors,
+        bucket_bytes=layout.bucket_bytes,
+        num_buckets=layout.num_buckets,
+        total_bytes=layout.total_bytes,
+        **fields,
+    )
 
 
 def layout_from_begin(req: pb.BeginRequest) -> Layout:
@@ -125,12 +135,12 @@ def decode_chunk(raw: bytes) -> tuple[str, int, int, int, memoryview]:
             size, pos = _read_varint(buf, pos)
             if pos + size > n:
                 raise ValueError("truncated Chunk")
-            value = buf[pos: pos + size]
+            view = buf[pos : pos + size]
             pos += size
             if field == 1:
-                sync_id = bytes(value).decode()
+                sync_id = bytes(view).decode()
             elif field == 5:
-                data = value
+                data = view
         elif wire == 1:
             pos += 8
         elif wire == 5:

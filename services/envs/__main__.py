@@ -3,31 +3,52 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-import uvicorn
-
 from molt.config import parse_settings
-from molt.net import listening_socket
+from molt.serve import preflight, serve
 from services.envs.app import build_app
-from services.envs.config import EnvsSettings, normalize_argv
+from services.envs.config import EnvsSettings, normalize_argv, validate_settings
+
+PROG = "python -m services.envs"
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(EnvsSettings, normalize_argv(sys.argv[1:] if argv is None else argv),
-                              prog="python -m services.envs")
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_settings(
+        EnvsSettings, normalize_argv(sys.argv[1:] if argv is None else argv), prog=PROG, validate=validate_settings
+    )
+    preflight(PROG, ports=[("--server.port", settings.server.host, settings.server.port)])
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    configure_sandbox(settings.sandbox.isolation)
     try:
         app = build_app(settings)
     except ValueError as exc:
-        sys.exit(f"python -m services.envs: error: {exc}")
-    sock = listening_socket("envs", settings.server.host, settings.server.port)
-    # uvicorn handles SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
-    config = uvicorn.Config(app, log_level=settings.server.log_level, access_log=False,
-                            timeout_keep_alive=settings.server.keep_alive_s,
-                            timeout_graceful_shutdown=int(settings.envs.episode_timeout_s) + 5)
-    uvicorn.Server(config).run(sockets=[sock])
+        sys.exit(f"{PROG}: error: {exc}")
+    # SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
+    serve("envs", app, settings.server, graceful_s=settings.envs.episode_timeout_s + 5)
+
+
+def configure_sandbox(isolation: str) -> None:
+    """Export --sandbox.isolation to the agents' tool calls and log what they will get."""
+    # Agents call molt.agents.sandbox.run_python without config: the resolved flag reaches them through the env.
+    os.environ["MOLT_SANDBOX__ISOLATION"] = isolation
+    log = logging.getLogger("molt.envs")
+    if isolation == "none":
+        log.warning("--sandbox.isolation none: tool code runs WITHOUT OS isolation (trusted code only)")
+        return
+    from molt.agents.sandbox import bwrap_status
+
+    ok, why, with_proc = bwrap_status()
+    if ok:
+        log.info(
+            "tool sandbox: bubblewrap (no network, own PID namespace, read-only fs, uid 65534%s)",
+            "" if with_proc else ", no /proc: this container forbids mounting one",
+        )
+    else:
+        log.error("tool sandbox unavailable (%s): tool calls will be refused; see --sandbox.isolation", why)
 
 
 if __name__ == "__main__":

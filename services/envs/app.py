@@ -6,24 +6,31 @@ import contextlib
 
 import httpx
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.agents.gateway import GatewayClient
-from services.envs.config import EnvsSettings
+from services.envs.config import EnvsSettings, validate_settings
 from services.envs.metrics import envs_metrics
-from services.envs.routes import router
+from services.envs.routes import http_error, router
 from services.envs.worker import EpisodeWorker
 
 
 def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The worker app. ``gateway_transport`` lets unit tests reach an in-process fake gateway."""
-    if not settings.gateway.url:
-        raise ValueError("no gateway: pass --gateway.url http://HOST:PORT")
-    if not settings.agent:
-        raise ValueError("no agent to serve: pass --agent NAME=PATH (a .py file exporting AgentRunner)")
-    gateway = GatewayClient(settings.gateway.url, settings.gateway.timeout_s, transport=gateway_transport,
-                            api_key=settings.gateway.api_key)
+    validate_settings(settings)
+    assert settings.gateway.url is not None  # validate_settings refuses a worker without a gateway
+    gateway = GatewayClient(
+        settings.gateway.url,
+        settings.gateway.timeout_s,
+        transport=gateway_transport,
+        api_key=settings.gateway.api_key,
+        finish_retry_s=settings.envs.finish_retry_s,
+        lease_s=settings.envs.session_lease_s,
+    )
     worker = EpisodeWorker(
-        settings.agents(), gateway, envs_metrics(),
+        settings.agents(),
+        gateway,
+        envs_metrics(),
         max_concurrency=settings.envs.max_concurrency,
         episode_timeout_s=settings.envs.episode_timeout_s,
         max_new_tokens=settings.rollout.max_new_tokens,
@@ -39,4 +46,9 @@ def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTranspor
     app.state.settings = settings
     app.state.worker = worker
     app.include_router(router)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # 404/405 in this worker's error shape
+        return http_error(exc.status_code, str(exc.detail), exc.headers)
+
     return app

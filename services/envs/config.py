@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -26,6 +27,12 @@ class WorkerConfig(Section):
     """Wall-clock limit of one episode; past it the episode fails with status "timeout" (session aborted)."""
     retry_after_s: int = Field(1, ge=0)
     """Retry-After seconds sent with a 429."""
+    session_lease_s: float = Field(60.0, ge=1)
+    """Lease of each episode's gateway session, renewed every third of it while the episode runs: if this worker
+    dies, the gateway closes its sessions this soon (instead of after its --session.idle_ttl_s)."""
+    finish_retry_s: float = Field(300.0, ge=0)
+    """How long an episode's finish is retried (with backoff) while the gateway answers 503 (its Redis is down)
+    or cannot be reached; the gateway writes each trajectory once however often it is retried."""
 
 
 class RolloutConfig(Section):
@@ -40,6 +47,14 @@ class DataConfig(Section):
     (Molt's flag; None: the gateway's default)."""
 
 
+class SandboxConfig(Section):
+    isolation: Literal["auto", "bwrap", "none"] = "auto"
+    """How agents' tool code runs (molt.agents.sandbox). auto/bwrap: an OS-isolated bubblewrap child (no network,
+    own PID namespace, read-only filesystem, clean env, uid 65534); a host that cannot start one gets a clear
+    error on every tool call. none: a plain subprocess with rlimits and an audit hook that code can switch
+    off; trusted code only. Exported to the agents as MOLT_SANDBOX__ISOLATION."""
+
+
 class EnvsSettings(Section):
     """Reward-env worker: runs agent episodes (Env or ChatAgent modules) through the gateway."""
 
@@ -49,6 +64,7 @@ class EnvsSettings(Section):
     envs: WorkerConfig = Field(default_factory=WorkerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @field_validator("agent")
@@ -71,7 +87,15 @@ class EnvsSettings(Section):
         return dict(spec.partition("=")[::2] for spec in self.agent)
 
 
-# The issue's command line repeats --agent (short --port / --host are expanded by molt.config).
+def validate_settings(settings: EnvsSettings) -> None:
+    """The worker's start-up checks beyond each field's own (``ValueError``), run by --dry-run alike."""
+    if not settings.gateway.url:
+        raise ValueError("no gateway: pass --gateway.url http://HOST:PORT")
+    if not settings.agent:
+        raise ValueError("no agent to serve: pass --agent NAME=PATH (a .py file exporting AgentRunner)")
+
+
+# Users repeat --agent (short --port / --host are expanded by molt.config).
 def normalize_argv(argv: list[str]) -> list[str]:
     """Merge repeated ``--agent X`` into one list flag (unknown flags stay errors)."""
     out: list[str] = []

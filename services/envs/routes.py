@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -11,8 +14,15 @@ from services.envs.worker import EpisodeRequest, EpisodeWorker, Saturated, Unkno
 router = APIRouter()
 
 
-def _error(status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status, headers=headers)
+def _error(status: int, message: str, type_: str, headers: Mapping[str, str] | None = None) -> Response:
+    """This worker's error shape, as ASCII JSON (a message quoting a client's lone surrogate still encodes)."""
+    body = json.dumps({"error": {"message": message, "type": type_, "code": status}}, ensure_ascii=True)
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def http_error(status: int, detail: str, headers: Mapping[str, str] | None = None) -> Response:
+    """Routing's own errors (404, 405)."""
+    return _error(status, detail, "not_found_error" if status == 404 else "invalid_request_error", headers)
 
 
 @router.post("/v1/episodes:run")
@@ -20,16 +30,20 @@ async def run_episode(request: Request) -> Response:
     worker: EpisodeWorker = request.app.state.worker
     try:
         req = EpisodeRequest.model_validate_json(await request.body())
-    except (RequestValidationError, ValueError) as exc:
-        return _error(400, f"invalid episode request: {exc}", "invalid_request_error")
+    except (RequestValidationError, ValueError, RecursionError) as exc:
+        return _error(400, f"invalid episode request: {str(exc)[:2000]}", "invalid_request_error")
     try:
         resp = await worker.run(req)
     except UnknownAgent as exc:
         return _error(404, str(exc), "not_found_error")
     except Saturated:
         retry = str(request.app.state.settings.envs.retry_after_s)
-        return _error(429, f"worker saturated ({worker.max_concurrency} episodes running); retry another replica",
-                      "rate_limit_error", {"Retry-After": retry})
+        return _error(
+            429,
+            f"worker saturated ({worker.max_concurrency} episodes running); retry another replica",
+            "rate_limit_error",
+            {"Retry-After": retry},
+        )
     return JSONResponse(resp.model_dump())
 
 
@@ -41,10 +55,16 @@ async def healthz() -> dict:
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     worker: EpisodeWorker = request.app.state.worker
-    if not await worker.gateway.healthy():
-        return _error(503, f"gateway {worker.gateway.url} is not healthy", "unavailable")
-    return JSONResponse({"status": "ready", "agents": sorted(worker.runners), "inflight": worker.inflight,
-                         "max_concurrency": worker.max_concurrency})
+    if not await worker.gateway.healthy(ready=True):  # e.g. its Redis is down: episodes could not be finished
+        return _error(503, f"gateway {worker.gateway.url} is not ready", "unavailable")
+    return JSONResponse(
+        {
+            "status": "ready",
+            "agents": sorted(worker.runners),
+            "inflight": worker.inflight,
+            "max_concurrency": worker.max_concurrency,
+        }
+    )
 
 
 @router.get("/metrics")

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from molt.agents.base import Episode, Runner, load_agent_runner, module_version
 from molt.agents.gateway import GatewayClient
 from molt.metrics import Metrics
+from molt.sampling import check_params
+from molt.schema import SchemaError, check_reward
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class EpisodeRequest(BaseModel):
     sampling_params: dict[str, Any] | None = None
     max_length: int | None = Field(None, ge=2)
     tools: list[dict[str, Any]] | None = None
+    eval: bool = False
+    """An evaluation episode: graded as usual, its session aborted instead of finished (nothing is written)."""
 
     @field_validator("prompt")
     @classmethod
@@ -49,7 +53,7 @@ class EpisodeRequest(BaseModel):
     def _one_sample(cls, sp: dict | None) -> dict | None:
         if sp and sp.get("n", 1) != 1:
             raise ValueError("sampling_params.n must be 1: each sample is its own episode (use sample_index)")
-        return sp
+        return check_params(sp, prefix="sampling_params.") if sp else sp  # vLLM's ranges, before any session opens
 
 
 class EpisodeResponse(BaseModel):
@@ -61,6 +65,7 @@ class EpisodeResponse(BaseModel):
     tokens: int = 0
     trajectory_id: str | None = None
     written: bool = False
+    truncated: bool = False
     error: str | None = None
 
 
@@ -98,11 +103,17 @@ class EpisodeWorker:
         if runner is None:
             raise UnknownAgent(f"unknown agent {req.agent!r}; this worker serves {sorted(self.runners)}")
         return runner, Episode(
-            prompt=req.prompt, group_id=req.group_id, sample_index=req.sample_index, label=req.label,
+            prompt=req.prompt,
+            group_id=req.group_id,
+            sample_index=req.sample_index,
+            label=req.label,
             sampling_params=dict(req.sampling_params or {}),
             max_length=req.max_length if req.max_length is not None else self.max_length,
-            max_new_tokens=self.max_new_tokens, tools=req.tools, env_name=req.agent,
+            max_new_tokens=self.max_new_tokens,
+            tools=req.tools,
+            env_name=req.agent,
             env_version=self.versions[req.agent],
+            eval=req.eval,
         )
 
     async def run(self, req: EpisodeRequest) -> EpisodeResponse:
@@ -131,14 +142,35 @@ class EpisodeWorker:
                 out = await runner.execute(episode, self.gateway)
         except Exception as exc:  # user code: fail this episode only; the runner aborted its session
             if isinstance(exc, TimeoutError) and deadline.expired():
-                log.warning("episode %s (%s) timed out after %.1f s; session aborted",
-                            episode.trajectory_id, episode.env_name, self.episode_timeout_s)
-                return EpisodeResponse(status="timeout", trajectory_id=episode.trajectory_id,
-                                       error=f"episode exceeded --envs.episode_timeout_s={self.episode_timeout_s:g}")
+                log.warning(
+                    "episode %s (%s) timed out after %.1f s; session aborted",
+                    episode.trajectory_id,
+                    episode.env_name,
+                    self.episode_timeout_s,
+                )
+                return EpisodeResponse(
+                    status="timeout",
+                    trajectory_id=episode.trajectory_id,
+                    error=f"episode exceeded --envs.episode_timeout_s={self.episode_timeout_s:g}",
+                )
             log.exception("episode %s (%s) failed; session aborted", episode.trajectory_id, episode.env_name)
-            return EpisodeResponse(status="failed", trajectory_id=episode.trajectory_id,
-                                   error=f"{type(exc).__name__}: {exc}"[:2000])
+            return EpisodeResponse(
+                status="failed", trajectory_id=episode.trajectory_id, error=f"{type(exc).__name__}: {exc}"[:2000]
+            )
+        try:  # a custom runner may skip the gateway's check: nothing unbounded leaves this worker
+            check_reward(out.reward, "reward")
+            if out.score is not None:
+                check_reward(out.score, "score")
+        except SchemaError as exc:
+            log.error("episode %s (%s): %s", episode.trajectory_id, episode.env_name, exc)
+            return EpisodeResponse(status="failed", trajectory_id=episode.trajectory_id, error=str(exc))
         return EpisodeResponse(
-            status="ok", reward=out.reward, score=out.score, turns=out.turns, tokens=out.tokens,
-            trajectory_id=out.trajectory_id, written=out.written,
+            status="ok",
+            reward=out.reward,
+            score=out.score,
+            turns=out.turns,
+            tokens=out.tokens,
+            trajectory_id=out.trajectory_id,
+            written=out.written,
+            truncated=out.truncated,
         )

@@ -2,57 +2,48 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
-import signal
-import sys
-from types import FrameType
-
-import uvicorn
 
 from molt.config import parse_settings
-from molt.net import listening_socket
+from molt.serve import preflight, serve
 from services.gateway.app import build_app
-from services.gateway.config import GatewaySettings
-from services.gateway.core import Gateway
-from services.gateway.server import CoalescingHttpToolsProtocol
+from services.gateway.config import GatewaySettings, validate_settings
 
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that a first SIGTERM drains (``--session.drain_s``): the open sessions are
-    served to their end, or until the drain time is up, before the usual graceful shutdown."""
-
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
-        super().__init__(config)
-        self.gateway, self.drain_s = gateway, drain_s
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and self.drain_s > 0 and self.gateway.drain_deadline is None:
-            self.gateway.start_draining(self.drain_s)
-            return
-        super().handle_exit(sig, frame)  # SIGINT, or a second SIGTERM: shut down now
-
-    async def on_tick(self, counter: int) -> bool:
-        return self.gateway.drained() or await super().on_tick(counter)
+PROG = "python -m services.gateway"
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(GatewaySettings, argv, prog="python -m services.gateway")
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = parse_settings(GatewaySettings, argv, prog=PROG, validate=validate_settings)
+    preflight(
+        PROG,
+        ports=[("--server.port", settings.server.host, settings.server.port)],
+        models=[("--model.path", settings.model.path)],
+        redis_url=settings.redis.url,
+        redis_wait_s=settings.redis.startup_wait_s,
+    )
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = build_app(settings)
+    gateway = app.gateway  # type: ignore[attr-defined]  # set by build_app for in-process callers
+    drain_s = settings.session.drain_s
+
+    async def drain() -> None:
+        """The first SIGTERM (``--session.drain_s``): the open sessions are served to their end, or until the
+        drain time is up, before the usual graceful shutdown."""
+        if drain_s <= 0:
+            return
+        gateway.start_draining(drain_s)
+        while not gateway.drained():  # noqa: ASYNC110 - a condition over the open sessions, not one event
+            await asyncio.sleep(0.1)
+
     # The tokenizer stack imports torch and transformers: millions of long-lived objects that every full
-    # garbage collection would walk again (tens of ms, a p99 spike on the request path). Freeze them.
+    # garbage collection would walk again (a p99 spike on the request path). Freeze them.
     gc.collect()
     gc.freeze()
-    sock = listening_socket("gateway", settings.server.host, settings.server.port)
-    DrainingServer(server_config(app, settings), app.gateway, settings.session.drain_s).run(sockets=[sock])
-
-
-def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
-    return uvicorn.Config(app, log_level=settings.server.log_level, access_log=False, loop="uvloop",
-                          http=CoalescingHttpToolsProtocol, ws="none", timeout_graceful_shutdown=10,
-                          timeout_keep_alive=settings.server.keep_alive_s)
+    serve("gateway", app, settings.server, drain=drain)
 
 
 if __name__ == "__main__":

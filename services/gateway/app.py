@@ -5,44 +5,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from starlette.routing import Router
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 
 from molt.bus import TrajectoryQueue, open_queue
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.core import Gateway
-from services.gateway.edge import Edge
+from services.gateway.edge import Edge, http_error
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import RedisOpenSessions
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
+from services.gateway.routes import Handlers, routes
 from services.gateway.transport import HttpTransport, PodTransport
-from services.gateway.routes import Handlers, routes, session_posts
 
 
-def build_app(settings: GatewaySettings, *, transport: PodTransport | None = None,
-              queue: TrajectoryQueue | None = None, model: ChatModel | None = None) -> Edge:
+def build_app(
+    settings: GatewaySettings,
+    *,
+    transport: PodTransport | None = None,
+    queue: TrajectoryQueue | None = None,
+    model: ChatModel | None = None,
+) -> Starlette:
     """The app for ``settings``. ``transport`` (pod HTTP) and ``queue`` are injectable for unit tests.
 
     The returned object is an ASGI app; the core is at ``app.gateway`` for in-process callers.
     """
-    if not settings.model.path and model is None:
-        raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
-    model = model or ChatModel(settings.model.path)  # type: ignore[arg-type]
+    if model is None:
+        if not settings.model.path:
+            raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
+        model = ChatModel(settings.model.path)
     metrics = gateway_metrics()
     rc = settings.rollout
     client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
-    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream)
+    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream, rc.return_routed_experts)
     queue = queue or open_queue(settings.redis, metrics)
-    replicas = Replicas(settings.replica.public_url, settings.auth.api_keys,
-                        client if isinstance(client, HttpTransport) else None)
+    replicas = Replicas(
+        settings.replica.public_url, settings.auth.api_keys, client if isinstance(client, HttpTransport) else None
+    )
     auth = settings.auth
     limits = None  # the gateway counts in memory: one process
     if auth.api_keys and isinstance(queue, RedisTrajectoryQueue):  # replicas share the trajectory stream's Redis
-        limits = RedisOpenSessions(queue.redis, queue.stream, auth.max_open_sessions_per_key,
-                                   auth.session_lease_s)
+        limits = RedisOpenSessions(queue.redis, queue.stream, auth.max_open_sessions_per_key, auth.session_lease_s)
     handoff = None  # open sessions are lost when this process exits
     if settings.session.handoff and isinstance(queue, RedisTrajectoryQueue):
         handoff = SessionHandoff(queue.redis, queue.stream, settings.replica.public_url)
@@ -66,8 +74,16 @@ def build_app(settings: GatewaySettings, *, transport: PodTransport | None = Non
             await queue.close()
 
     handlers = Handlers(gw, replicas)
-    posts = session_posts(handlers)
-    edge = Edge(Router(routes(handlers, posts), lifespan=lifespan), metrics, lambda: pool.policy_version, replicas,
-                handlers.relay if replicas.public_url else None, posts)
-    edge.gateway = gw  # type: ignore[attr-defined]
-    return edge
+    edge = Middleware(
+        Edge,
+        metrics=metrics,
+        policy_version=lambda: pool.policy_version,
+        replicas=replicas,
+        relay=handlers.relay if replicas.public_url else None,
+        body_timeout_s=settings.server.body_timeout_s,
+    )
+    app = Starlette(
+        routes=routes(handlers), middleware=[edge], exception_handlers={HTTPException: http_error}, lifespan=lifespan
+    )
+    app.gateway = gw  # type: ignore[attr-defined]  # the core, for in-process callers (docstring above)
+    return app

@@ -13,17 +13,25 @@ segment or *starts* a new one:
 - otherwise (first turn, compaction, edited history, a template that rewrites earlier turns): the
   current segment is sealed and a new one starts from the full render.
 
+Images (vision-language models): the pod takes one image token per image and answers with the prompt as the
+model saw it, each image token expanded. A segment with images keeps both: ``token_ids`` (what the model
+saw, what is recorded) and ``wire_ids`` (the same with one token per image, what the next turn sends),
+plus the sha256 of its images in order; every turn resends the segment's images with the new ones.
+
 Planning is pure (it reads the session, renders and tokenizes); ``commit`` mutates the session and is
 called only after the pod answered, so a failed or retried turn leaves no trace.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from molt.schema import Segment
-from services.gateway.chat import ChatModel, bad_request, same_message
+from services.gateway.chat import ChatModel, bad_request, message_images, same_message
 from services.gateway.errors import GatewayError
 from services.gateway.pods import Generation
 
@@ -36,10 +44,35 @@ class SegmentState:
     versions: list[int] = field(default_factory=list)
     truncated: bool = False
     reason: str = "first"
+    wire_ids: list[int] | None = None
+    """With images: the segment as sent to the pod (one token per image); None: the same as token_ids."""
+    images: list[str] = field(default_factory=list)
+    """sha256 of the segment's images, in token order."""
+    routed_experts: np.ndarray | None = None
+    """int16 [tokens, layers, top_k] MoE routing of the segment (-1: not recorded), when the pods return it: each
+    turn's answer covers its whole prompt, which is the segment so far, so the latest one replaces the last."""
+
+    @property
+    def sent_ids(self) -> list[int]:
+        return self.token_ids if self.wire_ids is None else self.wire_ids
 
     def to_segment(self) -> Segment:
-        return Segment(token_ids=self.token_ids, action_spans=self.spans or [], logprobs=self.logprobs,
-                       versions=self.versions)
+        return Segment(
+            token_ids=np.asarray(self.token_ids, dtype="<i4"),
+            action_spans=np.asarray(self.spans or [], dtype="<i4"),
+            logprobs=np.asarray(self.logprobs, dtype="<f4"),
+            versions=np.asarray(self.versions, dtype="<i4"),
+            routed_experts=self.routed_experts,
+            images=list(self.images),
+        )
+
+
+def _fit_rows(rows: np.ndarray, tokens: int) -> np.ndarray:
+    """``rows`` cut or padded with -1 (live routing) to ``tokens`` rows: a stop string cuts the generated tokens
+    after the pod recorded them, and the last generated token may have no row (no forward computed it)."""
+    if rows.shape[0] >= tokens:
+        return rows[:tokens]
+    return np.concatenate([rows, np.full((tokens - rows.shape[0], *rows.shape[1:]), -1, np.int16)])
 
 
 @dataclass
@@ -53,6 +86,26 @@ class ChatState:
     generated_text: str
 
 
+def reply_tail(model: ChatModel, st: ChatState, through: str) -> str | None:
+    """What the template renders after the generated text of the last reply, up to the next message.
+
+    Exact when the render of the reply starts with the generated text. A client may echo the reply in a form
+    that renders differently (tool-call arguments re-serialised, keys reordered: the same message by JSON), or
+    the template may write tool calls its own way: then the tail is the template's closing of an assistant
+    turn (``<|im_end|>\n``) minus the end of it the model generated itself (``<|im_end|>``). None when the
+    render does not end with that closing: the caller starts a new segment rather than guess."""
+    gen = st.generated_text
+    if through.startswith(st.full_render) and through.startswith(gen, len(st.full_render)):
+        return through[len(st.full_render) + len(gen) :]
+    closing = model.assistant_closing(st.messages, st.tools)
+    if closing is None or not through.endswith(closing):
+        return None
+    for k in range(len(closing), 0, -1):
+        if closing[:k].strip() and gen.endswith(closing[:k]):
+            return closing[k:]
+    return closing
+
+
 @dataclass
 class TurnPlan:
     prompt_ids: list[int]
@@ -63,6 +116,15 @@ class TurnPlan:
     full_render: str = ""
     messages: list[dict] | None = None
     tools: list[dict] | None = None
+    images: list[dict] = field(default_factory=list)
+    """Image parts of the pod prompt, in token order: the segment's own (when extending), then the new ones."""
+    new_images: int = 0
+    """How many of ``images`` this turn adds (the last ones)."""
+
+    @property
+    def image_files(self) -> list[str]:
+        """The pod prompt's image files, base64."""
+        return [p["data"] for p in self.images]
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +138,8 @@ class Capture:
     chat: ChatState | None = None
     completion_text: str | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    image_data: dict[str, str] = field(default_factory=dict)
+    """Image files of the session (base64) by sha256, each stored once."""
 
     @property
     def current(self) -> SegmentState | None:
@@ -89,76 +153,152 @@ class Capture:
 
     # ---- planning
 
-    def plan_chat(self, model: ChatModel, messages: list[dict], tools: list[dict] | None,
-                  key: str | None = None) -> TurnPlan:
+    def plan_chat(
+        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None = None
+    ) -> TurnPlan:
         """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it."""
         cur, st = self.current, self.chat
+        images = message_images(messages)
+        if images and model.image_token_id is None:
+            raise GatewayError(
+                400,
+                "this model takes no images (it is a text-only model); send text only",
+                code="images_unsupported",
+                param="messages",
+            )
         if cur is None and key is not None:
             full, ids = model.prompt(key, messages, tools)
-            return TurnPlan(ids, ids, True, "first", full, messages, tools)
+            return TurnPlan(ids, ids, True, "first", full, messages, tools, images, len(images))
         full = model.render(messages, tools, generation_prompt=True)
         reason = "first" if cur is None else "history_rewrite"
         if cur is not None and st is not None and tools == st.tools:
             k = len(st.messages)
-            if (len(messages) > k + 1 and same_message(messages[k], st.reply)
-                    and all(same_message(a, b) for a, b in zip(messages[:k], st.messages))):
+            if (
+                len(messages) > k + 1
+                and same_message(messages[k], st.reply)
+                and all(same_message(a, b) for a, b in zip(messages[:k], st.messages))
+            ):
                 through = model.render(messages[: k + 1], tools, generation_prompt=False)
                 if full.startswith(through):
-                    reply_text = through[len(st.full_render):] if through.startswith(st.full_render) else ""
-                    tail = reply_text[len(st.generated_text):] if reply_text.startswith(st.generated_text) else ""
-                    delta = model.encode(tail + full[len(through):])
-                    return TurnPlan(cur.token_ids + delta, delta, False, "extend", full, messages, tools)
-                reason = "template_rewrite"
+                    tail = reply_tail(model, st, through)
+                    if tail is not None:
+                        delta = model.encode(tail + full[len(through) :])
+                        new = message_images(messages[k + 1 :])
+                        return TurnPlan(
+                            cur.sent_ids + delta,
+                            delta,
+                            False,
+                            "extend",
+                            full,
+                            messages,
+                            tools,
+                            self._segment_images(cur) + new,
+                            len(new),
+                        )
+                    reason = "unknown_tail"
+                else:
+                    reason = "template_rewrite"
         ids = model.encode(full)
-        return TurnPlan(ids, ids, True, reason, full, messages, tools)
+        return TurnPlan(ids, ids, True, reason, full, messages, tools, images, len(images))
 
-    def plan_tokens(self, model: ChatModel, messages: list[dict] | None, append_text: str | None,
-                    append_ids: list[int] | None) -> TurnPlan:
+    def _segment_images(self, seg: SegmentState) -> list[dict]:
+        return [{"type": "image", "sha256": d, "data": self.image_data[d]} for d in seg.images]
+
+    def plan_tokens(
+        self, model: ChatModel, messages: list[dict] | None, append_text: str | None, append_ids: list[int] | None
+    ) -> TurnPlan:
         cur = self.current
         delta = (model.encode(append_text) if append_text else []) + list(append_ids or [])
         if messages is not None:
             if cur is not None:
-                raise bad_request("'messages' is for the first turn only; later turns send 'append_text' or "
-                                  "'append_token_ids'", "messages")
+                raise bad_request(
+                    "'messages' is for the first turn only; later turns send 'append_text' or 'append_token_ids'",
+                    "messages",
+                )
             ids = model.encode(model.render(messages, None, generation_prompt=True)) + delta
             return TurnPlan(ids, ids, True, "first")
         if cur is None:
             if not delta:
-                raise bad_request("the first turn needs 'messages' (or a raw prompt in 'append_text' / "
-                                  "'append_token_ids')", "messages")
+                raise bad_request(
+                    "the first turn needs 'messages' (or a raw prompt in 'append_text' / 'append_token_ids')",
+                    "messages",
+                )
             return TurnPlan(delta, delta, True, "first")
-        return TurnPlan(cur.token_ids + delta, delta, False, "extend")
+        return TurnPlan(cur.sent_ids + delta, delta, False, "extend", images=self._segment_images(cur))
 
     def plan_completion(self, model: ChatModel, prompt: str | list[int]) -> TurnPlan:
         cur = self.current
         if isinstance(prompt, list):
-            if cur is not None and self.completion_text is None and prompt[: len(cur.token_ids)] == cur.token_ids:
-                delta = prompt[len(cur.token_ids):]
+            if (
+                cur is not None
+                and self.completion_text is None
+                and not cur.images
+                and prompt[: len(cur.token_ids)] == cur.token_ids
+            ):
+                delta = prompt[len(cur.token_ids) :]
                 return TurnPlan(cur.token_ids + delta, delta, False, "extend")
             return TurnPlan(list(prompt), list(prompt), True, "first" if cur is None else "history_rewrite")
         prev = self.completion_text
         if cur is not None and prev is not None and prompt.startswith(prev):
-            delta = model.encode(prompt[len(prev):])
-            return TurnPlan(cur.token_ids + delta, delta, False, "extend")
+            delta = model.encode(prompt[len(prev) :])
+            return TurnPlan(cur.sent_ids + delta, delta, False, "extend", images=self._segment_images(cur))
         ids = model.encode(prompt)
         return TurnPlan(ids, ids, True, "first" if cur is None else "history_rewrite")
 
     # ---- committing (only after the pod answered)
 
     def commit(self, plan: TurnPlan, gen: Generation, events: list[dict]) -> SegmentState:
+        seen = gen.extra.get("prompt_token_ids") if plan.images else None
+        if plan.images and seen is None and gen.token_ids:
+            raise GatewayError(
+                502, "the rollout pod did not return the expanded prompt of a request with images", code="pod_error"
+            )
+        new_digests = [p["sha256"] for p in plan.images[len(plan.images) - plan.new_images :]]
         if plan.new_segment:
-            self.segments.append(SegmentState(list(plan.prompt_ids), reason=plan.reason))
+            self.segments.append(
+                SegmentState(
+                    list(seen or plan.prompt_ids),
+                    reason=plan.reason,
+                    wire_ids=list(plan.prompt_ids) if seen else None,
+                    images=new_digests,
+                )
+            )
         else:
-            assert self.current is not None
-            self.current.token_ids.extend(plan.delta_ids)
+            cur = self.current
+            assert cur is not None
+            if seen is not None:
+                if seen[: len(cur.token_ids)] != cur.token_ids:
+                    raise GatewayError(
+                        502,
+                        "the rollout pod expanded this segment's images differently from the "
+                        "previous turn; the turn is not recorded",
+                        code="pod_error",
+                    )
+                if cur.wire_ids is None:
+                    cur.wire_ids = list(cur.token_ids)
+                cur.wire_ids.extend(plan.delta_ids)
+                cur.token_ids.extend(seen[len(cur.token_ids) :])
+                cur.images.extend(new_digests)
+            else:  # no images, or an append-only turn that never reached the pod (the delta has no images)
+                if cur.wire_ids is not None:
+                    cur.wire_ids.extend(plan.delta_ids)
+                cur.token_ids.extend(plan.delta_ids)
+        for part in plan.images:
+            self.image_data.setdefault(part["sha256"], part["data"])
         seg = self.current
-        assert seg is not None and len(seg.token_ids) == len(plan.prompt_ids)
+        assert seg is not None and len(seg.sent_ids) == len(plan.prompt_ids)
         if gen.token_ids:
             start = len(seg.token_ids)
+            if seg.wire_ids is not None:
+                seg.wire_ids.extend(gen.token_ids)
             seg.token_ids.extend(gen.token_ids)
             seg.spans.append((start, len(seg.token_ids)))
             seg.logprobs.extend(gen.logprobs)
             seg.versions.extend([gen.policy_version] * len(gen.token_ids))
+        if gen.routed_experts is not None:
+            seg.routed_experts = _fit_rows(gen.routed_experts, len(seg.token_ids))
+        elif seg.routed_experts is not None:  # this turn's pod returned none: the new tokens replay live routing
+            seg.routed_experts = _fit_rows(seg.routed_experts, len(seg.token_ids))
         seg.truncated |= gen.finish_reason == "length"
         self.events.extend(events)
         self.chat = None
@@ -171,10 +311,19 @@ class Capture:
         if remaining <= 0 and hard:
             if self.current is not None and not plan.new_segment:
                 self.current.truncated = True
-            raise GatewayError(400, f"this turn needs {plan.num_tokens} tokens of context, the session allows "
-                                    f"{self.max_length}: compact the history or open the session with a larger "
-                                    "max_length", code="context_length_exceeded", param="messages")
+            raise GatewayError(
+                400,
+                f"this turn needs {plan.num_tokens} tokens of context, the session allows "
+                f"{self.max_length}: compact the history or open the session with a larger "
+                "max_length",
+                code="context_length_exceeded",
+                param="messages",
+            )
         return remaining
 
     def trainable_segments(self) -> list[Segment]:
         return [s.to_segment() for s in self.segments if s.spans]
+
+    def trainable_images(self) -> dict[str, bytes]:
+        """The image files the trainable segments show, each once."""
+        return {d: base64.b64decode(self.image_data[d]) for s in self.segments if s.spans for d in s.images}

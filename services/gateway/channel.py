@@ -4,18 +4,20 @@ Each call is one NDJSON line of a chunked request body, and its answer comes bac
 the response the moment the pod has it. Against one HTTP request per call this saves both ends the
 per-request HTTP work. The lines of the calls made in one pass of the event loop (the turns of a wave of
 requests, parsed together) leave in one write at the end of that pass, or once the first has waited
-``MAX_HOLD_S``: one send for several calls, and the pod reads them in one go (fewer wake-ups of its event
-loop, which shares the GIL with its engine thread), so they join the same engine step. Measured at 64
-concurrent turns: ~10% less gateway CPU per turn and ~4% more throughput (BENCHMARKS.md, session 7). A
-lone call leaves as soon as the turn that made it yields, and each call's pod wait counts from when its
-line left, so the hold counts as the gateway's time: 0.25 ms rather than 0.5 took 0.06-0.26 ms off the
-added p50 at 64 concurrent turns with the same throughput (session 8, 4 pairs).
+``MAX_HOLD_S``: one send for several calls, read by the pod in one go, so they join the same engine step.
+A lone call leaves as soon as the turn that made it yields; each call's pod wait counts from when its line
+left.
+
+This is the one hand-written HTTP client in the gateway (an ``asyncio.Protocol`` with httptools' response
+parser), kept because a pass of the event loop at 64 concurrent turns lasts milliseconds: a client library
+can write only between passes (aiohttp's streamed request body), and the lines of the first turns of a wave
+then wait for the last. docs/gateway.md has the same-run A/B against the aiohttp version.
 
 Failure model (the same as single calls, so ``PodPool`` treats both alike): a refused connection, a
-dropped stream, a stream the pod ends early or a call that times out raises ``PodConnectionError``
-for the calls it carried; the next call opens a new stream. A pod that does not know the endpoint
-(404/405, an older pod) makes every call come back as ``UNSUPPORTED``, and the pool sends single calls
-to it from then on. A cancelled call is aborted on the pod with an ``{"abort": [id]}`` line.
+dropped stream, a stream the pod ends or refuses, or a call that times out raises ``PodConnectionError``
+for the calls it carried; the next call opens a new stream. A cancelled call is aborted on the pod with an
+``{"abort": [id]}`` line. A streamed call (``on_tokens``) asks the pod for its tokens as they are generated:
+its delta lines go to ``on_tokens``, then its answer line resolves it as for any call.
 """
 
 from __future__ import annotations
@@ -23,19 +25,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import ssl
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import httptools
 
 from molt.net import LineSplitter
 from services.gateway.transport import PodConnectionError, json_loads
-
-if TYPE_CHECKING:
-    from services.gateway.transport import _Origin
-
-UNSUPPORTED = object()
-"""A call's result when the pod has no stream endpoint: send it as a single /v1/generate call."""
 
 PATH = "/v1/generate_stream"
 
@@ -51,10 +49,12 @@ class _Stream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.calls: dict[str, asyncio.Future] = {}
+        self.progress: dict[str, Callable[[list[int], list[float]], None]] = {}  # streamed calls' token callbacks
         self.lines = LineSplitter()
         self.status = 0
         self.error_body: list[bytes] = []
         self.closed = False
+        self.error: PodConnectionError | None = None  # why it ended
         self.out: list[bytes] = []  # chunks queued, not yet written (see write_line)
         self.first_at = 0.0  # when the first of them was queued
         self.sent_at = [0.0]  # when they leave (perf_counter), shared by their calls
@@ -93,10 +93,15 @@ class _Stream(asyncio.Protocol):
 
     # ---- asyncio.Protocol / httptools callbacks
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self.transport = transport
-        transport.write(b"POST " + self.channel.path + b" HTTP/1.1\r\n" + self.channel.origin.host_header
-                        + b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
+        transport.write(
+            b"POST "
+            + self.channel.path
+            + b" HTTP/1.1\r\n"
+            + self.channel.host_header
+            + b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -104,8 +109,13 @@ class _Stream(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             # httptools wraps what a callback raised (our _BadLine) in a parser error
             bad = exc.__context__ if isinstance(exc.__context__, _BadLine) else None
-            self._end(PodConnectionError(f"malformed answer line from the pod: {bad}" if bad is not None else
-                                         f"malformed generate stream from the pod: {exc}"))
+            self._end(
+                PodConnectionError(
+                    f"malformed answer line from the pod: {bad}"
+                    if bad is not None
+                    else f"malformed generate stream from the pod: {exc}"
+                )
+            )
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -120,18 +130,20 @@ class _Stream(asyncio.Protocol):
             self._answer(line, at)
 
     def on_message_complete(self) -> None:
-        if self.status in (404, 405):
-            self.channel.supported = False
-            self._end(None)
-        elif self.status != 200:
+        if self.status != 200:
             text = b"".join(self.error_body)[:300].decode(errors="replace")
             self._end(PodConnectionError(f"generate stream refused: HTTP {self.status}: {text}"))
         else:
             self._end(PodConnectionError("the pod ended the generate stream"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end(PodConnectionError("the pod closed the generate stream" if exc is None else
-                                     f"generate stream lost: {type(exc).__name__}: {exc}"))
+        self._end(
+            PodConnectionError(
+                "the pod closed the generate stream"
+                if exc is None
+                else f"generate stream lost: {type(exc).__name__}: {exc}"
+            )
+        )
 
     # ----
 
@@ -139,9 +151,15 @@ class _Stream(asyncio.Protocol):
         try:
             answer = json_loads(line)
             call_id = answer["id"]
+            if "delta" in answer:  # a streamed call's new tokens (a call given up on has no callback left)
+                on_tokens = self.progress.get(call_id)
+                if on_tokens is not None:
+                    on_tokens(answer["delta"]["token_ids"], answer["delta"]["logprobs"])
+                return
             status = int(answer["status"])
         except (ValueError, KeyError, TypeError) as exc:
             raise _BadLine(f"{exc}: {line[:200]!r}") from None
+        self.progress.pop(call_id, None)
         future = self.calls.pop(call_id, None) if isinstance(call_id, str) else None
         if future is None:
             if call_id is None:  # the pod could not read a line we sent: never guess which call it was
@@ -150,18 +168,17 @@ class _Stream(asyncio.Protocol):
         if not future.done():
             future.set_result((status, answer, at))
 
-    def _end(self, exc: PodConnectionError | None) -> None:
-        """Fail every call still on this stream (``exc`` None: the pod has no stream endpoint) and close it."""
+    def _end(self, exc: PodConnectionError) -> None:
+        """Fail every call still on this stream and close it."""
         if self.channel.stream is self:
             self.channel.stream = None
         self.closed = True
+        self.error = self.error or exc
         calls, self.calls = self.calls, {}
+        self.progress.clear()
         for future in calls.values():
             if not future.done():
-                if exc is None:
-                    future.set_result(UNSUPPORTED)
-                else:
-                    future.set_exception(exc)
+                future.set_exception(exc)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -171,15 +188,18 @@ class _BadLine(Exception):
 
 
 class PodChannel:
-    """The generate stream to one pod, opened on first use and reopened after a failure."""
+    """The generate stream to the pod at ``url`` (its base URL), opened on first use and reopened after a
+    failure."""
 
-    def __init__(self, origin: _Origin, base_path: bytes, connect_timeout_s: float, timeout_s: float) -> None:
-        """``origin`` and ``base_path``: the pod's base URL as HttpTransport parsed it (``HttpTransport.channel``)."""
-        self.origin = origin
-        self.path = base_path.rstrip(b"/") + PATH.encode()
+    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"unsupported pod URL {url!r}: expected http(s)://HOST:PORT")
+        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host_header = f"Host: {f'[{self.host}]' if ':' in self.host else self.host}:{self.port}\r\n".encode()
+        self.path = parts.path.rstrip("/").encode() + PATH.encode()
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
-        self.supported: bool | None = None
-        """None until known; False: the pod has no stream endpoint (it is then never tried again)."""
         self.stream: _Stream | None = None
         self._opening: asyncio.Future | None = None
         self._ids = itertools.count()
@@ -202,28 +222,32 @@ class PodChannel:
         loop = asyncio.get_running_loop()
         try:
             _, stream = await asyncio.wait_for(
-                loop.create_connection(lambda: _Stream(self), self.origin.host, self.origin.port,
-                                       ssl=self.origin.ssl),
-                self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+                loop.create_connection(lambda: _Stream(self), self.host, self.port, ssl=self.ssl),
+                self.connect_timeout_s,
+            )
+        except (TimeoutError, OSError) as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
         self.stream = stream
         self.opened += 1
         return stream
 
-    async def generate(self, body: bytes) -> tuple[int, dict, float, float] | object:
-        """``body``: one /v1/generate request. (status, answer line, sent, answered) or ``UNSUPPORTED``.
+    async def generate(
+        self, body: bytes, on_tokens: Callable[[list[int], list[float]], None] | None = None
+    ) -> tuple[int, dict, float, float]:
+        """``body``: one /v1/generate request. (status, answer line, sent, answered). ``on_tokens``: stream the
+        call, getting its tokens and logprobs as the pod generates them.
 
         Raises PodConnectionError when the stream fails or the call runs past the timeout."""
         stream = await self._open()
         if stream.closed:  # it failed while this call waited for it to open
-            if self.supported is False:
-                return UNSUPPORTED
-            raise PodConnectionError("the generate stream closed as it opened")
+            raise stream.error or PodConnectionError("the generate stream closed as it opened")
         loop = asyncio.get_running_loop()
         call_id = f"{self._prefix}-{next(self._ids)}"
         future = loop.create_future()
         stream.calls[call_id] = future
+        if on_tokens is not None:
+            stream.progress[call_id] = on_tokens
+            body = b'{"stream":true,' + body[1:]
         sent = stream.write_line(b'{"id":"%s",%s\n' % (call_id.encode(), body[1:]))
         timer = loop.call_at(loop.time() + self.timeout_s, self._timed_out, stream, call_id, future)
         try:
@@ -233,12 +257,11 @@ class PodChannel:
             raise
         finally:
             timer.cancel()
-        if result is UNSUPPORTED:
-            return UNSUPPORTED
         status, answer, answered = result
         return status, answer, sent[0] or answered, answered
 
     def _abort(self, stream: _Stream, call_id: str) -> None:
+        stream.progress.pop(call_id, None)
         if stream.calls.pop(call_id, None) is not None and not stream.closed:
             stream.write_line(b'{"abort":["%s"]}\n' % call_id.encode())
 

@@ -2,12 +2,17 @@
 
 Canonical message (both wires decode to it; the template sees exactly this):
 ``{"role", "content": str, "tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}],
-"tool_call_id"?, "name"?}``. Two messages are "the same" when their canonical forms are equal, with tool
-call arguments compared as parsed JSON (so key order or spacing chosen by a client does not fork a session).
+"tool_call_id"?, "name"?}``; with images, ``content`` is a list of ``{"type": "text", "text"}`` and
+``{"type": "image", "sha256", "data": base64 str}`` parts (see ``image_part``). Two messages are "the same"
+when their canonical forms are equal, with tool call arguments compared as parsed JSON (so key order or spacing
+chosen by a client does not fork a session).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import copy
 import hashlib
 import itertools
 import json
@@ -44,23 +49,73 @@ class ChatModel:
         self.tokenizer_hash = _files_hash(self.path, ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
         self.eos_token_ids = sorted({i for i in [self.tokenizer.eos_token_id] if i is not None})
         self.max_model_len = _max_positions(self.path)
+        self.image_token_id = _image_token_id(self.path)
+        """The image placeholder token of a vision-language model; None: a text-only model (images are a 400)."""
         self._fast = getattr(self.tokenizer, "backend_tokenizer", None)
         self._compiled = {has_tools: _compiled_template(self.tokenizer, has_tools) for has_tools in (False, True)}
         self._template_vars = dict(self.tokenizer.special_tokens_map)
         self._prompts: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()
+        self.thinks = "</think>" in self.template
+        """The template knows think blocks: a reply's leading <think>...</think> is its reasoning, not content."""
+        self.template_kwargs: dict[str, Any] = {}
+        """A request's ``chat_template_kwargs`` (``with_kwargs``): extra variables every render of it sees."""
+        self.template_variables = _template_variables(self.template) - set(self._template_vars)
+        """The variables the template reads that the gateway does not set: what ``chat_template_kwargs`` may set."""
+
+    def with_kwargs(self, kwargs: Any, param: str = "chat_template_kwargs") -> ChatModel:
+        """This model rendering with a request's ``chat_template_kwargs`` (``enable_thinking``...): a view that
+        shares the tokenizer and the prompt cache (whose keys hold the kwargs). A variable the template never
+        reads would be ignored, and one the gateway sets itself would change what it captures: both are 400s."""
+        if not kwargs:
+            return self
+        if not isinstance(kwargs, dict):
+            raise bad_request(f"'{param}' must be an object of template variables", param)
+        unknown = sorted(str(k) for k in kwargs if k not in self.template_variables)
+        if unknown:
+            raise bad_request(
+                f"'{param}': this model's chat template does not read {ascii(unknown)[:200]}; it reads "
+                f"{sorted(self.template_variables)}",
+                param,
+            )
+        view = copy.copy(self)
+        view.template_kwargs = {**self.template_kwargs, **kwargs}
+        return view
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         compiled = self._compiled[bool(tools)]
         try:
             if compiled is not None:
                 # What apply_chat_template(tokenize=False) renders, without its per-call set-up (~25% of a render).
-                return compiled.render(messages=messages, tools=tools or None, documents=None,
-                                       add_generation_prompt=generation_prompt, **self._template_vars)
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+                return compiled.render(
+                    messages=messages,
+                    tools=tools or None,
+                    documents=None,
+                    add_generation_prompt=generation_prompt,
+                    **self._template_vars,
+                    **self.template_kwargs,
+                )
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **self.template_kwargs,
             )
-        except Exception as exc:  # jinja raises TemplateError, TypeError, ... on messages it cannot render
+            assert isinstance(text, str)  # tokenize=False renders text
+            return text
+        except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ... on messages it cannot render
             raise bad_request(f"the model's chat template cannot render these messages: {exc}") from None
+
+    _SENTINEL = "\x1fmolt-reply\x1f"
+
+    def assistant_closing(self, messages: list[dict], tools: list[dict] | None) -> str | None:
+        """What the template renders after an assistant message's content that ends the conversation (the
+        end-of-turn marker and what follows it); None where the template does not render the content verbatim."""
+        text = self.render(
+            [*messages, {"role": "assistant", "content": self._SENTINEL}], tools, generation_prompt=False
+        )
+        at = text.rfind(self._SENTINEL)
+        return text[at + len(self._SENTINEL) :] if at >= 0 else None
 
     PROMPT_CACHE_ENTRIES = 512
     """First-turn prompts kept: the samples of a group (GRPO's n) open with the same messages."""
@@ -92,7 +147,9 @@ class ChatModel:
             return ""
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=skip_special)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
 
 def _compiled_template(tokenizer: Any, has_tools: bool) -> Any:
@@ -104,12 +161,27 @@ def _compiled_template(tokenizer: Any, has_tools: bool) -> Any:
         return None
     try:
         template = _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
-    except Exception:  # e.g. several named templates and no default: apply_chat_template says why per request
+    except Exception:  # noqa: BLE001 - e.g. several named templates and no default: apply_chat_template says why per request
         return None
     # jinja keeps a template's globals as a ChainMap over the environment's and copies it into a dict on every
     # render (and again into a set of its keys): a third of a short render. The same names, flattened once.
     template.globals = dict(template.globals)
     return template
+
+
+def _template_variables(template: str) -> frozenset[str]:
+    """The undeclared variables of a jinja template, less the ones every render sets (messages, tools, jinja's
+    and transformers' globals): jinja's own analysis of the source."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.defaults import DEFAULT_NAMESPACE
+
+    try:
+        found = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return frozenset()
+    set_by_render = {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
+    return frozenset(found - set_by_render - set(DEFAULT_NAMESPACE))
 
 
 def _files_hash(path: Path, names: tuple[str, ...]) -> str:
@@ -119,6 +191,14 @@ def _files_hash(path: Path, names: tuple[str, ...]) -> str:
         if f.exists():
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _image_token_id(path: Path) -> int | None:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("image_token_id") if "vision_config" in cfg else None
 
 
 def _max_positions(path: Path) -> int | None:
@@ -132,32 +212,102 @@ def _max_positions(path: Path) -> int | None:
 # ---- canonical messages
 
 
-def text_of(content: Any, where: str) -> str:
-    """OpenAI content (str | None | list of parts) -> text; text parts are joined."""
+def text_of(content: Any, where: str) -> str | list[dict]:
+    """OpenAI content (str | None | list of parts) -> text (text parts joined), or, when it holds images,
+    a list of text and image parts in their order."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        out = []
-        for part in content:
+        out: list[Any] = []
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 out.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
                 out.append(str(part.get("text", "")))
-            elif isinstance(part, dict) and part.get("type") in ("image_url", "image", "input_audio", "file"):
-                raise bad_request(f"{where}: {part['type']} parts are not supported by this text-only gateway", where)
+            elif isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                out.append(data_url_part(url, f"{where}[{j}].image_url"))
+            elif isinstance(part, dict) and part.get("type") in ("image", "input_audio", "file"):
+                raise bad_request(
+                    f"{where}: {part['type']} parts are not supported; send images as "
+                    "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}",
+                    where,
+                )
             else:
                 got = repr(part)[:200]
                 raise bad_request(f"{where}: content parts must be {{'type': 'text', 'text': ...}}, got {got}", where)
-        return "".join(out)
+        return joined_parts(out)
     raise bad_request(f"{where}: content must be a string, a list of text parts or null", where)
+
+
+def joined_parts(parts: list[Any]) -> str | list[dict]:
+    """Text parts joined; with images, adjacent text merged into text parts around them."""
+    if not any(isinstance(p, dict) for p in parts):
+        return "".join(parts)
+    out: list[dict] = []
+    for p in parts:
+        if isinstance(p, dict):
+            out.append(p)
+        elif out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + p}
+        elif p:
+            out.append({"type": "text", "text": p})
+    return out
+
+
+# ---- images
+
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+
+
+def image_part(data: Any, media_type: Any, where: str) -> dict:
+    """A canonical image part from base64 ``data``: the sha256 of the file's bytes (the id it is stored under in
+    the trajectory) and the base64 text as sent (JSON-safe: parked sessions and pod requests carry it as is).
+    The file itself is checked by the pod, which decodes it."""
+    if media_type not in IMAGE_MEDIA_TYPES:
+        raise bad_request(
+            f"{where}: unsupported image media type {media_type!r}; supported: {', '.join(IMAGE_MEDIA_TYPES)}", where
+        )
+    if not isinstance(data, str):
+        raise bad_request(f"{where}: image data must be a base64 string", where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{where}: image data is not valid base64", where) from None
+    if not raw:
+        raise bad_request(f"{where}: the image is empty", where)
+    return {"type": "image", "sha256": hashlib.sha256(raw).hexdigest(), "data": data}
+
+
+def data_url_part(url: Any, where: str) -> dict:
+    """``data:image/png;base64,...`` -> an image part. Other URLs are refused: the gateway fetches nothing."""
+    if not isinstance(url, str):
+        raise bad_request(f"{where}: expected {{'url': 'data:image/...;base64,...'}}", where)
+    head, sep, data = url.partition(",")
+    if url.startswith(("http://", "https://")):
+        raise bad_request(
+            f"{where}: image URLs are not fetched by this gateway; send the image inline as a data URL "
+            "(data:image/png;base64,...)",
+            where,
+        )
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise bad_request(f"{where}: expected a base64 data URL (data:image/png;base64,...), got {url[:40]!r}", where)
+    return image_part(data, head[len("data:") : -len(";base64")], where)
+
+
+def message_images(messages: list[dict]) -> list[dict]:
+    """The image parts of ``messages`` in render order (the order their tokens appear in the prompt)."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == "image"]
 
 
 def canonical_tool_call(call: Any, where: str) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise bad_request(f"{where}: a tool call needs {{'id', 'type': 'function', 'function': {{'name', "
-                          "'arguments'}}}", where)
+        raise bad_request(
+            f"{where}: a tool call needs {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}}}", where
+        )
     fn = call["function"]
     name = fn.get("name")
     if not isinstance(name, str) or not name:
@@ -165,8 +315,11 @@ def canonical_tool_call(call: Any, where: str) -> dict:
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": str(call.get("id") or new_call_id()), "type": "function",
-            "function": {"name": name, "arguments": args}}
+    return {
+        "id": str(call.get("id") or new_call_id()),
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def canonical_message(msg: Any, i: int) -> dict:
@@ -206,8 +359,9 @@ def canonical_tools(tools: Any) -> list[dict] | None:
     for j, t in enumerate(tools):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
-            raise bad_request(f"tools[{j}]: expected {{'type': 'function', 'function': {{'name', 'parameters'}}}}",
-                              "tools")
+            raise bad_request(
+                f"tools[{j}]: expected {{'type': 'function', 'function': {{'name', 'parameters'}}}}", "tools"
+            )
     return tools
 
 
@@ -233,21 +387,22 @@ def same_message(a: dict, b: dict) -> bool:
     return a.get("tool_call_id", "") == b.get("tool_call_id", "")
 
 
-_KEY_ENCODER = msgspec.json.Encoder(enc_hook=str, order="sorted")
+_KEY_ENCODER = msgspec.json.Encoder(enc_hook=str)
 
 
 def request_key(messages: list[dict], tools: list[dict] | None, extra: Any = None) -> str:
-    """Digest of a request for idempotent-retry detection (and the first-turn prompt cache's key).
+    """Digest of a request for idempotent-retry detection and the first-turn prompt cache's key.
 
-    msgspec with sorted keys, 5x faster than json.dumps(sort_keys=True); it writes NaN and infinities as null, so
-    a request holding one (only a tool schema can: messages are canonical text) is keyed by json, which keeps them
-    apart from null."""
+    Keys keep the client's order: the template renders a tool schema's keys in the order it got them, so two
+    requests whose JSON differs only in key order render (and tokenize) differently and must not share a cached
+    prompt. msgspec writes NaN and infinities as null, so a request holding one (only a tool schema can: messages
+    are canonical text) is keyed by json, which keeps them apart from null."""
     try:
         raw = _KEY_ENCODER.encode([messages, tools, extra])
         if b"null" in raw and _non_finite([messages, tools, extra]):
             raise ValueError("NaN")
     except (ValueError, TypeError, OverflowError, msgspec.EncodeError):
-        raw = json.dumps([messages, tools, extra], sort_keys=True, ensure_ascii=False, default=str).encode()
+        raw = json.dumps([messages, tools, extra], ensure_ascii=False, default=str).encode()
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
@@ -278,6 +433,20 @@ def new_call_id() -> str:
     return "call_" + new_id()
 
 
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a reply that opens with a think block (or whose generation prompt opened it, so
+    the reply holds only its end); ("", text) otherwise. An unclosed block (a length stop) is all reasoning."""
+    head = text.lstrip()
+    end = text.find("</think>")
+    if head.startswith("<think>"):
+        if end < 0:
+            return head[len("<think>") :].strip(), ""
+        return text[text.find("<think>") + len("<think>") : end].strip(), text[end + len("</think>") :].lstrip()
+    if end >= 0 and "<think>" not in text[:end]:
+        return text[:end].strip(), text[end + len("</think>") :].lstrip()
+    return "", text
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Split model text into (content without tool-call blocks, structured tool calls).
 
@@ -296,7 +465,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             continue
-        kept.append(text[pos:m.start()])
+        kept.append(text[pos : m.start()])
         pos = m.end()
         args_s = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args_s}})

@@ -23,11 +23,15 @@ class RolloutClientConfig(Section):
     stream: bool = True
     """Send generate calls to each pod over one long-lived full-duplex stream (POST /v1/generate_stream): each
     call is one line written at once, each answer one line back the moment it is done. Saves both ends the
-    per-request HTTP work; pods without the endpoint get single calls. Off: one HTTP request per call. Each URL
-    must name one pod: behind a load-balancing URL the one stream would pin every call to one replica."""
+    per-request HTTP work. Off: one HTTP request per call. Each URL must name one pod: behind a load-balancing
+    URL the one stream would pin every call to one replica."""
+    return_routed_experts: bool = False
+    """Ask the pods for each token's MoE routed experts and record them in the trajectory (``routed_experts``),
+    for the trainer's --train.routing_replay. Costs a recording pass per turn on pods where vLLM cannot return
+    them itself (CPU)."""
 
     @model_validator(mode="after")
-    def _split(self) -> "RolloutClientConfig":
+    def _split(self) -> RolloutClientConfig:
         urls = [u.strip().rstrip("/") for raw in self.urls for u in raw.replace(",", " ").split() if u.strip()]
         for u in urls:
             if not u.startswith(("http://", "https://")):
@@ -53,7 +57,11 @@ class SessionConfig(Section):
     idle_ttl_s: float = 1800.0
     """Sessions idle this long are dropped (nothing written) and counted as expired."""
     finished_keep_s: float = 600.0
-    """How long a finished session's result is kept so a repeated finish is answered the same way."""
+    """How long a finished session's result is kept so a repeated finish is answered the same way; also how long
+    a finish retried after a failed attempt is known not to write its trajectory twice."""
+    finish_wait_s: float = Field(10.0, ge=0)
+    """How long a finish waits for Redis (down, restarting) or for room in a full stream before answering 503
+    with Retry-After; the session then stays open with its trajectory until it is finished again."""
     drain_s: float = 0.0
     """On SIGTERM, keep serving the open sessions up to this long before exiting (new sessions get 503
     ``draining``, ``/readyz`` 503), and exit as soon as none is open; 0 exits at once. Episodes survive a
@@ -84,7 +92,7 @@ class ReplicaConfig(Section):
     bracketed here (``http://[fd00::7]:8080``)."""
 
     @model_validator(mode="after")
-    def _check(self) -> "ReplicaConfig":
+    def _check(self) -> ReplicaConfig:
         url = self.public_url.strip().rstrip("/")
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"--replica.public_url: {url!r} is not an http(s) URL; pass e.g. http://10.0.0.7:8080")
@@ -103,8 +111,9 @@ def _bracket_ipv6(url: str) -> str:
     try:
         ipaddress.IPv6Address(host)
     except ValueError:
-        raise ValueError(f"--replica.public_url: {url!r}: write an IPv6 address in brackets, "
-                         "e.g. http://[fd00::7]:8080") from None
+        raise ValueError(
+            f"--replica.public_url: {url!r}: write an IPv6 address in brackets, e.g. http://[fd00::7]:8080"
+        ) from None
     return f"{scheme}://[{host}]:{port}{slash}{path}"
 
 
@@ -122,16 +131,24 @@ class GatewaySettings(Section):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "GatewaySettings":
+    def _check(self) -> GatewaySettings:
         if not self.auth.api_keys and not _is_loopback(self.server.host):
             raise ValueError(
                 f"refusing to bind {self.server.host} without API keys: set --auth.api_keys KEY "
                 "(or MOLT_AUTH__API_KEYS) or bind --server.host 127.0.0.1"
             )
         if self.replica.public_url and not self.auth.api_keys:
-            raise ValueError("--replica.public_url needs --auth.api_keys: the keys sign the session ids that tell "
-                             "the replicas where each session lives (every replica must get the same keys)")
+            raise ValueError(
+                "--replica.public_url needs --auth.api_keys: the keys sign the session ids that tell "
+                "the replicas where each session lives (every replica must get the same keys)"
+            )
         return self
+
+
+def validate_settings(settings: GatewaySettings) -> None:
+    """The gateway's start-up checks beyond each field's own (``ValueError``), run by --dry-run alike."""
+    if not settings.model.path:
+        raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,5 +158,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-

@@ -1,294 +1,49 @@
-"""The transport-agnostic gateway core: sessions, turns with failover, finishing into the stream."""
+"""The transport-agnostic gateway core: a session's turns (chat, tokens, completions) and session-less requests,
+with pod failover, stop strings and parsing of the reply. Sessions themselves (open, finish, drain, hand off)
+are the base class in lifecycle.py."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import math
 import time
-import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from molt.bus import TrajectoryQueue
-from molt.metrics import Metrics
-from molt.schema import Provenance, Trajectory, encode_many
-from services.gateway.capture import Capture, ChatState, TurnPlan
-from services.gateway.chat import ChatModel, bad_request, parse_tool_calls, request_key
-from services.gateway.config import GatewaySettings
-from services.gateway.errors import GatewayError, UnreadableParkedSession
-from services.gateway.handoff import SessionHandoff
-from services.gateway.limits import OpenSessions
-from services.gateway.pods import Generation, Pod, PodFailed, PodPool
+from services.gateway import sampling
+from services.gateway.capture import ChatState, TurnPlan
+from services.gateway.chat import bad_request, parse_tool_calls, request_key, split_reasoning
+from services.gateway.errors import GatewayError
+from services.gateway.lifecycle import SessionLifecycle
+from services.gateway.pods import Generation, Pod, PodFailed
 from services.gateway.session import Session, TurnResult
 
 log = logging.getLogger("molt.gateway")
 
 # Sampling keys a request may set per turn (anything else in a session's params is passed through too).
-TURN_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+TURN_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "top_logprobs",
+    "logit_bias",
+    "structured_outputs",
+)
 
 
-def _finite(x: Any, name: str, optional: bool = False) -> float | None:
-    if x is None and optional:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise bad_request(f"'{name}' must be a finite number, got {x!r}", name)
-    return float(x)
-
-
-class Gateway:
-    def __init__(self, settings: GatewaySettings, model: ChatModel, pool: PodPool, queue: TrajectoryQueue,
-                 metrics: Metrics, new_session_id: Callable[[], str] = lambda: uuid.uuid4().hex,
-                 limits: OpenSessions | None = None, handoff: SessionHandoff | None = None) -> None:
-        self.settings = settings
-        self.new_session_id = new_session_id  # names this replica when there are several (replicas.py)
-        self.model = model
-        self.pool = pool
-        self.queue = queue
-        self.metrics = metrics
-        self.sessions: dict[str, Session] = {}
-        self.num_open = 0
-        """Open sessions on this replica (the drain waits for them); per key they are counted in ``limits``."""
-        self.limits = limits or OpenSessions(settings.auth.max_open_sessions_per_key)
-        """Each API key's open sessions, counted across replicas when they share Redis (limits.py)."""
-        self._released: list[tuple[str, str]] = []  # (owner, session id) closed, not yet taken off ``limits``
-        self.handoff = handoff
-        """Where open sessions are parked when this replica exits and adopted from (handoff.py); None: lost."""
-        self._adopting: dict[tuple[str, str | None], asyncio.Future] = {}  # (session id, key): a take
-        self._moved_marks: dict[str, float] = {}  # adopted session -> when its moved marker was last written
-        scfg = settings.session
-        self.default_sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "max_tokens": scfg.max_tokens}
-        limit = model.max_model_len
-        self.default_max_length = min(scfg.max_length, limit) if limit else scfg.max_length
-        self.drain_deadline: float | None = None  # monotonic time; set once SIGTERM starts a drain
-
-    # ---- draining (SIGTERM with --session.drain_s)
-
-    def start_draining(self, drain_s: float) -> None:
-        self.drain_deadline = time.monotonic() + drain_s
-        log.warning("draining: serving %d open sessions for up to %.0f s, no new ones",
-                    self.num_open, drain_s)
-
-    def drained(self) -> bool:
-        """True once a drain has started and no session is open or its time is up."""
-        return self.drain_deadline is not None and (not self.num_open or time.monotonic() >= self.drain_deadline)
-
-    async def shut_down(self) -> int:
-        """Close what is still open when the process exits (a drain that ran out of time, or none). With a
-        handoff each open session is parked for another replica to adopt (``outcome="handed_off"``; its key's
-        slot stays taken: the session is still open). Without one, or when parking fails, they are lost:
-        logged, counted as ``outcome="lost"``, and taken off their keys' counts. Returns how many were lost."""
-        still_open = [s for s in self.sessions.values() if s.state == "open"]
-        lost = still_open
-        if still_open and self.handoff is not None:
-            lost = await self._park(still_open)
-        for s in lost:
-            self._close(s, "lost", "lost")
-        if lost:
-            log.warning("shutting down with %d open sessions: their episodes are lost (nothing written); a longer "
-                        "--session.drain_s lets them finish", len(lost))
-        await self.release_closed()
-        return len(lost)
-
-    async def _park(self, sessions: list[Session], wait_s: float = 5.0) -> list[Session]:
-        """Park ``sessions`` in the handoff; the ones that could not be parked. A session whose turn is still
-        running (a streamed turn's task) is waited for up to ``wait_s``, so what is parked holds that turn."""
-        deadline = time.monotonic() + wait_s
-        taken: list[Session] = []
-        left: list[Session] = []
-        for s in sessions:
-            if s.lock.locked():  # wait_for would time a free lock out too once the deadline has passed
-                try:
-                    await asyncio.wait_for(s.lock.acquire(), max(0.01, deadline - time.monotonic()))
-                except TimeoutError:
-                    left.append(s)
-                    continue
-            else:
-                await s.lock.acquire()
-            taken.append(s)
-        try:
-            ready = [s for s in taken if s.state == "open"]
-            assert self.handoff is not None
-            await self.handoff.park(ready, self.settings.session.idle_ttl_s)
-            for s in ready:
-                self._close(s, "handed_off", "handed_off", release=False)
-            if ready:
-                log.warning("shutting down with %d open sessions: parked in Redis, the next replica they reach "
-                            "goes on with them", len(ready))
-        except Exception as exc:
-            log.error("could not park %d open sessions in Redis: %s", len(taken), exc)
-            left += taken
-        finally:
-            for s in taken:
-                s.lock.release()
-        return [s for s in left if s.state == "open"]
-
-    async def session(self, sid: str, owner: str | None, open_only: bool = True) -> Session:
-        """``get_session``, adopting ``sid`` from the handoff when another replica parked it (handoff.py)."""
-        if sid not in self.sessions and self.handoff is not None:
-            await self.adopt(sid, owner)
-        return self.get_session(sid, owner, open_only)
-
-    async def adopt(self, sid: str, owner: str | None) -> bool:
-        """Take ``sid`` over from the handoff if it is parked there under ``owner``'s key; True when this replica
-        holds it now. Concurrent calls for one id and key share one attempt. Redis down: 503
-        ``sessions_unavailable`` (the session may be parked: a 404 would tell the agent it is gone)."""
-        pending = self._adopting.get((sid, owner))
-        if pending is None:
-            pending = self._adopting[(sid, owner)] = asyncio.ensure_future(self._adopt(sid, owner))
-            pending.add_done_callback(lambda _: self._adopting.pop((sid, owner), None))
-        await asyncio.shield(pending)
-        return sid in self.sessions and self.sessions[sid].owner == owner
-
-    async def _adopt(self, sid: str, owner: str | None) -> None:
-        assert self.handoff is not None
-        try:
-            s = await self.handoff.take(sid, owner)
-        except UnreadableParkedSession as exc:  # taken off Redis already: said loudly and counted, never a 404
-            log.error("session %s was parked by another replica but cannot be read here: %s; its episode is lost",
-                      sid, exc)
-            self.metrics.child("molt_gateway_sessions_total", "lost").inc()
-            raise GatewayError(500, f"session {sid} was parked by a gateway replica this one cannot read ({exc}); "
-                                    "its episode is lost: open a new session", code="handoff_unreadable") from None
-        except Exception as exc:
-            raise GatewayError(503, f"cannot look up session {sid} in Redis ({type(exc).__name__}: {exc}); retry "
-                                    "shortly", code="sessions_unavailable", retry_after_s=1) from None
-        if s is None or sid in self.sessions:
-            return
-        self.sessions[sid] = s
-        self.num_open += 1
-        self.metrics["molt_gateway_open_sessions"].inc()
-        self.metrics["molt_gateway_sessions_adopted_total"].inc()
-        if self.handoff.public_url:  # take() wrote its moved marker
-            self._moved_marks[sid] = time.monotonic()
-        if s.pod is not None and s.pod in self.pool.pods:
-            self.pool.get(s.pod).sessions += 1
-        if owner is not None:
-            try:
-                await self.limits.hold(owner, sid)
-            except Exception as exc:  # it is open here either way: counting it must not lose it
-                log.warning("session %s adopted but not counted against its key (Redis: %s)", sid, exc)
-        log.info("adopted session %s (%d turns) from the replica that held it", sid, s.turns)
-
-    async def locate(self, sid: str, owner: str | None) -> str | None:
-        """Where ``sid`` is, once the replica its id names did not answer: ``""`` when this replica holds it
-        (adopted from the handoff just now), another replica's URL when that one adopted it, else None."""
-        if sid in self.sessions:
-            return ""
-        if self.handoff is None:
-            return None
-        if await self.adopt(sid, owner):
-            return ""
-        try:
-            return await self.handoff.moved_to(sid)
-        except Exception as exc:
-            log.warning("cannot look up where session %s moved (Redis: %s)", sid, exc)
-            return None
-
-    @property
-    def policy_version(self) -> int:
-        return self.pool.policy_version
-
-    # ---- sessions
-
-    async def open_session(self, owner: str | None, body: dict) -> Session:
-        if self.drain_deadline is not None:
-            raise GatewayError(503, "this gateway replica is shutting down: open the session again (another replica "
-                                    "takes it)", code="draining", retry_after_s=1)
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise bad_request("'sampling_params' must be an object", "sampling_params")
-        max_length = body.get("max_length") or self.default_max_length
-        if not isinstance(max_length, int) or max_length <= 0:
-            raise bad_request(f"'max_length' must be a positive integer, got {max_length!r}", "max_length")
-        limit = self.model.max_model_len
-        if limit and max_length > limit:
-            raise bad_request(f"'max_length' {max_length} is over the model's {limit} positions", "max_length")
-        sample_index = body.get("sample_index", 0)
-        if not isinstance(sample_index, int) or sample_index < 0:
-            raise bad_request(f"'sample_index' must be an integer >= 0, got {sample_index!r}", "sample_index")
-        sid = self.new_session_id()
-        if owner is not None:
-            await self._acquire(owner, sid)
-        session = Session(
-            id=sid, owner=owner, group_id=str(body.get("group_id") or sid), sample_index=sample_index,
-            label=body.get("label"), env_name=str(body.get("env_name") or ""),
-            env_version=str(body.get("env_version") or ""),
-            sampling_params={**self.default_sampling, **sp}, metadata=dict(body.get("metadata") or {}),
-            capture=Capture(max_length=max_length),
-        )
-        self.sessions[sid] = session
-        self.num_open += 1
-        self.metrics["molt_gateway_open_sessions"].inc()
-        return session
-
-    async def _acquire(self, owner: str, sid: str) -> None:
-        cfg = self.settings.auth
-        await self.release_closed()  # slots freed by sessions closed since, before counting
-        try:
-            taken = await self.limits.acquire(owner, sid)
-        except Exception as exc:  # Redis: nothing is opened that could not be counted
-            raise GatewayError(503, f"cannot count this API key's open sessions (Redis: {type(exc).__name__}: {exc}); "
-                                    "retry shortly", code="limits_unavailable", retry_after_s=1) from None
-        if not taken:
-            raise GatewayError(429, f"this API key already holds {cfg.max_open_sessions_per_key} open sessions; "
-                                    "finish or delete some", code="too_many_sessions", retry_after_s=cfg.retry_after_s)
-
-    async def release_closed(self) -> None:
-        """Take the sessions closed since the last call off their keys' counts (a failure is logged: those slots
-        then stay taken until their lease lapses, ``--auth.session_lease_s``)."""
-        if not self._released:
-            return
-        closed, self._released = self._released, []
-        try:
-            await self.limits.release(closed)
-        except Exception as exc:
-            log.warning("could not release %d sessions from their keys' open-session counts (they lapse within "
-                        "--auth.session_lease_s): %s", len(closed), exc)
-
-    def held_by_owner(self) -> dict[str, list[str]]:
-        """The open sessions of this replica by API key (for the shared count's lease renewal)."""
-        held: dict[str, list[str]] = {}
-        for s in self.sessions.values():
-            if s.state == "open" and s.owner is not None:
-                held.setdefault(s.owner, []).append(s.id)
-        return held
-
-    def get_session(self, sid: str, owner: str | None, open_only: bool = True) -> Session:
-        s = self.sessions.get(sid)
-        if s is None or (self.settings.auth.api_keys and s.owner != owner):
-            raise GatewayError(404, f"unknown session {sid!r}: open one with POST /v1/sessions",
-                               code="session_not_found")
-        if open_only and s.state != "open":
-            raise GatewayError(409, f"session {sid} is {s.state}; open a new one", code="session_closed")
-        return s
-
-    def _close(self, s: Session, state: str, outcome: str, release: bool = True) -> None:
-        """``release``: take it off its key's count (not when it was handed to another replica, still open)."""
-        if s.state != "open":
-            return
-        s.state = state
-        self.num_open -= 1
-        if s.owner is not None and release:
-            self._released.append((s.owner, s.id))
-        if s.pod in self.pool.pods:
-            self.pool.get(s.pod).sessions -= 1
-        self.metrics["molt_gateway_open_sessions"].dec()
-        self.metrics.child("molt_gateway_sessions_total", outcome).inc()
-        s.closed_at = time.monotonic()
-        s.last_result = None
-
-    async def abort(self, sid: str, owner: str | None) -> dict:
-        s = await self.session(sid, owner, open_only=False)
-        if s.state == "finished":
-            raise GatewayError(409, f"session {sid} is already finished; nothing to abort", code="session_closed")
-        self._close(s, "aborted", "aborted")
-        self.sessions.pop(sid, None)
-        await self.release_closed()
-        return {"session_id": sid, "aborted": True}
-
-    # ---- turns
+class Gateway(SessionLifecycle):
+    """A gateway replica: the session lifecycle it inherits, and the turns that run inside a session."""
 
     def _sampling(self, s: Session | None, overrides: dict, remaining: int) -> dict:
         sp = dict(s.sampling_params if s else self.default_sampling)
@@ -300,10 +55,27 @@ class Gateway:
         sp.pop("stop", None)
         return sp
 
-    async def _generate(self, s: Session, prompt_ids: list[int], sp: dict) -> tuple[Generation, list[dict]]:
-        """Generate on the session's pod, moving to another pod (same exact prefix) when it fails."""
+    async def _generate(
+        self,
+        s: Session,
+        prompt_ids: list[int],
+        sp: dict,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        images: list[str] | None = None,
+    ) -> tuple[Generation, list[dict]]:
+        """Generate on the session's pod, moving to another pod (same exact prefix) when it fails. A streamed
+        turn (``on_tokens``) whose pod fails after its client saw tokens fails instead: another pod would sample
+        other tokens than the ones shown. Nothing is committed; the client sends the turn again."""
         events: list[dict] = []
         tried: set[str] = set()
+        shown = [0]
+        if on_tokens is not None:
+            client_tokens = on_tokens
+
+            def on_tokens(ids: list[int], logprobs: list[float]) -> None:
+                shown[0] += len(ids)
+                client_tokens(ids, logprobs)
+
         # The session's pod; None for a first turn, or a pod this replica does not know (the session was adopted
         # from a replica with other pods): the turn then moves, recorded as a pod switch.
         current: Pod | None = self.pool.pods.get(s.pod) if s.pod else None
@@ -312,14 +84,30 @@ class Gateway:
             if pod is None:
                 pod = self.pool.pick(exclude=tried)
                 if s.pod and s.pod != pod.url:
-                    events.append({"kind": "pod_switch", "from": s.pod, "to": pod.url, "at_token": len(prompt_ids),
-                                   "segment": max(len(s.capture.segments) - 1, 0), "turn": s.turns,
-                                   "reason": current.last_error if current is not None else
-                                   "the pod is not one of this gateway replica's", "time": time.time()})
+                    events.append(
+                        {
+                            "kind": "pod_switch",
+                            "from": s.pod,
+                            "to": pod.url,
+                            "at_token": len(prompt_ids),
+                            "segment": max(len(s.capture.segments) - 1, 0),
+                            "turn": s.turns,
+                            "reason": current.last_error
+                            if current is not None
+                            else "the pod is not one of this gateway replica's",
+                            "time": time.time(),
+                        }
+                    )
                     self.metrics["molt_gateway_pod_failovers_total"].labels(s.pod).inc()
             try:
-                gens = await self.pool.generate(pod, prompt_ids, sp)
+                gens = await self.pool.generate(pod, prompt_ids, sp, on_tokens, images)
             except PodFailed as exc:
+                if shown[0]:
+                    raise GatewayError(
+                        502,
+                        f"{exc} after streaming {shown[0]} tokens; nothing of this turn was recorded: send it again",
+                        code="pod_failed",
+                    ) from None
                 log.warning("session %s: %s; trying another pod", s.id, exc)
                 tried.add(pod.url)
                 continue
@@ -342,8 +130,9 @@ class Gateway:
             text += self.model.decode([tok], skip_special=True)
             if any(s and s in text for s in stop):
                 if i + 1 < len(gen.token_ids):
-                    gen = dataclasses.replace(gen, token_ids=gen.token_ids[: i + 1], logprobs=gen.logprobs[: i + 1],
-                                              finish_reason="stop")
+                    gen = dataclasses.replace(
+                        gen, token_ids=gen.token_ids[: i + 1], logprobs=gen.logprobs[: i + 1], finish_reason="stop"
+                    )
                     gen.extra["stop_string"] = True
                 else:
                     gen.finish_reason = "stop"
@@ -351,38 +140,65 @@ class Gateway:
                 break
         return gen
 
-    def _result(self, gen: Generation, prompt_tokens: int, num_tokens: int, remaining: int,
-                stop: list[str] | None = None) -> TurnResult:
+    def _result(
+        self, gen: Generation, prompt_tokens: int, num_tokens: int, remaining: int, stop: list[str] | None = None
+    ) -> TurnResult:
         text = self.model.decode(gen.token_ids, skip_special=True)
         raw = self.model.decode(gen.token_ids, skip_special=False)
+        matched = None
         if gen.extra.get("stop_string") and stop:
-            cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+            cut, matched = min(((text.find(s), s) for s in stop if s and s in text), default=(-1, None))
             text = text[:cut] if cut >= 0 else text
-        content, calls = parse_tool_calls(text)
+        reasoning, answer = split_reasoning(text) if self.model.thinks else ("", text)
+        content, calls = parse_tool_calls(answer)
         finish = gen.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
-        return TurnResult(gen.token_ids, gen.logprobs, finish, gen.policy_version, text, raw, content, calls,
-                          prompt_tokens, num_tokens, remaining, gen.wait_s)
+        return TurnResult(
+            gen.token_ids,
+            gen.logprobs,
+            finish,
+            gen.policy_version,
+            text,
+            raw,
+            content,
+            calls,
+            prompt_tokens,
+            num_tokens,
+            remaining,
+            gen.wait_s,
+            stop_sequence=matched,
+            reasoning=reasoning,
+            top_logprobs=gen.extra.get("top_logprobs"),
+        )
 
-    async def chat_turn(self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict,
-                        ready: asyncio.Future | None = None) -> TurnResult:
-        """One captured chat turn; ``ready`` resolves once the request is accepted (before generation)."""
+    async def chat_turn(
+        self,
+        s: Session,
+        messages: list[dict],
+        tools: list[dict] | None,
+        overrides: dict,
+        ready: asyncio.Future | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+    ) -> TurnResult:
+        """One captured chat turn; ``ready`` resolves once the request is accepted (before generation);
+        ``on_tokens`` gets the tokens as the pod generates them (a streamed turn)."""
         try:
             async with s.lock:
                 if s.state != "open":
                     raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
                 if int(overrides.get("n") or 1) != 1:
                     raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
-                key = request_key(messages, tools)
+                model = self.model.with_kwargs(overrides.get("chat_template_kwargs"))
+                key = request_key(messages, tools, model.template_kwargs or None)
                 if key == s.last_key and s.last_result is not None:
                     resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
-                plan = s.capture.plan_chat(self.model, messages, tools, key)
+                plan = s.capture.plan_chat(model, messages, tools, key)
                 remaining = s.capture.check_room(plan, hard=True)
                 sp = self._sampling(s, overrides, remaining)
                 resolve_future(ready, value=plan.num_tokens)
-                gen, events = await self._generate(s, plan.prompt_ids, sp)
+                gen, events = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
                 gen = self._apply_stop(gen, stop)
                 seg = s.capture.commit(plan, gen, events)
@@ -413,12 +229,12 @@ class Gateway:
             raise bad_request("'append_text' must be a string", "append_text")
         ids = body.get("append_token_ids")
         vocab = len(self.model.tokenizer)
-        if ids is not None and (not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)):
+        if ids is not None and (
+            not isinstance(ids, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
+        ):
             raise bad_request(f"'append_token_ids' must be a list of token ids in [0, {vocab})", "append_token_ids")
-        overrides = body.get("sampling_params") or {}
-        if not isinstance(overrides, dict):
-            raise bad_request("'sampling_params' must be an object", "sampling_params")
+        overrides = sampling.session_params(body.get("sampling_params"), vocab, turn=True)
         async with s.lock:
             if s.state != "open":
                 raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
@@ -428,21 +244,44 @@ class Gateway:
                 # Contract: no room left -> finish "length" with no tokens; nothing is committed.
                 if s.capture.current is not None:
                     s.capture.current.truncated = True
-                return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens,
-                                  plan.num_tokens, 0)
+                return TurnResult(
+                    [], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0
+                )
             if overrides.get("max_tokens") == 0:
                 # Append-only: Molt appends the env's feedback even after the terminal turn (masked, so it
                 # never reaches the loss but the trajectory holds the whole episode). Nothing is generated.
                 seg = s.capture.commit(plan, Generation([], [], "stop", self.policy_version, s.pod or ""), [])
-                return TurnResult([], [], "stop", self.policy_version, "", "", "", [], plan.num_tokens,
-                                  len(seg.token_ids), s.capture.remaining(len(seg.token_ids)))
+                return TurnResult(
+                    [],
+                    [],
+                    "stop",
+                    self.policy_version,
+                    "",
+                    "",
+                    "",
+                    [],
+                    plan.num_tokens,
+                    len(seg.token_ids),
+                    s.capture.remaining(len(seg.token_ids)),
+                )
             sp = self._sampling(s, overrides, remaining)
-            gen, events = await self._generate(s, plan.prompt_ids, sp)
+            gen, events = await self._generate(s, plan.prompt_ids, sp, images=plan.image_files)
             seg = s.capture.commit(plan, gen, events)
             raw = self.model.decode(gen.token_ids, skip_special=False)
-            result = TurnResult(gen.token_ids, gen.logprobs, gen.finish_reason, gen.policy_version, raw, raw, raw,
-                                [], plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)),
-                                gen.wait_s)
+            result = TurnResult(
+                gen.token_ids,
+                gen.logprobs,
+                gen.finish_reason,
+                gen.policy_version,
+                raw,
+                raw,
+                raw,
+                [],
+                plan.num_tokens,
+                len(seg.token_ids),
+                s.capture.remaining(len(seg.token_ids)),
+                gen.wait_s,
+            )
             self._after_turn(s, plan, None, result)
             return result
 
@@ -454,187 +293,56 @@ class Gateway:
                 raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
             plan = s.capture.plan_completion(self.model, prompt)
             remaining = s.capture.check_room(plan, hard=True)
-            gen, events = await self._generate(s, plan.prompt_ids, self._sampling(s, overrides, remaining))
+            gen, events = await self._generate(
+                s, plan.prompt_ids, self._sampling(s, overrides, remaining), images=plan.image_files
+            )
             stop = overrides.get("stop") or s.sampling_params.get("stop")
             gen = self._apply_stop(gen, stop)
             seg = s.capture.commit(plan, gen, events)
-            result = self._result(gen, plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)),
-                                  stop)
+            result = self._result(
+                gen, plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)), stop
+            )
             if isinstance(prompt, str):
                 s.capture.completion_text = prompt + result.text
             self._after_turn(s, plan, None, result)
             return result
 
-    async def plain_generate(self, prompt_ids: list[int], overrides: dict) -> list[TurnResult]:
-        """Session-less request: nothing captured; any healthy pod, failing over between pods."""
+    async def plain_generate(
+        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None
+    ) -> list[TurnResult]:
+        """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
+        request's image parts in order (chat.message_images)."""
+        if images and self.model.image_token_id is None:
+            raise GatewayError(
+                400,
+                "this model takes no images (it is a text-only model); send text only",
+                code="images_unsupported",
+                param="messages",
+            )
+        files = [p["data"] for p in images or []]
         limit = self.default_max_length - len(prompt_ids)
         if limit <= 0:
-            raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens, the limit is "
-                                    f"{self.default_max_length}", code="context_length_exceeded", param="messages")
+            raise GatewayError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens, the limit is {self.default_max_length}",
+                code="context_length_exceeded",
+                param="messages",
+            )
         sp = self._sampling(None, overrides, limit)
         tried: set[str] = set()
         while True:
             pod = self.pool.pick(exclude=tried)
             try:
-                gens = await self.pool.generate(pod, prompt_ids, sp)
+                gens = await self.pool.generate(pod, prompt_ids, sp, images=files)
                 break
             except PodFailed:
                 tried.add(pod.url)
         stop = overrides.get("stop")
         gens = [self._apply_stop(g, stop) for g in gens]
-        return [self._result(g, len(prompt_ids), len(prompt_ids) + len(g.token_ids), limit - len(g.token_ids), stop)
-                for g in gens]
-
-    # ---- finishing
-
-    def _trajectory(self, s: Session, reward: float, score: float | None, info: dict) -> Trajectory | None:
-        segments = s.capture.trainable_segments()
-        if not segments:
-            return None
-        versions = [v for seg in s.capture.segments for v in seg.versions]
-        return Trajectory(
-            trajectory_id=s.id, group_id=s.group_id, sample_index=s.sample_index, segments=segments,
-            reward=reward, score=score, info=info,
-            status="truncated" if any(seg.truncated for seg in s.capture.segments) else "completed",
-            provenance=Provenance(
-                model=self.settings.served_model_name + ":" + str(self.model.path), weight_version=max(versions),
-                tokenizer_hash=self.model.tokenizer_hash, chat_template_hash=self.model.chat_template_hash,
-                sampling_params=s.sampling_params, env_name=s.env_name, env_version=s.env_version,
-            ),
-            events=list(s.capture.events),
-        )
-
-    @staticmethod
-    def _outcome(body: dict) -> tuple[float, float | None, dict]:
-        if not isinstance(body, dict):
-            raise bad_request("expected an object {reward, score?, info?}")
-        reward = _finite(body.get("reward"), "reward")
-        score = _finite(body.get("score"), "score", optional=True)
-        info = body.get("info") or {}
-        if not isinstance(info, dict):
-            raise bad_request("'info' must be an object of numbers", "info")
-        for k, v in info.items():
-            _finite(v, f"info.{k}")
-        return reward, score, {k: float(v) for k, v in info.items()}  # type: ignore[arg-type]
-
-    async def finish(self, sid: str, owner: str | None, body: dict) -> dict:
-        return (await self.finish_many([dict(body, session_id=sid)], owner, raise_single=True))[0]
-
-    async def finish_many(self, items: list[dict], owner: str | None, raise_single: bool = False) -> list[dict]:
-        """Finish several sessions; the trajectories go to the stream in one batch. Per-item results."""
-        results: list[dict | None] = [None] * len(items)
-        todo: list[tuple[int, Session, Trajectory | None]] = []
-        locked: dict[str, Session] = {}
-        try:
-            for i, item in enumerate(items):
-                try:
-                    sid = item.get("session_id") if isinstance(item, dict) else None
-                    if not isinstance(sid, str):
-                        raise bad_request("each episode needs a 'session_id' string", "session_id")
-                    s = await self.session(sid, owner, open_only=False)
-                    if s.state == "finished":
-                        results[i] = dict(s.result or {}, status=200)
-                        continue
-                    if s.state != "open":
-                        raise GatewayError(409, f"session {sid} is {s.state}; nothing to finish",
-                                           code="session_closed")
-                    reward, score, info = self._outcome(item)
-                    if sid in locked:
-                        raise bad_request(f"session {sid} appears twice in one call", "session_id")
-                    await s.lock.acquire()
-                    locked[sid] = s
-                    todo.append((i, s, self._trajectory(s, reward, score, info)))
-                except GatewayError as exc:
-                    if raise_single:
-                        raise
-                    results[i] = {"session_id": item.get("session_id") if isinstance(item, dict) else None,
-                                  "status": exc.status, "error": {"message": exc.message, "code": exc.code}}
-            trajs = [t for _, _, t in todo if t is not None]
-            entry_ids: list[str] = []
-            if trajs:
-                payloads = encode_many(trajs)  # once: the bytes written and their size
-                entry_ids = await self.queue.put_encoded(payloads)
-                self.metrics["molt_gateway_trajectories_written_total"].inc(len(trajs))
-                self.metrics["molt_gateway_trajectory_bytes_total"].inc(sum(map(len, payloads)))
-            it = iter(entry_ids)
-            for i, s, t in todo:
-                res: dict[str, Any] = {"session_id": s.id, "trajectory_id": s.id, "written": t is not None}
-                if t is None:
-                    res["reason"] = "the session generated no tokens; nothing was written"
-                else:
-                    res["entry_id"] = next(it)
-                    res["segments"] = len(t.segments)
-                    res["action_tokens"] = t.num_action_tokens
-                s.result = res
-                self._close(s, "finished", "written" if t is not None else "empty")
-                s.capture.segments = []  # free the tokens; the result stays for repeated finishes
-                results[i] = dict(res, status=200)
-        finally:
-            for s in locked.values():
-                s.lock.release()
-        await self.release_closed()
-        return [r for r in results if r is not None]
-
-    # ---- housekeeping
-
-    async def refresh_queue_metrics(self) -> None:
-        try:
-            lag = await asyncio.wait_for(self.queue.lag(), timeout=2.0)
-        except Exception as exc:  # a scrape must not fail because Redis is slow; the gauges just go stale
-            log.warning("queue lag unavailable: %s", exc)
-            return
-        stream = self.queue.stream
-        self.metrics["molt_queue_length_entries"].labels(stream).set(lag.length)
-        self.metrics["molt_queue_pending_entries"].labels(stream).set(lag.pending)
-        self.metrics["molt_queue_undelivered_entries"].labels(stream).set(lag.undelivered)
-        self.metrics["molt_queue_oldest_unacked_age_seconds"].labels(stream).set(lag.oldest_unacked_age_s)
-
-    def reap(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        ttl, keep = self.settings.session.idle_ttl_s, self.settings.session.finished_keep_s
-        expired = 0
-        for sid, s in list(self.sessions.items()):
-            if s.state == "open" and now - s.last_used > ttl and not s.lock.locked():
-                self._close(s, "expired", "expired")
-                del self.sessions[sid]
-                expired += 1
-            elif s.state != "open" and now - s.closed_at > keep:
-                del self.sessions[sid]
-        return expired
-
-    async def renew_moved(self, now: float | None = None) -> int:
-        """Renew the moved markers of the adopted sessions still open here once half their TTL has passed
-        (handoff.py), so peers keep finding them however long they run; forget the closed ones."""
-        if self.handoff is None:
-            return 0
-        now = time.monotonic() if now is None else now
-        due = []
-        for sid, marked in list(self._moved_marks.items()):
-            s = self.sessions.get(sid)
-            if s is None or s.state != "open":
-                del self._moved_marks[sid]
-            elif now - marked >= self.handoff.moved_ttl_s / 2:
-                due.append(sid)
-        if due:
-            try:
-                await self.handoff.renew_moved(due)
-            except Exception as exc:  # tried again on the next pass
-                log.warning("could not renew the moved markers of %d adopted sessions: %s", len(due), exc)
-                return 0
-            for sid in due:
-                self._moved_marks[sid] = now
-        return len(due)
-
-    async def reap_loop(self) -> None:
-        period = max(0.05, min(5.0, self.settings.session.idle_ttl_s / 4))
-        while True:
-            await asyncio.sleep(period)
-            n = self.reap()
-            if n:
-                log.info("expired %d idle sessions", n)
-            await self.release_closed()
-            if self._moved_marks:
-                await self.renew_moved()
+        return [
+            self._result(g, len(prompt_ids), len(prompt_ids) + len(g.token_ids), limit - len(g.token_ids), stop)
+            for g in gens
+        ]
 
 
 def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:

@@ -1,17 +1,12 @@
-"""The gateway's ASGI edge: routing, the one place errors become wire-shaped responses, and request timing.
+"""The gateway's ASGI edge: one middleware in front of Starlette's app, and the one place errors become
+wire-shaped responses.
 
-Starlette's ``Router`` matches the routes, except a session's turns, found first by one dict lookup on
-the path (a regex match per route tried, and the Router's scope copies, were ~8% of the gateway's CPU
-per turn at concurrency 1). The rest of a Starlette app is left out on purpose. Its
-middleware stack (server-error and exception middleware, plus an exception wrapper around every
-endpoint) wraps ``send`` three more times per request, and its error handlers would be a second place
-that maps exceptions to responses. Here one layer does it all: ``Edge`` times the request, stamps the
-policy version, and answers any exception raised before the response started in the error shape of
-the request's wire (routing's 404/405 included). Per-turn cost: BENCHMARKS.md "Gateway overhead".
-
-Under the gateway's own server (services/gateway/server.py) a response's start message is held until its
-first body message: a whole response then leaves in one write (``molt.send_whole``), and an error raised
-before a stream's first chunk still gets the wire's error shape, since nothing has been sent yet.
+``Edge`` (a plain ASGI middleware) relays a request for a session another replica holds
+(services/gateway/replicas.py), times every request, stamps the policy version on every answer, bounds the
+wait for each piece of a request body (a 408 past ``--server.body_timeout_s``: slow clients cannot hold a
+request open) and turns any exception raised before the response started into the error body of the
+request's wire.
+``error_response`` is that mapping; Starlette's app uses it too, as its handler for routing's 404/405.
 
 Timing: added time = accept to last body byte, minus ``scope["state"]["pod_wait_s"]`` (set by handlers
 to the time spent waiting on the rollout pod). Turns also get ``server-timing: gateway;dur=MS,
@@ -20,14 +15,15 @@ pod;dur=MS`` (accept to response start).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Router
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from molt.metrics import Metrics
 from services.gateway.errors import GatewayError, error_body, error_headers, wire_of_path
@@ -36,12 +32,11 @@ from services.gateway.replicas import Replicas
 
 log = logging.getLogger("molt.gateway")
 
-Handler = Callable[[Request], Awaitable[Response]]
-Relay = Callable[[str, dict, Callable, Callable], Awaitable[bytes | None]]
+Relay = Callable[[str, Scope, Receive, Send], Awaitable[bytes | None]]
 """(replica URL, scope, receive, send): None once relayed, or the request's body to answer it here instead."""
 
 
-def _replay(body: bytes, receive: Callable) -> Callable:
+def _replay(body: bytes, receive: Receive) -> Receive:
     """``receive`` for a request whose body was already read: the body once, then the client's own messages."""
     sent = False
 
@@ -55,24 +50,26 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replay
 
 
-class Endpoint:
-    """An ASGI app for one handler ``async (Request) -> Response``; exceptions go up to ``Edge``.
+def _bounded(receive: Receive, timeout_s: float) -> Receive:
+    """``receive`` whose request-body messages must each arrive within ``timeout_s``; once the body is complete
+    (the rest is waiting for a disconnect, which may take as long as a stream lasts) it is unbounded."""
+    complete = False
 
-    Starlette's ``Route`` calls an endpoint that is not a plain function as an ASGI app as is, so this
-    replaces its per-request wrapper (which would look up exception handlers this app does not use)."""
+    async def bounded():
+        nonlocal complete
+        if complete:
+            return await receive()
+        try:
+            async with asyncio.timeout(timeout_s):
+                message = await receive()
+        except TimeoutError:
+            raise GatewayError(
+                408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
+            ) from None
+        complete = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
 
-    __slots__ = ("handler",)
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-
-    async def __call__(self, scope, receive, send) -> None:
-        response = await self.handler(Request(scope, receive, send))
-        whole = scope.get("molt.respond_whole")  # Edge's: a complete response in one call, no ASGI messages
-        body = getattr(response, "body", None)  # None: a stream
-        if whole is None or body is None or response.background is not None \
-                or not whole(response.status_code, response.raw_headers, body):
-            await response(scope, receive, send)
+    return bounded
 
 
 def error_response(exc: BaseException, path: str) -> JSONResponse:
@@ -85,26 +82,34 @@ def error_response(exc: BaseException, path: str) -> JSONResponse:
         err, headers = GatewayError(exc.status_code, str(exc.detail), code=code), dict(exc.headers or {})
     else:
         log.error("unhandled error on %s", path, exc_info=exc)
-        err, headers = GatewayError(500, f"internal gateway error: {type(exc).__name__}: {exc}",
-                                    code="internal_error"), {}
+        err, headers = (
+            GatewayError(500, f"internal gateway error: {type(exc).__name__}: {exc}", code="internal_error"),
+            {},
+        )
     return JSONResponse(error_body(err, wire_of_path(path)), status_code=err.status, headers=headers)
 
 
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's handler for routing's HTTPExceptions (404, 405): the wire's error shape."""
+    return error_response(exc, request.url.path)
+
+
 class Edge:
-    """The whole ASGI app: ``Edge(Router(routes, lifespan=...), metrics, policy_version, replicas)``.
+    """ASGI middleware: ``Middleware(Edge, metrics=..., policy_version=..., replicas=..., relay=...)``."""
 
-    A request for a session another replica holds is relayed there (services/gateway/replicas.py)."""
-
-    def __init__(self, router: Router, metrics: Metrics, policy_version: Callable[[], int],
-                 replicas: Replicas | None = None, relay: Relay | None = None,
-                 session_posts: dict[str, Endpoint] | None = None) -> None:
-        self.router = router
-        self.session_posts = session_posts or {}
-        """POST ``/s/{sid}`` + key -> endpoint: the turns, found by one dict lookup instead of the Router's regex
-        matches (``_dispatch``); the Router holds the same routes."""
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        policy_version: Callable[[], int],
+        replicas: Replicas | None = None,
+        relay: Relay | None = None,
+        body_timeout_s: float = 60.0,
+    ) -> None:
+        self.app = app
+        self.body_timeout_s = body_timeout_s
         self.replicas = replicas or Replicas("", [])
         self.relay = relay  # a session another replica holds (``Relay``)
-        self.metrics = metrics
         self.policy_version = policy_version
         self.requests = metrics["molt_gateway_requests_total"]
         self.errors = metrics["molt_gateway_errors_total"]
@@ -114,75 +119,41 @@ class Edge:
         # looked up once per (wire, status) and kept.
         self._children: dict[tuple[str, int], tuple] = {}
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
-            await self.router(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
         path = scope["path"]
         state = scope.setdefault("state", {})
-        scope["app"] = self  # routing then raises HTTPException for 404/405, answered below in the wire's shape
         status = 0
         started = False  # the response's first bytes have left: an error can no longer replace it
-        held: dict | None = None  # a start message whose body may follow at once (see below)
-        send_whole = scope.get("extensions", {}).get("molt.send_whole")
-
-        def edge_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-            """A response's headers plus the edge's, as it starts: the policy version unless the handler set it,
-            and for a turn how the time split (standard Server-Timing header)."""
-            extra = [] if any(k == b"x-molt-policy-version" for k, _ in headers) else [
-                (b"x-molt-policy-version", b"%d" % self.policy_version())]
-            if "pod_wait_s" in state:
-                total_ms = (time.perf_counter() - t0) * 1e3
-                pod_ms = state["pod_wait_s"] * 1e3
-                extra.append((b"server-timing", b"gateway;dur=%.3f, pod;dur=%.3f" % (total_ms - pod_ms, pod_ms)))
-            return [*headers, *extra] if extra else headers
-
-        def respond_whole(code: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-            """A complete response in one write through the server's ``molt.send_whole``, without the two ASGI
-            messages (``Endpoint`` uses it); False, nothing done, when it must go as messages instead."""
-            nonlocal status, started
-            if send_whole is None or started or not send_whole(code, edge_headers(headers), body):
-                return False
-            status, started = code, True
-            self._record("relay" if state.get("relayed") else wire_label(path), path, code,
-                         time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
-            return True
-
-        scope["molt.respond_whole"] = respond_whole
+        receive = _bounded(receive, self.body_timeout_s)
 
         async def timed_send(message) -> None:
-            nonlocal status, started, held
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": edge_headers(message.get("headers", []))}
-                if send_whole is not None:  # the server can write start and body at once: wait for the body
-                    held = message
-                    return
-                started = True
-                await send(message)
-            elif held is not None:
-                start, held = held, None
-                if message.get("more_body", False) or not send_whole(status, start["headers"], message.get("body", b"")):
-                    started = True
-                    await send(start)
-                    await send(message)
-            else:
-                started = True
-                await send(message)
+                status, started = message["status"], True
+                message = {**message, "headers": self._headers(message.get("headers", []), state, t0)}
+            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                started = True
-                self._record("relay" if state.get("relayed") else wire_label(path), path, status,
-                             time.perf_counter() - t0, state.get("pod_wait_s", 0.0))
+                self._record(
+                    "relay" if state.get("relayed") else wire_label(path),
+                    path,
+                    status,
+                    time.perf_counter() - t0,
+                    state.get("pod_wait_s", 0.0),
+                )
 
         try:
-            owner = self.replicas.target(scope) if self.relay else None
-            if owner is not None:  # "" included: a session of this replica's that it does not hold
-                body = await self.relay(owner, scope, receive, timed_send)  # type: ignore[misc]
-                if body is not None:  # the owner was gone and this replica adopted the session: answered here
-                    await self._dispatch(scope, _replay(body, receive), timed_send)
-            else:
-                await self._dispatch(scope, receive, timed_send)
+            relay = self.relay
+            owner = self.replicas.target(scope) if relay else None
+            if relay is not None and owner is not None:  # "" included: a session of this replica's it does not hold
+                body = await relay(owner, scope, receive, timed_send)
+                if body is None:
+                    return
+                receive = _replay(body, receive)  # the owner was gone and this replica adopted the session
+            await self.app(scope, receive, timed_send)
         except ClientDisconnect:
             return  # the client left before its request body had arrived: there is no one to answer
         except Exception as exc:
@@ -190,28 +161,31 @@ class Edge:
                 raise
             await error_response(exc, path)(scope, receive, timed_send)
 
-    async def _dispatch(self, scope, receive, send) -> None:
-        """A session's POST routes (the turns) by a dict lookup, with the scope the Router would give them;
-        everything else, a trailing slash or another method included, through the Router."""
-        path = scope["path"]
-        if path[:3] == "/s/" and scope["method"] == "POST" and not scope.get("root_path"):
-            cut = path.find("/", 3)
-            endpoint = self.session_posts.get(path[cut:]) if cut > 3 else None
-            if endpoint is not None:
-                scope["path_params"] = {"sid": path[3:cut]}
-                scope["endpoint"] = endpoint
-                await endpoint(scope, receive, send)
-                return
-        await self.router(scope, receive, send)
+    def _headers(self, headers: list[tuple[bytes, bytes]], state: dict, t0: float) -> list[tuple[bytes, bytes]]:
+        """A response's headers plus the edge's: the policy version unless the handler set it, and for a turn how
+        the time split (standard Server-Timing header)."""
+        extra = (
+            []
+            if any(k == b"x-molt-policy-version" for k, _ in headers)
+            else [(b"x-molt-policy-version", b"%d" % self.policy_version())]
+        )
+        if "pod_wait_s" in state:
+            total_ms = (time.perf_counter() - t0) * 1e3
+            pod_ms = state["pod_wait_s"] * 1e3
+            extra.append((b"server-timing", b"gateway;dur=%.3f, pod;dur=%.3f" % (total_ms - pod_ms, pod_ms)))
+        return [*headers, *extra] if extra else headers
 
     def _record(self, wire: str, path: str, status: int, total_s: float, pod_wait_s: float) -> None:
         if path in UNTIMED:
             return
         children = self._children.get((wire, status))
         if children is None:
-            children = (self.requests.labels(wire, str(status)),
-                        self.errors.labels(str(status)) if status >= 400 else None,
-                        self.total.labels(wire), self.added.labels(wire))
+            children = (
+                self.requests.labels(wire, str(status)),
+                self.errors.labels(str(status)) if status >= 400 else None,
+                self.total.labels(wire),
+                self.added.labels(wire),
+            )
             self._children[(wire, status)] = children
         requests, errors, total, added = children
         requests.inc()

@@ -24,8 +24,14 @@ _TYPES = {
 class GatewayError(Exception):
     """An error with an HTTP status; ``code`` is a stable machine-readable reason."""
 
-    def __init__(self, status: int, message: str, code: str = "error", param: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str = "error",
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,17 +47,24 @@ class PodUnavailable(GatewayError):
         super().__init__(503, message, code="no_rollout_pod", retry_after_s=1)
 
 
+def _utf8(text: str | None) -> str | None:
+    """A message or param that quotes a client's lone surrogate, made encodable (as a \\udXXX escape)."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(err: GatewayError, wire: Wire) -> dict:
     default = ("invalid_request_error", "invalid_request_error") if err.status < 500 else ("server_error", "api_error")
     oa_type, an_type = _TYPES.get(err.status, default)
     if wire == "anthropic":
-        return {"type": "error", "error": {"type": an_type, "message": err.message}}
-    return {"error": {"message": err.message, "type": oa_type, "param": err.param, "code": err.code}}
+        return {"type": "error", "error": {"type": an_type, "message": _utf8(err.message)}}
+    return {"error": {"message": _utf8(err.message), "type": oa_type, "param": _utf8(err.param), "code": err.code}}
 
 
 def error_headers(err: GatewayError) -> dict[str, str]:
     headers = {"retry-after": str(err.retry_after_s)} if err.retry_after_s is not None else {}
-    if err.status == 413:  # the rest of the body is not read: end the connection rather than drain it
+    if err.status in (408, 413):  # the rest of the body is not read: end the connection rather than drain it
         headers["connection"] = "close"
     return headers
 

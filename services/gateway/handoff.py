@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from services.gateway.capture import Capture, ChatState, SegmentState
 from services.gateway.errors import UnreadableParkedSession
@@ -56,16 +57,55 @@ def parked_state(s: Session) -> dict[str, bytes]:
     ``state`` (the rest, through the standard library: what a client sent, labels and sampling params with
     NaN included, comes back as it was)."""
     cap = s.capture
-    state = json.dumps({
-        "format": PARKED_FORMAT, "id": s.id, "group_id": s.group_id, "sample_index": s.sample_index,
-        "label": s.label, "env_name": s.env_name, "env_version": s.env_version, "sampling_params": s.sampling_params,
-        "metadata": s.metadata, "created_at": s.created_at, "idle_s": time.monotonic() - s.last_used,
-        "pod": s.pod, "turns": s.turns, "last_key": s.last_key,
-        "last_result": _fields(s.last_result) if s.last_result is not None else None,
-        "capture": {"max_length": cap.max_length, "chat": _fields(cap.chat) if cap.chat is not None else None,
-                    "completion_text": cap.completion_text, "events": cap.events},
-    }).encode()
-    return {"state": state, "segments": msgspec.json.encode([_fields(seg) for seg in cap.segments])}
+    state = json.dumps(
+        {
+            "format": PARKED_FORMAT,
+            "id": s.id,
+            "group_id": s.group_id,
+            "sample_index": s.sample_index,
+            "label": s.label,
+            "env_name": s.env_name,
+            "env_version": s.env_version,
+            "sampling_params": s.sampling_params,
+            "metadata": s.metadata,
+            "created_at": s.created_at,
+            "idle_s": time.monotonic() - s.last_used,
+            "pod": s.pod,
+            "turns": s.turns,
+            "last_key": s.last_key,
+            "lease_s": s.lease_s,
+            "last_result": _fields(s.last_result) if s.last_result is not None else None,
+            "capture": {
+                "max_length": cap.max_length,
+                "chat": _fields(cap.chat) if cap.chat is not None else None,
+                "completion_text": cap.completion_text,
+                "events": cap.events,
+                "image_data": cap.image_data,
+            },
+        }
+    ).encode()
+    return {"state": state, "segments": msgspec.json.encode([_segment_fields(seg) for seg in cap.segments])}
+
+
+def _segment_fields(seg: SegmentState) -> dict:
+    """A segment's fields; MoE routing as nested lists of ints, and only where there is some (so replicas that
+    predate it still read the sessions without)."""
+    fields = _fields(seg)
+    routed = fields.pop("routed_experts")
+    if routed is not None:
+        fields["routed_experts"] = routed.tolist()
+    return fields
+
+
+def _segment(fields: dict) -> SegmentState:
+    routed = fields.get("routed_experts")
+    return SegmentState(
+        **dict(
+            fields,
+            spans=[tuple(x) for x in fields["spans"]],
+            routed_experts=None if routed is None else np.asarray(routed, dtype=np.int16),
+        )
+    )
 
 
 def _fields(obj: Any) -> dict:
@@ -82,18 +122,35 @@ def session_from_state(state: bytes, segments: bytes, owner: str | None) -> Sess
         if d.get("format") != PARKED_FORMAT:
             raise ValueError(f"format {d.get('format')!r}, this replica reads {PARKED_FORMAT}")
         c = d["capture"]
-        segs = [SegmentState(**dict(seg, spans=[tuple(x) for x in seg["spans"]]))
-                for seg in msgspec.json.decode(segments)]
-        capture = Capture(max_length=c["max_length"], segments=segs,
-                          chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
-                          completion_text=c["completion_text"], events=c["events"])
+        segs = [_segment(seg) for seg in msgspec.json.decode(segments)]
+        capture = Capture(
+            max_length=c["max_length"],
+            segments=segs,
+            chat=ChatState(**c["chat"]) if c["chat"] is not None else None,
+            completion_text=c["completion_text"],
+            events=c["events"],
+            image_data=c.get("image_data") or {},
+        )
         last = d["last_result"]
-        return Session(id=d["id"], owner=owner, group_id=d["group_id"], sample_index=d["sample_index"],
-                       label=d["label"], env_name=d["env_name"], env_version=d["env_version"],
-                       sampling_params=d["sampling_params"], metadata=d["metadata"], capture=capture,
-                       created_at=d["created_at"], last_used=time.monotonic() - d["idle_s"], pod=d["pod"],
-                       turns=d["turns"], last_key=d["last_key"],
-                       last_result=TurnResult(**last) if last is not None else None)
+        return Session(
+            id=d["id"],
+            owner=owner,
+            group_id=d["group_id"],
+            sample_index=d["sample_index"],
+            label=d["label"],
+            env_name=d["env_name"],
+            env_version=d["env_version"],
+            sampling_params=d["sampling_params"],
+            metadata=d["metadata"],
+            capture=capture,
+            created_at=d["created_at"],
+            last_used=time.monotonic() - d["idle_s"],
+            pod=d["pod"],
+            turns=d["turns"],
+            last_key=d["last_key"],
+            lease_s=d.get("lease_s"),
+            last_result=TurnResult(**last) if last is not None else None,
+        )
     except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:
         raise UnreadableParkedSession(f"unreadable parked session ({type(exc).__name__}: {exc})") from None
 
@@ -123,7 +180,7 @@ class SessionHandoff:
         """Park each open session until it would have expired idle; all or raise."""
         for i in range(0, len(sessions), 500):
             pipe = self.redis.pipeline(transaction=False)
-            for s in sessions[i:i + 500]:
+            for s in sessions[i : i + 500]:
                 key = self.key(s.id)
                 pipe.delete(key)
                 pipe.hset(key, mapping={"owner": owner_tag(s.owner), **parked_state(s)})
@@ -133,8 +190,9 @@ class SessionHandoff:
     async def take(self, sid: str, owner: str | None) -> Session | None:
         """The session ``sid`` if it is parked under ``owner``'s key (it is no longer parked then), else None.
         Raises UnreadableParkedSession (it was taken off Redis all the same)."""
-        parked = await self._take(keys=[self.key(sid), self.moved_key(sid)],
-                                  args=[owner_tag(owner), self.public_url, self.moved_ttl_s])
+        parked = await self._take(
+            keys=[self.key(sid), self.moved_key(sid)], args=[owner_tag(owner), self.public_url, self.moved_ttl_s]
+        )
         if not parked:
             return None
         state, segments = parked

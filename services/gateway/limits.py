@@ -17,7 +17,8 @@ import asyncio
 import hashlib
 import logging
 from collections import Counter
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger("molt.gateway.limits")
 
@@ -117,7 +118,7 @@ class RedisOpenSessions(OpenSessions):
         pipe = self.redis.pipeline(transaction=False)
         for owner, sids in held.items():
             for i in range(0, len(sids), 1000):
-                await self._renew(keys=[self.key(owner)], args=[self.lease_s, *sids[i:i + 1000]], client=pipe)
+                await self._renew(keys=[self.key(owner)], args=[self.lease_s, *sids[i : i + 1000]], client=pipe)
         await pipe.execute()
 
     async def renew_loop(self, held: Callable[[], dict[str, list[str]]]) -> None:
@@ -128,5 +129,5 @@ class RedisOpenSessions(OpenSessions):
                 continue
             try:
                 await self.renew(sessions)
-            except Exception as exc:  # the entries lapse after lease_s unless a later renewal gets through
+            except Exception as exc:  # noqa: BLE001 - the entries lapse after lease_s unless a later renewal gets through
                 log.warning("could not renew the open-session count of %d keys in Redis: %s", len(sessions), exc)

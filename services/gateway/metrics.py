@@ -18,7 +18,7 @@ def gateway_metrics() -> Metrics:
 def wire_label(path: str) -> str:
     if path.endswith("/messages"):
         return "anthropic"
-    if path.endswith("/completions"):
+    if path.endswith("/completions") or path.endswith("/responses"):
         return "openai"
     if path.endswith("/generate"):
         return "tokens"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
+from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import ChatModel, bad_request, canonical_messages, canonical_tools, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
+from services.gateway.streaming import TextFeed
 
 FINISH = {"stop", "length", "tool_calls", "content_filter", "function_call"}
 CHUNK_CHARS = 32
@@ -28,50 +31,105 @@ class ChatRequest:
     options: dict = field(default_factory=dict)
 
 
-def _number(body: dict, key: str, kind: type = float, lo: float | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise bad_request(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", key)
-    if lo is not None and v < lo:
-        raise bad_request(f"'{key}' must be >= {lo}, got {v!r}", key)
-    return v
-
-
 def sampling_overrides(body: dict) -> dict:
+    """The sampling fields of a chat or completions body, each checked against vLLM's range (a 400 naming it)."""
     out: dict[str, Any] = {}
-    max_tokens = _number(body, "max_completion_tokens", int, 1)
-    out["max_tokens"] = max_tokens if max_tokens is not None else _number(body, "max_tokens", int, 1)
-    out["temperature"] = _number(body, "temperature", float, 0)
-    out["top_p"] = _number(body, "top_p", float, 0)
-    out["top_k"] = _number(body, "top_k", int)
-    out["seed"] = _number(body, "seed", int)
-    out["n"] = _number(body, "n", int, 1)
-    out["presence_penalty"] = _number(body, "presence_penalty")
-    out["frequency_penalty"] = _number(body, "frequency_penalty")
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("'stop' must be a string or a list of strings", "stop")
-        out["stop"] = stop or None
+    max_tokens = sampling.number(body, "max_completion_tokens", "max_tokens")
+    out["max_tokens"] = max_tokens if max_tokens is not None else sampling.number(body, "max_tokens")
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        out[key] = sampling.number(body, key)
+    out["stop"] = sampling.stop(body)
+    out["min_tokens"] = sampling.number(body, "min_tokens")
+    out["ignore_eos"] = sampling.flag(body, "ignore_eos") if body.get("ignore_eos") is not None else None
+    if body.get("logit_bias") is not None:
+        out["logit_bias"] = sampling.logit_bias(body)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+            raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        out["stop_token_ids"] = ids
     return {k: v for k, v in out.items() if v is not None}
 
 
 def parse_chat(body: dict) -> ChatRequest:
-    stream_opts = body.get("stream_options") or {}
-    top = _number(body, "top_logprobs", int, 0) or 0
+    surface.check(body, "chat")
+    stream_opts = body.get("stream_options")
+    if stream_opts is not None and not isinstance(stream_opts, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    logprobs, top = sampling.flag(body, "logprobs"), sampling.top_logprobs(body)
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    overrides = sampling_overrides(body)
+    if top:
+        overrides["top_logprobs"] = top
+    structured = response_format(body.get("response_format"))
+    if structured is not None:
+        overrides["structured_outputs"] = structured
+    overrides["tool_choice"] = tool_choice.from_openai(body.get("tool_choice"), body.get("parallel_tool_calls"))
+    if body.get("chat_template_kwargs") is not None:
+        overrides["chat_template_kwargs"] = body["chat_template_kwargs"]  # checked against the template's variables
     return ChatRequest(
         messages=canonical_messages(body.get("messages")),
         tools=canonical_tools(body.get("tools")),
-        overrides=sampling_overrides(body),
-        stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(stream_opts, dict) and stream_opts.get("include_usage")),
-        logprobs=bool(body.get("logprobs")),
+        overrides=overrides,
+        stream=sampling.flag(body, "stream"),
+        include_usage=sampling.flag(stream_opts or {}, "include_usage"),
+        logprobs=logprobs,
         top_logprobs=top,
     )
+
+
+def response_format(fmt: Any, param: str = "response_format") -> dict | None:
+    """``response_format`` as the pod's ``structured_outputs`` (None: plain text). A JSON schema is the pod's to
+    compile: one it cannot is a 400 from there."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+        return {"json": spec.get("schema") or {"type": "object"}}
+    raise bad_request(
+        f'\'{param}\' must be {{"type": "text" | "json_object"}} or {{"type": "json_schema", '
+        f'"json_schema": {{"name", "schema"}}}}, got {str(fmt)[:120]!a}',
+        param,
+    )
+
+
+def completion_logprobs(body: dict) -> int | None:
+    """A completions body's ``logprobs``: how many top alternatives per token, 0..20 (None: no logprobs; a bool
+    is read as none or 1)."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 1
+    return sampling.number(body, "logprobs", sampling.Rule(True, 0, sampling.MAX_TOP_LOGPROBS))
+
+
+def parse_echo(body: dict) -> bool:
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"'echo' must be a boolean, got {echo!r}", "echo")
+    if echo and body.get("logprobs") not in (None, False):
+        raise bad_request(
+            "'echo' with 'logprobs' is not supported (the prompt's logprobs are not computed): drop one of them",
+            "echo",
+        )
+    return bool(echo)
 
 
 def parse_prompt(body: dict) -> str | list[int]:
@@ -89,12 +147,19 @@ def _finish(r: TurnResult) -> str:
     return r.finish_reason if r.finish_reason in FINISH else "stop"
 
 
+def _entry(model: ChatModel, tok: int, lp: float) -> dict:
+    s = model.decode([tok], skip_special=False)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
 def _logprobs(model: ChatModel, r: TurnResult, top: int) -> dict:
+    """Each token's logprob, and its ``top`` most likely alternatives as the pod ranked them."""
     content = []
-    for tok, lp in zip(r.token_ids, r.logprobs):
-        s = model.decode([tok], skip_special=False)
-        entry = {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        entry["top_logprobs"] = [dict(entry)] if top else []
+    alternatives = r.top_logprobs or []
+    for i, (tok, lp) in enumerate(zip(r.token_ids, r.logprobs)):
+        entry = _entry(model, tok, lp)
+        best = alternatives[i] if top and i < len(alternatives) else []
+        entry["top_logprobs"] = [_entry(model, t, x) for t, x in best[:top]]
         content.append(entry)
     return {"content": content}
 
@@ -109,13 +174,28 @@ def chat_response(results: list[TurnResult], req: ChatRequest, model: ChatModel,
     choices = []
     for i, r in enumerate(results):
         msg: dict[str, Any] = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
+        if r.reasoning:
+            msg["reasoning_content"] = r.reasoning
         if r.tool_calls:
             msg["tool_calls"] = r.tool_calls
-        choices.append({"index": i, "message": msg, "finish_reason": _finish(r),
-                        "logprobs": _logprobs(model, r, req.top_logprobs) if req.logprobs else None})
-    return {"id": "chatcmpl-" + new_id(), "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "usage": _usage(results),
-            "system_fingerprint": f"molt-v{results[0].policy_version}", "policy_version": results[0].policy_version}
+        choices.append(
+            {
+                "index": i,
+                "message": msg,
+                "finish_reason": _finish(r),
+                "logprobs": _logprobs(model, r, req.top_logprobs) if req.logprobs else None,
+            }
+        )
+    return {
+        "id": "chatcmpl-" + new_id(),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": _usage(results),
+        "system_fingerprint": f"molt-v{results[0].policy_version}",
+        "policy_version": results[0].policy_version,
+    }
 
 
 def _sse(obj: dict) -> bytes:
@@ -127,57 +207,121 @@ def _error_event(exc: BaseException) -> bytes:
     return _sse(error_body(err, "openai")) + b"data: [DONE]\n\n"
 
 
-async def chat_stream(task: asyncio.Future, req: ChatRequest, model: ChatModel, model_name: str,
-                      state: Any) -> AsyncIterator[bytes]:
-    """SSE synthesized from the completed turn: a role chunk at once, content once the pod answered."""
-    base = {"id": "chatcmpl-" + new_id(), "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model_name}
-    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]})
+async def chat_stream(
+    task: asyncio.Future, req: ChatRequest, model: ChatModel, model_name: str, state: Any, feed: TextFeed | None = None
+) -> AsyncIterator[bytes]:
+    """SSE: a role chunk at once, then the content as the pod generates it (``feed``; without one, once the pod
+    answered), the rest (held-back text, tool calls, logprobs) and the finish when the turn is done."""
+    base = {
+        "id": "chatcmpl-" + new_id(),
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model_name,
+    }
+    yield _sse(
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    )
+    reasoned = False
+    if feed is not None:
+        async for piece in feed.pieces():
+            if feed.reasoning and not reasoned:
+                reasoned = True
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {"index": 0, "delta": {"reasoning_content": feed.reasoning}, "finish_reason": None}
+                        ],
+                    }
+                )
+            yield _sse({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
     try:
         r: TurnResult = await asyncio.shield(task)
-    except Exception as exc:  # the stream has started: end it with an error event, never hang
+    except Exception as exc:  # noqa: BLE001 - the stream has started: end it with an error event, never hang
         yield _error_event(exc)
         return
     state.pod_wait_s = r.pod_wait_s
     base["system_fingerprint"] = f"molt-v{r.policy_version}"
     lp = _logprobs(model, r, req.top_logprobs)["content"] if req.logprobs else None
-    text = r.content
+    text = feed.rest(r.content) if feed is not None else r.content
+    if r.reasoning and not reasoned:
+        yield _sse(
+            {**base, "choices": [{"index": 0, "delta": {"reasoning_content": r.reasoning}, "finish_reason": None}]}
+        )
+    if lp is not None and not text:
+        yield _sse(
+            {**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": lp}, "finish_reason": None}]}
+        )
     for i in range(0, len(text), CHUNK_CHARS):
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"content": text[i:i + CHUNK_CHARS]},
-                                         "logprobs": {"content": lp} if (lp is not None and i == 0) else None,
-                                         "finish_reason": None}]})
+        yield _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": text[i : i + CHUNK_CHARS]},
+                        "logprobs": {"content": lp} if (lp is not None and i == 0) else None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
     if r.tool_calls:
         calls = [{"index": j, **c} for j, c in enumerate(r.tool_calls)]
         yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]})
-    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish(r)}],
-                "policy_version": r.policy_version})
+    yield _sse(
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": _finish(r)}],
+            "policy_version": r.policy_version,
+        }
+    )
     if req.include_usage:
         yield _sse({**base, "choices": [], "usage": _usage([r])})
     yield b"data: [DONE]\n\n"
 
 
-def completion_response(results: list[TurnResult], model: ChatModel, model_name: str, want_logprobs: bool) -> dict:
+def completion_response(
+    results: list[TurnResult], model: ChatModel, model_name: str, want_logprobs: int | None, echo: str = ""
+) -> dict:
+    """``echo``: the prompt's text, put before each choice's text (``echo: true``). ``want_logprobs``: how many
+    alternatives each token's ``top_logprobs`` holds besides the token itself (None: no logprobs)."""
     choices = []
     for i, r in enumerate(results):
         lp = None
-        if want_logprobs:
+        if want_logprobs is not None:
             toks = [model.decode([t], skip_special=False) for t in r.token_ids]
-            lp = {"tokens": toks, "token_logprobs": r.logprobs,
-                  "top_logprobs": [{t: x} for t, x in zip(toks, r.logprobs)], "text_offset": []}
-        choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": _finish(r)})
-    return {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "usage": _usage(results),
-            "policy_version": results[0].policy_version}
+            alts = r.top_logprobs or [[] for _ in toks]
+            top = [
+                {**{model.decode([t], skip_special=False): x for t, x in best[:want_logprobs]}, tok: own}
+                for tok, own, best in zip(toks, r.logprobs, alts)
+            ]
+            lp = {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": top, "text_offset": []}
+        choices.append({"index": i, "text": echo + r.text, "logprobs": lp, "finish_reason": _finish(r)})
+    return {
+        "id": "cmpl-" + new_id(),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": _usage(results),
+        "policy_version": results[0].policy_version,
+    }
 
 
-async def completion_stream(results: list[TurnResult], model_name: str) -> AsyncIterator[bytes]:
-    base = {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()),
-            "model": model_name}
+async def completion_stream(results: list[TurnResult], model_name: str, echo: str = "") -> AsyncIterator[bytes]:
+    base = {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()), "model": model_name}
     for i, r in enumerate(results):
-        for j in range(0, len(r.text), CHUNK_CHARS):
-            yield _sse({**base, "choices": [{"index": i, "text": r.text[j:j + CHUNK_CHARS], "logprobs": None,
-                                             "finish_reason": None}]})
+        text = echo + r.text
+        for j in range(0, len(text), CHUNK_CHARS):
+            yield _sse(
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "text": text[j : j + CHUNK_CHARS], "logprobs": None, "finish_reason": None}
+                    ],
+                }
+            )
         yield _sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": _finish(r)}]})
     yield b"data: [DONE]\n\n"
 

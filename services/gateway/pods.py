@@ -9,17 +9,22 @@ pod is the request's fault and is surfaced as a 400, never retried elsewhere.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from molt.metrics import Metrics
-from services.gateway.channel import UNSUPPORTED, PodChannel
+from services.gateway.channel import PodChannel
 from services.gateway.errors import GatewayError, PodUnavailable
-from services.gateway.transport import PodConnectionError, PodTransport, generate_body, json_loads
+from services.gateway.transport import HttpTransport, PodConnectionError, PodTransport, generate_body, json_loads
 
 log = logging.getLogger("molt.gateway.pods")
 
@@ -49,6 +54,8 @@ class Generation:
     pod: str
     wait_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
+    """int16 [prompt + generated tokens, layers, top_k] MoE expert ids (-1: not recorded), when asked for."""
 
 
 class PodFailed(Exception):
@@ -61,35 +68,41 @@ class PodFailed(Exception):
 
 
 def _error_text(answer: dict | bytes) -> str:
-    """A pod error's message: from the OpenAI error object of a stream answer line or a JSON body, else the raw text."""
+    """A pod error's message: from the OpenAI error object of a stream answer line or a JSON body, else the raw
+    text."""
+    parsed: Any = answer
     if isinstance(answer, bytes):
         try:
-            answer = json.loads(answer)
+            parsed = json.loads(answer)
         except ValueError:
             return answer[:500].decode(errors="replace")
     try:
-        return str(answer["error"]["message"])  # type: ignore[index]
+        return str(parsed["error"]["message"])
     except (KeyError, TypeError):
-        return repr(answer)[:500]
+        return repr(parsed)[:500]
 
 
 def _token_ids(raw: object) -> list[int]:
     if type(raw) is list and all(type(t) is int for t in raw):
-        return raw  # type: ignore[return-value]
+        return raw
     raise ValueError(f"token_ids must be a list of integers, got {str(raw)[:200]}")
 
 
 def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
     """Accept plain floats, or per-token {id: logprob} / {"logprob": x} entries; each one finite."""
-    if type(raw) is list and len(raw) == len(token_ids) and all(type(x) is float for x in raw) \
-            and math.isfinite(sum(raw)):  # the usual answer, checked in one pass (a NaN or inf makes the sum one)
+    if (
+        type(raw) is list
+        and len(raw) == len(token_ids)
+        and all(type(x) is float for x in raw)
+        and math.isfinite(sum(raw))
+    ):  # the usual answer, checked in one pass (a NaN or inf makes the sum one)
         return raw
     if not isinstance(raw, list) or len(raw) != len(token_ids):
         raise ValueError(f"{0 if not isinstance(raw, list) else len(raw)} logprobs for {len(token_ids)} tokens")
     out = []
     for tok, lp in zip(token_ids, raw):
         if isinstance(lp, dict):
-            lp = lp.get("logprob", lp.get(str(tok), lp.get(tok)))  # type: ignore[call-overload]
+            lp = lp.get("logprob", lp.get(str(tok), lp.get(tok)))
             if isinstance(lp, dict):
                 lp = lp.get("logprob")
         if not isinstance(lp, (int, float)) or not math.isfinite(lp):
@@ -98,10 +111,30 @@ def _logprob_list(raw: object, token_ids: list[int]) -> list[float]:
     return out
 
 
+def _routed_experts(raw: object) -> np.ndarray | None:
+    """A pod output's ``{"dtype", "shape", "data": base64}`` routed experts as int16 [tokens, layers, top_k]."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("dtype") != "int16":
+        raise ValueError(f"routed_experts must be int16 bytes + shape, got {str(raw)[:200]}")
+    shape = raw.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(type(n) is int and n >= 0 for n in shape)):
+        raise ValueError(f"routed_experts shape {shape!r} is not [tokens, layers, top_k]")
+    return np.frombuffer(base64.b64decode(raw["data"]), "<i2").reshape(shape)
+
+
 class PodPool:
-    def __init__(self, urls: list[str], client: PodTransport, metrics: Metrics,
-                 health_interval_s: float = 2.0, stream: bool = True) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        client: PodTransport,
+        metrics: Metrics,
+        health_interval_s: float = 2.0,
+        stream: bool = True,
+        return_routed_experts: bool = False,
+    ) -> None:
         self.pods = {u: Pod(u) for u in urls}
+        self.return_routed_experts = return_routed_experts
         self.client = client
         self.metrics = metrics
         self.health_interval_s = health_interval_s
@@ -110,7 +143,9 @@ class PodPool:
             metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1)
             # read when /metrics is scraped, not set twice per call (each set takes the gauge's lock)
             metrics["molt_gateway_pod_inflight_requests"].labels(pod.url).set_function(lambda p=pod: p.inflight)
-            pod.channel = client.channel(pod.url) if stream else None
+            if stream and isinstance(client, HttpTransport):
+                assert client.timeout.connect is not None and client.timeout.total is not None  # set by HttpTransport
+                pod.channel = PodChannel(pod.url, client.timeout.connect, client.timeout.total)
 
     def get(self, url: str) -> Pod:
         return self.pods[url]
@@ -132,21 +167,32 @@ class PodPool:
         pod.last_error = reason
         self.metrics["molt_gateway_pod_healthy"].labels(pod.url).set(1 if healthy else 0)
 
-    async def generate(self, pod: Pod, prompt_ids: list[int], sampling_params: dict) -> list[Generation]:
+    async def generate(
+        self,
+        pod: Pod,
+        prompt_ids: list[int],
+        sampling_params: dict,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        images: list[str] | None = None,
+    ) -> list[Generation]:
         """One generate call, over the pod's stream where it has one; one Generation per output (n > 1 only
-        for session-less requests)."""
+        for session-less requests). ``on_tokens`` gets the tokens as the pod generates them where the pod is
+        reached over its stream (else nothing: the Generation alone holds them). With ``images`` (base64 files,
+        one per image token in the prompt, in order) each Generation's ``extra["prompt_token_ids"]`` is the
+        prompt as the model saw it (image tokens expanded)."""
         body = generate_body(prompt_ids, sampling_params)
+        if self.return_routed_experts:
+            body = body[:-1] + b',"return_routed_experts":true}'
+        if images:
+            body = body[:-1] + b',"images":' + json.dumps([{"data": b} for b in images]).encode() + b"}"
         pod.inflight += 1
         try:
             answer: dict | bytes
-            channel = pod.channel
-            streamed = await channel.generate(body) if channel is not None and channel.supported is not False \
-                else UNSUPPORTED
-            if streamed is UNSUPPORTED:
+            if pod.channel is not None:
+                status, answer, start, answered = await pod.channel.generate(body, on_tokens)
+            else:
                 start = time.perf_counter()
                 status, answer, answered = await self.client.post_json(pod.url + "/v1/generate", body)
-            else:
-                status, answer, start, answered = streamed  # type: ignore[misc]
         except PodConnectionError as exc:
             self.set_health(pod, False, str(exc))
             raise PodFailed(pod, str(exc)) from None
@@ -167,10 +213,26 @@ class PodPool:
                 finish = out.get("finish_reason") or "stop"
                 if isinstance(finish, dict):
                     finish = finish.get("type", "stop")
-                gens.append(Generation(ids, _logprob_list(out.get("logprobs"), ids), str(finish),
-                                       int(out.get("policy_version", version)), pod.url, wait_s))
+                gens.append(
+                    Generation(
+                        ids,
+                        _logprob_list(out.get("logprobs"), ids),
+                        str(finish),
+                        int(out.get("policy_version", version)),
+                        pod.url,
+                        wait_s,
+                        routed_experts=_routed_experts(out.get("routed_experts")),
+                    )
+                )
+            for gen, out in zip(gens, data["outputs"]):
+                if out.get("top_logprobs") is not None:
+                    gen.extra["top_logprobs"] = out["top_logprobs"]
             if not gens:
                 raise ValueError("no outputs")
+            if images:
+                seen = _token_ids(data.get("prompt_token_ids"))
+                for gen in gens:
+                    gen.extra["prompt_token_ids"] = seen
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             # Never record tokens we cannot align with logprobs: treat it as a failed pod.
             self.set_health(pod, False, f"malformed answer: {exc}")

@@ -26,7 +26,8 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from services.gateway.errors import GatewayError
 from services.gateway.transport import HttpTransport, PodConnectionError
@@ -36,8 +37,22 @@ FORWARDED = "x-molt-forwarded-by"
 _FORWARDED = FORWARDED.encode()
 # Hop-by-hop headers (RFC 9110 7.6.1), the ones the relay or the server here set themselves, and Expect (the
 # body is sent whole; a "100 Continue" from the owner would read as its answer).
-_SKIP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-         b"proxy-connection", b"content-length", b"server-timing", b"date", b"server", b"expect", _FORWARDED}
+_SKIP = {
+    b"host",
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    b"proxy-connection",
+    b"content-length",
+    b"server-timing",
+    b"date",
+    b"server",
+    b"expect",
+    _FORWARDED,
+}
 _SKIP_ANSWER = _SKIP - {b"content-length"}  # the relayed body is byte for byte the owner's
 
 
@@ -45,7 +60,7 @@ def session_of(path: str) -> str | None:
     """The session id a request path names (``/s/{id}/...``, ``/v1/sessions/{id}[/...]``), else None."""
     for prefix in ("/s/", "/v1/sessions/"):
         if path.startswith(prefix):
-            return path[len(prefix):].split("/", 1)[0] or None
+            return path[len(prefix) :].split("/", 1)[0] or None
     return None
 
 
@@ -123,9 +138,9 @@ class Replicas:
         """The other replica holding ``sid`` as far as this one knows (the one its id names, or the one that
         adopted it from there); None when it is this one, or the id names none."""
         owner = self.owner(sid)
-        if owner is None or self.holds(sid):  # type: ignore[arg-type]
+        if owner is None or self.holds(sid):  # type: ignore[arg-type]  # owner() is None whenever sid is
             return None
-        return self.moved.get(sid, owner)  # type: ignore[arg-type]
+        return self.moved.get(sid, owner)  # type: ignore[arg-type]  # as above
 
     def remember_move(self, sid: str, replica: str) -> None:
         if len(self.moved) >= 100_000:  # a bound, not a cache policy: a forgotten move is looked up again
@@ -138,11 +153,22 @@ class Replicas:
     def _unreachable(self, owner: str, exc: BaseException) -> GatewayError:
         # Retry-After: a replica on its way out answers nothing between closing its socket and parking its
         # sessions (handoff.py); a retry a moment later finds them parked.
-        return GatewayError(502, f"the gateway replica holding this session ({owner}) did not answer: {exc}",
-                            code="replica_unreachable", retry_after_s=1)
+        return GatewayError(
+            502,
+            f"the gateway replica holding this session ({owner}) did not answer: {exc}",
+            code="replica_unreachable",
+            retry_after_s=1,
+        )
 
-    async def _call(self, owner: str, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes,
-                    on_answer: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None]) -> None:
+    async def _call(
+        self,
+        owner: str,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        on_answer: Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None],
+    ) -> None:
         """One request to ``owner`` over the transport's keep-alive pool, its answer streamed to ``on_answer``."""
         if self.transport is None:
             raise GatewayError(502, "this gateway has no transport to reach its peers", code="replica_unreachable")
@@ -166,8 +192,9 @@ class Replicas:
         state["relayed"] = True
         started = time.perf_counter()
         pieces: asyncio.Queue = asyncio.Queue()
-        call = asyncio.ensure_future(self._call(owner, scope["method"], path, scope["headers"], body,
-                                                lambda *piece: pieces.put_nowait(piece)))
+        call = asyncio.ensure_future(
+            self._call(owner, scope["method"], path, scope["headers"], body, lambda *piece: pieces.put_nowait(piece))
+        )
         call.add_done_callback(lambda _: pieces.put_nowait(None))
         try:
             while (piece := await pieces.get()) is not None:
@@ -178,8 +205,13 @@ class Replicas:
                     owner_pod_ms = _duration(timing, "pod")
                     if owner_pod_ms is not None:
                         state["pod_wait_s"] = owner_pod_ms / 1e3
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": [(k, v) for k, v in headers if k not in _SKIP_ANSWER]})
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": status,
+                            "headers": [(k, v) for k, v in headers if k not in _SKIP_ANSWER],
+                        }
+                    )
                 elif data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             await call  # raises the GatewayError of a failed call
@@ -199,15 +231,20 @@ class Replicas:
             answer.append(data)
 
         headers = [(k, v) for k, v in raw_headers if k.lower() != b"content-type"]
-        await self._call(owner, "POST", path, headers + [(b"content-type", b"application/json")],
-                         json.dumps(body).encode(), collect)
+        await self._call(
+            owner, "POST", path, headers + [(b"content-type", b"application/json")], json.dumps(body).encode(), collect
+        )
         try:
             data = json.loads(b"".join(answer))
         except ValueError as exc:
-            raise GatewayError(502, f"the gateway replica {owner} answered {path} with no JSON: {exc}",
-                               code="replica_unreachable") from None
+            raise GatewayError(
+                502, f"the gateway replica {owner} answered {path} with no JSON: {exc}", code="replica_unreachable"
+            ) from None
         if status != 200:
             message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise GatewayError(502, f"the gateway replica {owner} refused {path}: HTTP {status}: {message}",
-                               code="replica_unreachable")
+            raise GatewayError(
+                502,
+                f"the gateway replica {owner} refused {path}: HTTP {status}: {message}",
+                code="replica_unreachable",
+            )
         return data

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -14,11 +15,14 @@ from starlette.routing import Route
 
 from services.gateway import anthropic_wire as an
 from services.gateway import openai_wire as oa
-from services.gateway.chat import bad_request
+from services.gateway import responses_wire as rw
+from services.gateway import sampling, surface, tool_choice
+from services.gateway.chat import bad_request, message_images, new_id
 from services.gateway.core import Gateway, TurnResult, resolve_future
-from services.gateway.edge import Endpoint
 from services.gateway.errors import GatewayError
 from services.gateway.replicas import FORWARDED, Replicas, session_of
+from services.gateway.session import Session
+from services.gateway.streaming import TextFeed
 from services.gateway.transport import json_loads
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -44,8 +48,28 @@ class TurnJSON(Response):
         self.status_code = 200
         self.background = None
         self.body = self.encoder.encode(content)
-        self.raw_headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body)),
-                            (b"x-molt-policy-version", b"%d" % version)]
+        self.raw_headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(self.body)),
+            (b"x-molt-policy-version", b"%d" % version),
+        ]
+
+
+def _lone_surrogate(value: Any, where: str = "body") -> str | None:
+    """Where in a parsed body a string holds a lone surrogate (a valid pair decodes to one character), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, where) if isinstance(key, str) else None
+        found = found or _lone_surrogate(item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        if found is not None:
+            return found
+    return None
 
 
 class Handlers:
@@ -68,8 +92,11 @@ class Handlers:
         for k in self.keys:
             if hmac.compare_digest(raw, k):
                 return key
-        raise GatewayError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' (or 'x-api-key')",
-                           code="invalid_api_key")
+        raise GatewayError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer KEY' (or 'x-api-key')",
+            code="invalid_api_key",
+        )
 
     async def raw_body(self, request: Request) -> bytes:
         """The whole body, refused (413) as soon as it is known to pass ``--session.max_body_bytes``: from its
@@ -77,8 +104,9 @@ class Handlers:
         ``receive`` directly: Starlette's ``Request.body`` goes through an async generator per request."""
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
-            raise GatewayError(413, f"request body of {length} bytes is over the {self.max_body}-byte limit",
-                               code="request_too_large")
+            raise GatewayError(
+                413, f"request body of {length} bytes is over the {self.max_body}-byte limit", code="request_too_large"
+            )
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -88,8 +116,9 @@ class Handlers:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                raise GatewayError(413, f"request body is over the {self.max_body}-byte limit",
-                                   code="request_too_large")
+                raise GatewayError(
+                    413, f"request body is over the {self.max_body}-byte limit", code="request_too_large"
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -98,10 +127,18 @@ class Handlers:
         raw = await self.raw_body(request)
         try:
             data = json_loads(raw) if raw else {}
-        except ValueError as exc:
-            raise bad_request(f"the body is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
+            raise bad_request(f"the body is not valid JSON ({str(exc)[:200]})") from None
         if not isinstance(data, dict):
             raise bad_request("the body must be a JSON object")
+        if b"\\ud" in raw or b"\\uD" in raw:  # a \uD800-\uDFFF escape: a lone one cannot be tokenized or encoded
+            where = _lone_surrogate(data)
+            if where is not None:
+                raise bad_request(
+                    f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair): not "
+                    "text; send valid Unicode",
+                    where,
+                )
         return data
 
     def json(self, data: Any, version: int | None = None, status: int = 200) -> JSONResponse:
@@ -133,6 +170,15 @@ class Handlers:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return ready, done
 
+    def start_streamed(
+        self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict
+    ) -> tuple[TextFeed, asyncio.Future, asyncio.Future]:
+        """A streamed chat turn (``start``) whose tokens reach its ``TextFeed`` as the pod generates them."""
+        feed = TextFeed(self.gw.model, overrides.get("stop") or s.sampling_params.get("stop"))
+        ready, done = self.start(lambda rd: self.gw.chat_turn(s, messages, tools, overrides, rd, feed.push))
+        done.add_done_callback(feed.close)
+        return feed, ready, done
+
     async def relay(self, replica: str, scope, receive, send) -> bytes | None:
         """A request for a session ``replica`` holds: checked here like any other (key, body size), then
         forwarded there and its answer relayed back (services/gateway/replicas.py); None once answered.
@@ -162,7 +208,7 @@ class Handlers:
             if where is None or where == replica:
                 assert failed is not None
                 raise failed
-            self.replicas.remember_move(sid, where)  # type: ignore[arg-type]
+            self.replicas.remember_move(sid, where)  # type: ignore[arg-type]  # sid is set whenever where is
             replica = where
         assert failed is not None
         raise failed
@@ -174,9 +220,12 @@ class Handlers:
 
     async def readyz(self, request: Request) -> Response:
         healthy = [p.url for p in self.gw.pool.pods.values() if p.healthy]
-        ready = bool(healthy) and self.gw.drain_deadline is None
-        return JSONResponse({"ready": ready, "healthy_pods": healthy, "draining": self.gw.drain_deadline is not None},
-                            status_code=200 if ready else 503)
+        redis = await self.gw.queue_reachable()
+        ready = bool(healthy) and self.gw.drain_deadline is None and redis
+        return JSONResponse(
+            {"ready": ready, "healthy_pods": healthy, "draining": self.gw.drain_deadline is not None, "redis": redis},
+            status_code=200 if ready else 503,
+        )
 
     async def metrics(self, request: Request) -> Response:
         await self.gw.refresh_queue_metrics()
@@ -191,12 +240,23 @@ class Handlers:
         owner = self.owner(request)
         s = await self.gw.open_session(owner, await self.body(request))
         base = str(request.base_url).rstrip("/")  # as the client reached us; replicas.py routes the id from there
-        return self.json({"session_id": s.id, "trajectory_id": s.id, "openai_base_url": f"{base}/s/{s.id}/v1",
-                          "anthropic_base_url": f"{base}/s/{s.id}", "max_length": s.capture.max_length}, status=201)
+        return self.json(
+            {
+                "session_id": s.id,
+                "trajectory_id": s.id,
+                "openai_base_url": f"{base}/s/{s.id}/v1",
+                "anthropic_base_url": f"{base}/s/{s.id}",
+                "max_length": s.capture.max_length,
+            },
+            status=201,
+        )
 
     async def get_session(self, request: Request) -> Response:
         s = await self.gw.session(request.path_params["sid"], self.owner(request), open_only=False)
         return self.json(s.summary())
+
+    async def renew_session(self, request: Request) -> Response:
+        return self.json(await self.gw.renew(request.path_params["sid"], self.owner(request)))
 
     async def delete_session(self, request: Request) -> Response:
         return self.json(await self.gw.abort(request.path_params["sid"], self.owner(request)))
@@ -213,6 +273,16 @@ class Handlers:
         if not isinstance(items, list) or not items:
             raise bad_request("'episodes' must be a non-empty list of {session_id, reward, score?, info?}", "episodes")
         results = await self._finish_everywhere(items, owner, request)
+        unavailable = [r for r in results if r.get("status") == 503]
+        if unavailable:  # the whole call again: what was written meanwhile is answered the same way (idempotent)
+            err = unavailable[0]["error"]
+            raise GatewayError(
+                503,
+                f"{len(unavailable)} of {len(results)} episodes could not be finished now "
+                f"({err['message']}); send the call again",
+                code=err["code"],
+                retry_after_s=1,
+            )
         return self.json({"results": results, "written": sum(1 for r in results if r.get("written"))})
 
     async def _finish_everywhere(self, items: list, owner: str | None, request: Request) -> list[dict]:
@@ -241,8 +311,14 @@ class Handlers:
                     out = await self.gw.finish_many([items[i] for i in idx], owner)
                 else:
                     try:
-                        out = (await self.replicas.post_json(replica, "/v1/episodes", {"episodes": [
-                            items[i] for i in idx]}, request.scope["headers"]))["results"]
+                        out = (
+                            await self.replicas.post_json(
+                                replica,
+                                "/v1/episodes",
+                                {"episodes": [items[i] for i in idx]},
+                                request.scope["headers"],
+                            )
+                        )["results"]
                     except GatewayError as exc:
                         if exc.code != "replica_unreachable" or last_try:
                             raise
@@ -251,16 +327,24 @@ class Handlers:
                         for i in idx:
                             if i not in moved:  # not parked, not adopted: the replica's failure is their answer
                                 results[i] = failed(i, exc)
-                        await asyncio.gather(*(finish(r or None, sub, True)  # "": adopted here
-                                               for r, sub in group(list(moved), moved.__getitem__).items()))
+                        await asyncio.gather(
+                            *(
+                                finish(r or None, sub, True)  # "": adopted here
+                                for r, sub in group(list(moved), moved.__getitem__).items()
+                            )
+                        )
                         return
             except GatewayError as exc:
                 out = [failed(i, exc) for i in idx]
             for i, res in zip(idx, out):
                 results[i] = res
 
-        await asyncio.gather(*(finish(r, idx, False) for r, idx in group(
-            list(range(len(items))), lambda i: self.replicas.where(sid_of(i))).items()))
+        await asyncio.gather(
+            *(
+                finish(r, idx, False)
+                for r, idx in group(list(range(len(items))), lambda i: self.replicas.where(sid_of(i))).items()
+            )
+        )
         return results
 
     async def generate(self, request: Request) -> Response:
@@ -269,32 +353,49 @@ class Handlers:
         s = await self.gw.session(request.path_params["sid"], owner)
         r = await self.gw.token_turn(s, body)
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
-        return TurnJSON({"token_ids": r.token_ids, "logprobs": r.logprobs, "text": r.raw_text,
-                         "finish_reason": r.finish_reason, "policy_version": r.policy_version,
-                         "num_tokens": r.num_tokens, "remaining_tokens": r.remaining_tokens}, r.policy_version)
+        return TurnJSON(
+            {
+                "token_ids": r.token_ids,
+                "logprobs": r.logprobs,
+                "text": r.raw_text,
+                "finish_reason": r.finish_reason,
+                "policy_version": r.policy_version,
+                "num_tokens": r.num_tokens,
+                "remaining_tokens": r.remaining_tokens,
+            },
+            r.policy_version,
+        )
 
     # ---- OpenAI wire
 
     async def chat(self, request: Request) -> Response:
         owner = self.owner(request)
         req = oa.parse_chat(await self.body(request))
+        model = self.gw.model.with_kwargs(req.overrides.get("chat_template_kwargs"))
+        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         if sid is None:
-            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
-            results = await self.gw.plain_generate(ids, req.overrides)
+            ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
+            results = await self.gw.plain_generate(ids, req.overrides, message_images(req.messages))
             request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
             if req.stream:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(results[0])
-                return StreamingResponse(oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
+                return StreamingResponse(
+                    oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
+                    media_type="text/event-stream",
+                    headers=SSE_HEADERS,
+                )
             return TurnJSON(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
         s = await self.gw.session(sid, owner)
         if req.stream:
-            ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
             await ready
-            return StreamingResponse(oa.chat_stream(done, req, self.gw.model, self.model_name, request.state),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                oa.chat_stream(done, req, self.gw.model, self.model_name, request.state, feed),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
         # Not streamed: the turn runs in this request's task (uvicorn does not cancel it when a client goes;
         # a cancellation could only land while waiting for the pod, before anything is committed). A separate
         # task cost a hop back here per turn, queued behind every other ready callback: when a pod answers a
@@ -306,8 +407,19 @@ class Handlers:
     async def completions(self, request: Request) -> Response:
         owner = self.owner(request)
         body = await self.body(request)
+        surface.check(body, "completions")
         prompt = oa.parse_prompt(body)
         overrides = oa.sampling_overrides(body)
+        stream, want_logprobs = sampling.flag(body, "stream"), oa.completion_logprobs(body)
+        if want_logprobs:
+            overrides["top_logprobs"] = want_logprobs
+        echo = (
+            ""
+            if not oa.parse_echo(body)
+            else prompt
+            if isinstance(prompt, str)
+            else self.gw.model.decode(prompt, skip_special=False)
+        )
         sid = request.path_params.get("sid")
         if sid is None:
             ids = prompt if isinstance(prompt, list) else self.gw.model.encode(prompt)
@@ -316,22 +428,61 @@ class Handlers:
             s = await self.gw.session(sid, owner)
             results = [await self.gw.completion_turn(s, prompt, overrides)]
         request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
-        if body.get("stream"):
-            return StreamingResponse(oa.completion_stream(results, self.model_name), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return TurnJSON(oa.completion_response(results, self.gw.model, self.model_name, bool(body.get("logprobs"))),
-                        results[0].policy_version)
+        if stream:
+            return StreamingResponse(
+                oa.completion_stream(results, self.model_name, echo),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        return TurnJSON(
+            oa.completion_response(results, self.gw.model, self.model_name, want_logprobs, echo),
+            results[0].policy_version,
+        )
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI Responses API: a chat turn written as items (responses_wire.py)."""
+        owner = self.owner(request)
+        req = rw.parse_responses(await self.body(request))
+        tool_choice.apply(self.gw.model, req.messages, req.tools, req.overrides)
+        sid = request.path_params.get("sid")
+        feed = None
+        loop = asyncio.get_running_loop()
+        if sid is None:
+            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
+            r = (await self.gw.plain_generate(ids, req.overrides))[0]
+            done = loop.create_future()
+            done.set_result(r)
+        else:
+            s = await self.gw.session(sid, owner)
+            if not req.stream:
+                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
+                request.scope["state"]["pod_wait_s"] = r.pod_wait_s
+                return TurnJSON(rw.response_body("resp_" + new_id(), req, self.model_name, r), r.policy_version)
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
+            await ready
+        if req.stream:
+            return StreamingResponse(
+                rw.responses_stream(done, req, self.model_name, request.state, feed),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        r = await done
+        request.scope["state"]["pod_wait_s"] = r.pod_wait_s
+        return TurnJSON(rw.response_body("resp_" + new_id(), req, self.model_name, r), r.policy_version)
 
     # ---- Anthropic wire
 
     async def messages(self, request: Request) -> Response:
         owner = self.owner(request)
         req = an.parse_messages(await self.body(request))
+        model = an.thinking_model(self.gw.model, req.overrides)
+        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         if sid is None:
-            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
-            r = (await self.gw.plain_generate(ids, req.overrides))[0]
+            ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
+            r = (await self.gw.plain_generate(ids, req.overrides, message_images(req.messages)))[0]
             ready, done = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+            feed = None
             ready.set_result(r.prompt_tokens)
             done.set_result(r)
         else:
@@ -340,11 +491,14 @@ class Handlers:
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s
                 return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
-            ready, done = self.start(lambda rd: self.gw.chat_turn(s, req.messages, req.tools, req.overrides, rd))
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
         if req.stream:
             input_tokens = await ready
-            return StreamingResponse(an.messages_stream(done, input_tokens, self.model_name, request.state),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                an.messages_stream(done, input_tokens, self.model_name, request.state, feed),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
         r = await done
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
@@ -352,34 +506,33 @@ class Handlers:
     async def count_tokens(self, request: Request) -> Response:
         self.owner(request)
         req = an.parse_messages({"max_tokens": 1, **(await self.body(request))})
-        ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
+        model = an.thinking_model(self.gw.model, req.overrides)
+        ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
         return self.json({"input_tokens": len(ids)})
 
 
-def session_posts(h: Handlers) -> dict[str, Endpoint]:
-    """The POST routes under a session's base URL, ``/s/{sid}`` + key: what ``Edge`` dispatches by a dict lookup
-    (the turns), ahead of the Router."""
-    return {"/v1/chat/completions": Endpoint(h.chat), "/v1/messages": Endpoint(h.messages),
-            "/v1/completions": Endpoint(h.completions), "/v1/messages/count_tokens": Endpoint(h.count_tokens)}
-
-
-def routes(h: Handlers, posts: dict[str, Endpoint]) -> list[Route]:
-    """All routes. ``posts`` (``session_posts``) usually never reach the Router: ``Edge`` dispatches them first."""
+def routes(h: Handlers) -> list[Route]:
     return [
-        *(Route("/s/{sid}" + suffix, endpoint, methods=["POST"]) for suffix, endpoint in posts.items()),
-        Route("/v1/sessions/{sid}/generate", Endpoint(h.generate), methods=["POST"]),
-        Route("/v1/sessions", Endpoint(h.open_session), methods=["POST"]),
-        Route("/v1/sessions/{sid}/finish", Endpoint(h.finish), methods=["POST"]),
-        Route("/v1/episodes", Endpoint(h.episodes), methods=["POST"]),
-        Route("/v1/sessions/{sid}", Endpoint(h.get_session), methods=["GET"]),
-        Route("/v1/sessions/{sid}", Endpoint(h.delete_session), methods=["DELETE"]),
-        Route("/v1/chat/completions", Endpoint(h.chat), methods=["POST"]),
-        Route("/v1/completions", Endpoint(h.completions), methods=["POST"]),
-        Route("/v1/messages", Endpoint(h.messages), methods=["POST"]),
-        Route("/v1/messages/count_tokens", Endpoint(h.count_tokens), methods=["POST"]),
-        Route("/v1/models", Endpoint(h.models), methods=["GET"]),
-        Route("/s/{sid}/v1/models", Endpoint(h.models), methods=["GET"]),
-        Route("/healthz", Endpoint(h.healthz), methods=["GET"]),
-        Route("/readyz", Endpoint(h.readyz), methods=["GET"]),
-        Route("/metrics", Endpoint(h.metrics), methods=["GET"]),
+        Route("/s/{sid}/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/s/{sid}/v1/messages", h.messages, methods=["POST"]),
+        Route("/s/{sid}/v1/completions", h.completions, methods=["POST"]),
+        Route("/s/{sid}/v1/responses", h.responses, methods=["POST"]),
+        Route("/v1/responses", h.responses, methods=["POST"]),
+        Route("/s/{sid}/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
+        Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
+        Route("/v1/sessions", h.open_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
+        Route("/v1/sessions/{sid}/renew", h.renew_session, methods=["POST"]),
+        Route("/v1/episodes", h.episodes, methods=["POST"]),
+        Route("/v1/sessions/{sid}", h.get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}", h.delete_session, methods=["DELETE"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/messages", h.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/s/{sid}/v1/models", h.models, methods=["GET"]),
+        Route("/healthz", h.healthz, methods=["GET"]),
+        Route("/readyz", h.readyz, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
     ]

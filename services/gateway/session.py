@@ -1,5 +1,5 @@
-"""A gateway session and a turn's result: the state one replica holds per episode (services/gateway/core.py
-drives it; services/gateway/handoff.py parks it for another replica)."""
+"""A gateway session and a turn's result: the state one replica holds per episode (services/gateway/lifecycle.py
+and core.py drive it; services/gateway/handoff.py parks it for another replica)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ class TurnResult:
     remaining_tokens: int
     pod_wait_s: float = 0.0
     cached: bool = False
+    stop_sequence: str | None = None
+    """The stop string that ended the generation (the text is cut before it), if one did."""
+    reasoning: str = ""
+    """The reply's think block (templates that have them), split out of ``content``."""
+    top_logprobs: list | None = None
+    """Per token, the pod's most likely ``[token id, logprob]`` pairs, best first (a request's ``top_logprobs``)."""
 
     @property
     def reply(self) -> dict:
@@ -59,14 +65,26 @@ class Session:
     last_key: str | None = None
     last_result: TurnResult | None = None
     closed_at: float = 0.0
+    lease_s: float | None = None
+    """A shorter idle TTL the client asked for (``lease_s`` at open) and renews while it holds the session
+    (``POST /v1/sessions/{id}/renew``): a client that dies has its sessions closed this soon."""
 
     def summary(self) -> dict:
         cap = self.capture
         return {
-            "session_id": self.id, "state": self.state, "group_id": self.group_id,
-            "sample_index": self.sample_index, "env_name": self.env_name, "turns": self.turns,
-            "segments": len(cap.segments), "num_tokens": cap.num_tokens(),
+            "session_id": self.id,
+            "state": self.state,
+            "group_id": self.group_id,
+            "sample_index": self.sample_index,
+            "env_name": self.env_name,
+            "turns": self.turns,
+            "segments": len(cap.segments),
+            "num_tokens": cap.num_tokens(),
             "action_tokens": sum(e - s for seg in cap.segments for s, e in seg.spans),
-            "max_length": cap.max_length, "pod": self.pod, "events": cap.events, "result": self.result,
+            "max_length": cap.max_length,
+            "pod": self.pod,
+            "events": cap.events,
+            "result": self.result,
             "metadata": self.metadata,
+            "lease_s": self.lease_s,
         }

@@ -3,71 +3,73 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 
+PROG = "python -m services.rollout"
+
 
 def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    from molt.serve import CPU_ENV
     from services.rollout.config import parse
 
     settings = parse(argv)
+    from molt.serve import preflight
     from services.rollout.checkpoint import expected_parameters
 
+    server = settings.server
+    preflight(
+        PROG,
+        ports=[("--server.port", server.host, server.port), ("--grpc.port", server.host, settings.grpc.port)],
+        models=[("--model.path", settings.model.path)],
+    )
+    assert settings.model.path  # parse() exits without it
     try:  # fail fast, before vLLM is imported, on a dir that is not a model
         expected_parameters(settings.model.path)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"python -m services.rollout: error: --model.path: {exc}") from None
-    # In-process vLLM on CPU: a spinning OpenMP pool starves the asyncio thread (cpu-stack.md §3).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # uvloop (uvicorn[standard]) cuts the event loop's share of the GIL the engine thread needs
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(settings))
-    else:
-        uvloop.run(serve(settings))
+        raise SystemExit(f"{PROG}: error: --model.path: {exc}") from None
+    from molt.weightsync.auth import server_credentials
 
-
-async def serve(settings) -> None:
-    import uvicorn
-
+    try:  # the PEM files the weight-sync port serves with are readable
+        server_credentials(settings.grpc.tls_cert, settings.grpc.tls_key, settings.grpc.tls_client_ca)
+    except ValueError as exc:
+        raise SystemExit(f"{PROG}: error: {exc}") from None
+    # In-process vLLM on CPU: a spinning OpenMP pool starves the asyncio thread.
+    os.environ.setdefault("OMP_WAIT_POLICY", CPU_ENV["OMP_WAIT_POLICY"])
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from services.rollout.app import build_app
 
-    class Server(uvicorn.Server):
-        """SIGTERM/SIGINT drain and exit 0 (uvicorn would re-raise the signal after its graceful shutdown)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self.handle_exit, sig, None)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-    config = uvicorn.Config(build_app(settings), host=settings.server.host, port=settings.server.port,
-                            log_level=settings.server.log_level, access_log=False,
-                            timeout_keep_alive=settings.server.keep_alive_s)
-    server = Server(config)
-
-    async def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        # One parseable line: launchers and tests wait for it.
-        print(f"ROLLOUT_READY http://{settings.server.host}:{port}", flush=True)
-
-    watcher = asyncio.create_task(announce())
-    await server.serve()
-    watcher.cancel()
+    # uvloop (the one serve runs on) cuts the event loop's share of the GIL the engine thread needs.
+    code = uvloop.run(serve_pod(build_app(settings), settings.server))
     logging.getLogger("molt.rollout").info("rollout pod stopped")
+    if code:
+        raise SystemExit(code)
+
+
+async def serve_pod(app, server, graceful_s: float = 30.0) -> int:
+    """Serve until SIGTERM (returns 0) or until the engine dies (returns 1, so that Kubernetes restarts the pod:
+    a pod whose engine is gone can never serve again, and only a new process gets a new engine). A dead
+    engine stops the server the way SIGTERM does: by the signal, so the same drain and shutdown run."""
+    from molt.serve import serve_async
+
+    engine = app.state.engine
+
+    async def stop_when_engine_fails() -> None:
+        exc = await engine.wait_failed()
+        logging.getLogger("molt.rollout").error("the vLLM engine died (%r): stopping the pod, exit code 1", exc)
+        signal.raise_signal(signal.SIGTERM)
+
+    watcher = asyncio.ensure_future(stop_when_engine_fails())
+    try:
+        await serve_async("rollout", app, server, graceful_s=graceful_s)
+    finally:
+        watcher.cancel()
+    return 1 if engine.failed else 0
 
 
 if __name__ == "__main__":

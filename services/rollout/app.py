@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import inspect
+import json
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from molt.weightsync.auth import check_exposure, server_credentials, token_from_env
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import RolloutEngine
 from services.rollout.metrics import RolloutMetrics
@@ -26,29 +28,47 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """An error body as ASCII JSON: a message that quotes a client's lone surrogate still encodes."""
+    body = json.dumps(error_body(message, type_, param, code), ensure_ascii=True, separators=(",", ":"))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
 async def _start_weightsync(app: FastAPI, engine: RolloutEngine, settings: RolloutSettings) -> None:
-    """Hook the gRPC weight-sync receiver in when it is built and --grpc.port is set."""
+    """Start the gRPC weight-sync receiver when --grpc.port is set; it shares the pod's /metrics registry."""
     app.state.grpc_server, app.state.grpc_port = None, None
     if not settings.grpc.port:
         return
-    if importlib.util.find_spec("molt.weightsync.server") is None:
-        log.error("--grpc.port %d set but molt.weightsync.server is not installed; gRPC weight sync is off",
-                  settings.grpc.port)
-        return
     from molt.weightsync.server import start_weightsync_server
 
-    kwargs = {}
-    if "metrics" in inspect.signature(start_weightsync_server).parameters:  # share the pod's /metrics registry
-        kwargs["metrics"] = app.state.metrics.metrics
-    started = start_weightsync_server(engine, settings.server.host, settings.grpc.port, **kwargs)
-    if inspect.isawaitable(started):
-        started = await started
-    app.state.grpc_server, app.state.grpc_port = started
+    g = settings.grpc
+    app.state.grpc_server, app.state.grpc_port = await start_weightsync_server(
+        engine,
+        settings.server.host,
+        g.port,
+        metrics=app.state.metrics.metrics,
+        token=app.state.weights_token,
+        allow_unauthenticated=settings.weights.allow_unauthenticated,
+        credentials=server_credentials(g.tls_cert, g.tls_key, g.tls_client_ca),
+    )
     log.info("gRPC weight sync on %s:%s", settings.server.host, app.state.grpc_port)
 
 
 def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) -> FastAPI:
-    """The pod app; the engine (``RolloutEngine(settings)`` unless given) starts in the lifespan."""
+    """The pod app; the engine (``RolloutEngine(settings)`` unless given) starts in the lifespan.
+
+    Weight changes need ``MOLT_WEIGHTS_TOKEN`` (read here); without it the pod must listen on loopback
+    or be told --weights.allow_unauthenticated (ValueError otherwise, before anything starts).
+    """
+    weights_token = token_from_env()
+    check_exposure(weights_token, settings.server.host, settings.weights.allow_unauthenticated)
     engine = engine if engine is not None else RolloutEngine(settings)
 
     @contextlib.asynccontextmanager
@@ -60,9 +80,7 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
         finally:
             server = app.state.grpc_server
             if server is not None:
-                stopped = server.stop(1.0)
-                if inspect.isawaitable(stopped):
-                    await stopped
+                await server.stop(1.0)
             await engine.close()
 
     app = FastAPI(title="molt rollout pod", lifespan=lifespan)
@@ -70,6 +88,7 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     app.state.engine = engine
     app.state.metrics = RolloutMetrics()
     app.state.grpc_server, app.state.grpc_port = None, None
+    app.state.weights_token = weights_token
     app.router.add_route("/v1/generate", generate, methods=["POST"])
     app.router.add_route("/v1/generate_stream", generate_stream, methods=["POST"])
     app.include_router(router)
@@ -77,21 +96,36 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     @app.exception_handler(RolloutInputError)
     async def _input_error(request: Request, exc: RolloutInputError):
         app.state.metrics.request_done("bad_request")
-        return JSONResponse(error_body(str(exc), "invalid_request_error", exc.param, exc.code), status_code=400)
+        return error_response(400, str(exc), "invalid_request_error", exc.param, exc.code)
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        return error_response(400, str(exc), "invalid_request_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        body = error_body(str(exc.errors()), "invalid_request_error", code="invalid_body")
-        return JSONResponse(body, status_code=400)
+        return error_response(400, str(exc.errors()), "invalid_request_error", code="invalid_body")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # 404, 405: the same error shape
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            "invalid_request_error",
+            code="method_not_allowed" if exc.status_code == 405 else "not_found" if exc.status_code == 404 else None,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(RuntimeError)
     async def _engine_error(request: Request, exc: RuntimeError):
         log.error("request failed: %r", exc)
         app.state.metrics.request_done("error")
-        return JSONResponse(error_body(str(exc), "server_error", code="engine_error"), status_code=503)
+        return error_response(503, str(exc), "server_error", code="engine_error")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # a bug: logged, and still this pod's error shape
+        log.exception("request failed")
+        app.state.metrics.request_done("error")
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
 
     return app

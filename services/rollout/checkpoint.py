@@ -67,3 +67,9 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 def load_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_safetensors(model_dir))
+
+
+def is_vision_language(model_dir: str | Path) -> bool:
+    """Whether config.json describes a vision-language model (it has a vision tower config)."""
+    config = Path(model_dir) / "config.json"
+    return config.exists() and "vision_config" in json.loads(config.read_text())

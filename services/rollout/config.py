@@ -1,7 +1,7 @@
 """Settings of a rollout pod: `python -m services.rollout --help` lists every flag.
 
 Engine knobs keep Molt's `--vllm.*` names where Molt has the knob. `--model DIR` and `--port N` are
-accepted as short forms of `--model.path` and `--server.port` (the issue's interface); every other
+accepted as short forms of `--model.path` and `--server.port` (what people type most); every other
 flag is dotted and unknown flags are errors.
 """
 
@@ -32,8 +32,8 @@ class VllmKnobs(Section):
     gpu_memory_utilization: float = 0.9
     """GPU memory fraction for weights + KV cache (on CPU: fraction of RAM; prefer kv_cache_memory_bytes)."""
     kv_cache_memory_bytes: int | None = None
-    """KV-cache size in bytes. On CPU always set this (or VLLM_CPU_KVCACHE_SPACE in GiB); when set it wins
-    over VLLM_CPU_KVCACHE_SPACE."""
+    """KV-cache size in bytes; when set it wins over VLLM_CPU_KVCACHE_SPACE (GiB). Unset on CPU: context x
+    sequences x bytes per token, capped at a quarter of available RAM (services/rollout/kv_size.py)."""
     enforce_eager: bool = False
     """Skip torch.compile / CUDA graphs (fast start; tests use it)."""
     enable_prefix_caching: bool = False
@@ -68,14 +68,36 @@ class RolloutSettingsBlock(Section):
     idle_poll_ms: float = Field(5.0, ge=0)
     """When the engine runs out of requests, its thread polls for the next one this long (yielding the CPU
     to anything else runnable) before it sleeps. A request arriving within it starts without a thread
-    wake-up on a core that went idle: on a VM that does not poll idle cores itself (this project's CI box:
-    ``haltpoll.guest_halt_poll_ns=0``) a request after a ~1 ms idle gap ran 5-10% slower (BENCHMARKS.md,
-    "Gateway overhead", session 8). 0: sleep at once (many pods sharing few cores)."""
+    wake-up on a core that went idle, which matters on VMs that halt idle cores at once
+    (``haltpoll.guest_halt_poll_ns=0``). 0: sleep at once (many pods sharing few cores)."""
+    max_images_per_prompt: int = Field(8, ge=1)
+    """Most images in one request (vision-language models; vLLM's limit_mm_per_prompt). More: a 400."""
+    max_image_bytes: int = Field(10 << 20, ge=1)
+    """Largest encoded image file accepted, in bytes. Larger: a 400."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """Largest image accepted, in pixels (width x height, checked before decoding). Larger: a 400."""
 
 
 class GrpcConfig(Section):
     port: int = 0
     """Port of the gRPC weight-sync receiver (molt.weightsync.server); 0 = off."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) the weight-sync port serves TLS with (with --grpc.tls_key). Unset: plaintext."""
+    tls_key: str | None = None
+    """PEM private key of --grpc.tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA that signs the trainer's client certificate: set, the port requires one (mutual TLS)."""
+
+
+class WeightsConfig(Section):
+    allow_unauthenticated: bool = False
+    """Accept weight changes (gRPC weight sync, POST /v1/weights/reload) without a token while listening on a
+    non-loopback address. Off: such a pod refuses to start unless MOLT_WEIGHTS_TOKEN is set (the token the
+    trainer sends; env only, never a flag)."""
+    await_push: bool = False
+    """Report not ready (/readyz 503, so the gateway routes around the pod) until a trainer pushed weights: a pod
+    that starts or restarts during a run joins the fleet at the trainer's version, never on its base weights
+    (the trainer pushes to pods behind its version within seconds)."""
 
 
 class RolloutSettings(Section):
@@ -87,15 +109,28 @@ class RolloutSettings(Section):
     vllm: VllmKnobs = Field(default_factory=VllmKnobs)
     rollout: RolloutSettingsBlock = Field(default_factory=RolloutSettingsBlock)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
 
+def validate_settings(settings: RolloutSettings) -> None:
+    """The pod's cross-flag checks (``ValueError``), run by start-up and by --dry-run alike."""
+    from molt.weightsync.auth import check_exposure, token_from_env
+
+    if not settings.model.path:
+        raise ValueError("--model.path (or --model) DIR is required")
+    # No weight changes from anyone who reaches the pod: a token, loopback, or an explicit opt-out.
+    check_exposure(token_from_env(), settings.server.host, settings.weights.allow_unauthenticated)
+    g = settings.grpc
+    if (g.tls_cert or g.tls_key or g.tls_client_ca) and not (g.tls_cert and g.tls_key):
+        raise ValueError("gRPC TLS needs both --grpc.tls_cert and --grpc.tls_key (PEM files)")
 
 
 def parse(argv: list[str] | None = None) -> RolloutSettings:
     import sys
 
-    settings = parse_settings(RolloutSettings, sys.argv[1:] if argv is None else argv,
-                              prog="python -m services.rollout")
-    if not settings.model.path:
-        raise SystemExit("python -m services.rollout: error: --model.path (or --model) DIR is required")
-    return settings
+    return parse_settings(
+        RolloutSettings,
+        sys.argv[1:] if argv is None else argv,
+        prog="python -m services.rollout",
+        validate=validate_settings,
+    )

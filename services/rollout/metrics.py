@@ -1,6 +1,11 @@
-"""Rollout-pod metrics: the ``molt_rollout_*`` catalog names, refreshed from the engine at scrape time."""
+"""Rollout-pod metrics: the ``molt_rollout_*`` catalog names, refreshed from the engine at scrape time, followed by
+vLLM's own engine metrics (``vllm:*``: time to first token, inter-token latency, queue time, prefix-cache hits,
+preemptions...). vLLM's Prometheus stat logger records those in this process (the engine's frontend) on the
+registry its own API server serves; /metrics appends that registry, as vLLM's /metrics would show it."""
 
 from __future__ import annotations
+
+from prometheus_client import generate_latest
 
 from molt.metrics import Metrics, service_names
 from services.rollout.engine import RolloutEngine
@@ -32,7 +37,7 @@ class RolloutMetrics:
         m["molt_rollout_kv_cache_usage_ratio"].set(engine.stats.kv_cache_usage)
         m["molt_rollout_policy_version"].set(engine.policy_version)
         applies = list(engine.weight_apply_s)
-        for seconds in applies[self._applies_seen:]:  # weight applies also come from gRPC, not just routes
+        for seconds in applies[self._applies_seen :]:  # weight applies also come from gRPC, not just routes
             m["molt_rollout_weight_apply_seconds"].observe(seconds)
         self._applies_seen = len(applies)
         for reason, count in dict(engine.aborts).items():
@@ -43,4 +48,13 @@ class RolloutMetrics:
 
     def render(self, engine: RolloutEngine) -> tuple[bytes, str]:
         self.refresh(engine)
-        return self.metrics.render()
+        ours, content_type = self.metrics.render()
+        return ours + vllm_engine_metrics(), content_type
+
+
+def vllm_engine_metrics() -> bytes:
+    """vLLM's engine metrics in text exposition: the registry vLLM's own /metrics serves (the process registry, or
+    a multiprocess collector when PROMETHEUS_MULTIPROC_DIR is set)."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    return generate_latest(get_prometheus_registry())

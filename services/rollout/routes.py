@@ -8,6 +8,7 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
+from molt.weightsync.auth import TOKEN_ENV, bearer_matches
 from services.rollout.params import RolloutInputError
 
 router = APIRouter()
@@ -20,8 +21,10 @@ def _json(payload: dict, status: int = 200) -> Response:
 async def _body(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RolloutInputError(f"request body is not valid JSON: {exc}", param=None, code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
+        raise RolloutInputError(
+            f"request body is not valid JSON: {str(exc)[:200]}", param=None, code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise RolloutInputError("request body must be a JSON object", param=None, code="invalid_json")
     return body
@@ -35,16 +38,22 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def generate(request: Request) -> Response:
-    """POST /v1/generate: {"prompt_token_ids": [...], "sampling_params": {...}} -> outputs with token ids,
-    logprobs, finish reasons and policy versions. Mounted as a plain Starlette route (app.py): it is the
-    hot path and needs none of FastAPI's parameter machinery."""
+    """POST /v1/generate: {"prompt_token_ids": [...], "sampling_params": {...}, "images": [...]?,
+    "return_routed_experts": bool?} -> outputs with token ids, logprobs, finish reasons and policy versions
+    (images: services/rollout/images.py; routed experts: services/rollout/routing.py).
+    Mounted as a plain Starlette route (app.py): it is the hot path and needs none of FastAPI's machinery."""
     body = await _body(request)
-    unknown = sorted(set(body) - {"prompt_token_ids", "sampling_params"})
+    unknown = sorted(set(body) - {"prompt_token_ids", "sampling_params", "images", "return_routed_experts"})
     if unknown:
-        raise RolloutInputError(f"unknown field(s) {unknown}; expected prompt_token_ids, sampling_params",
-                                param=unknown[0], code="unknown_parameter")
+        raise RolloutInputError(
+            f"unknown field(s) {ascii(unknown)[:200]}; expected prompt_token_ids, sampling_params, images, "
+            "return_routed_experts",
+            param=ascii(unknown[0])[1:-1][:80],
+            code="unknown_parameter",
+        )
     engine, metrics = request.app.state.engine, request.app.state.metrics
-    work = asyncio.ensure_future(engine.generate(body.get("prompt_token_ids"), body.get("sampling_params")))
+    extra = call_options(body)
+    work = asyncio.ensure_future(engine.generate(body.get("prompt_token_ids"), body.get("sampling_params"), **extra))
     gone = asyncio.ensure_future(_until_disconnect(request))
     gone.add_done_callback(lambda _: work.cancel())  # client gone: cancelling aborts the engine requests
     try:
@@ -61,16 +70,38 @@ async def generate(request: Request) -> Response:
     return _json(result_json(result))
 
 
+def call_options(body: dict) -> dict:
+    """The optional parts of a generate call as ``RolloutEngine.generate`` keywords: ``images`` (vision-language
+    models, images.py) and ``return_routed_experts`` (MoE: each output carries its tokens' routed experts)."""
+    out: dict = {}
+    if "images" in body:
+        out["images"] = body["images"]
+    if "return_routed_experts" in body:
+        if not isinstance(body["return_routed_experts"], bool):
+            raise RolloutInputError("return_routed_experts must be true or false", param="return_routed_experts")
+        out["routed_experts"] = body["return_routed_experts"]
+    return out
+
+
 def result_json(result) -> dict:
-    """The answer to one generate call (a GenerateResult), as /v1/generate and each /v1/generate_batch line carry it."""
+    """The answer to one generate call (a GenerateResult), as /v1/generate and each /v1/generate_batch line
+    carry it."""
     return {
         "request_id": result.request_id,
         "policy_version": result.policy_version,
         "prompt_token_count": result.prompt_token_count,
+        **({"prompt_token_ids": result.prompt_token_ids} if result.prompt_token_ids is not None else {}),
         "outputs": [
-            {"index": i, "token_ids": s.token_ids, "logprobs": s.logprobs, "finish_reason": s.finish_reason,
-             "stop_reason": s.stop_reason, "policy_version": s.policy_version,
-             **({"routed_experts": _array(s.routed_experts, "int16")} if s.routed_experts is not None else {})}
+            {
+                "index": i,
+                "token_ids": s.token_ids,
+                "logprobs": s.logprobs,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+                "policy_version": s.policy_version,
+                **({"routed_experts": _array(s.routed_experts, "int16")} if s.routed_experts is not None else {}),
+                **({"top_logprobs": s.top_logprobs} if s.top_logprobs is not None else {}),
+            }
             for i, s in enumerate(result.samples)
         ],
     }
@@ -116,7 +147,23 @@ async def expected(request: Request) -> Response:
 
 @router.post("/v1/weights/reload")
 async def reload(request: Request) -> Response:
-    """{"path": DIR, "version": N}: load a saved model dir through the atomic weight path."""
+    """{"path": DIR, "version": N}: load a saved model dir through the atomic weight path.
+
+    With a weight-sync token the request must carry ``Authorization: Bearer <token>`` (401 otherwise,
+    before the body is read)."""
+    token = request.app.state.weights_token
+    if token is not None and not bearer_matches(request.headers.get("authorization"), token):
+        body = {
+            "error": {
+                "message": f"missing or wrong weight-sync token ({TOKEN_ENV})",
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_weights_token",
+            }
+        }
+        return Response(
+            json.dumps(body), status_code=401, media_type="application/json", headers={"WWW-Authenticate": "Bearer"}
+        )
     body = await _body(request)
     path, new_version = body.get("path"), body.get("version")
     if not isinstance(path, str) or not isinstance(new_version, int) or isinstance(new_version, bool):
@@ -144,4 +191,3 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     data, content_type = request.app.state.metrics.render(request.app.state.engine)
     return Response(data, media_type=content_type)
-

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from molt.config import parse_settings
+from molt.serve import preflight
 from services.trainer.config import TrainerSettings, validate_settings
 
 PROG = "python -m services.trainer"
@@ -20,22 +21,43 @@ PROG = "python -m services.trainer"
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    settings = parse_settings(TrainerSettings, sys.argv[1:] if argv is None else argv, prog=PROG)
+    hints: list[str] = []
+    settings = parse_settings(
+        TrainerSettings,
+        sys.argv[1:] if argv is None else argv,
+        prog=PROG,
+        validate=lambda s: hints.extend(validate_settings(s)),
+    )
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    port = settings.metrics.port if settings.metrics.port is not None else settings.server.port
+    flag = "--metrics.port" if settings.metrics.port is not None else "--server.port"
+    preflight(
+        PROG,
+        ports=[(flag, settings.server.host, port)] if rank == 0 else [],
+        models=[
+            (f"--{name}.model_name_or_path", path)
+            for name, path in (
+                ("actor", settings.actor.model_name_or_path),
+                ("ref", settings.ref.model_name_or_path),
+                ("critic", settings.critic.model_name_or_path),
+            )
+            if name == "actor" or path
+        ],
+        redis_url=settings.redis.url,
+        redis_wait_s=settings.redis.startup_wait_s,
+    )
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
     log = logging.getLogger("molt.trainer")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per episode otherwise
-    try:
-        for hint in validate_settings(settings):
-            if rank == 0:
-                log.info("hint: %s", hint)
-    except ValueError as exc:
-        sys.exit(f"{PROG}: error: {exc}")
+    for hint in hints if rank == 0 else []:
+        log.info("hint: %s", hint)
 
     import torch.distributed as dist
 
     from services.trainer.model import init_distributed
+    from services.trainer.publish import PodDiscoveryError
     from services.trainer.trainer import Trainer
 
     info = init_distributed()
@@ -52,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         summary = trainer.run()
+    except PodDiscoveryError as exc:
+        sys.exit(f"{PROG}: error: {exc}")
     finally:
         trainer.close()
     if info.is_main:

@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.metrics import Metrics
 from services.trainer.config import TrainerSettings
@@ -33,9 +35,14 @@ class TrainerStatus:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"ready": self.ready, "step": self.step, "policy_version": self.policy_version,
-                    "phase": self.phase, "trained_trajectories": self.trained_trajectories,
-                    "world_size": self.world_size}
+            return {
+                "ready": self.ready,
+                "step": self.step,
+                "policy_version": self.policy_version,
+                "phase": self.phase,
+                "trained_trajectories": self.trained_trajectories,
+                "world_size": self.world_size,
+            }
 
 
 def build_app(settings: TrainerSettings, status: TrainerStatus, metrics: Metrics) -> FastAPI:
@@ -44,4 +51,16 @@ def build_app(settings: TrainerSettings, status: TrainerStatus, metrics: Metrics
     app.state.status = status
     app.state.metrics = metrics
     app.include_router(router)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # 404/405 in the services' JSON error shape
+        body = {
+            "error": {
+                "message": str(exc.detail),
+                "type": "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                "code": exc.status_code,
+            }
+        }
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
+
     return app

@@ -1,4 +1,4 @@
-"""From stream trajectories to step-axis training tensors (molt-spec 3.2, 3.3, 13.1).
+"""From stream trajectories to step-axis training tensors.
 
 Every segment of a trajectory becomes one ``Sample``. A segment holds T tokens and the spans the
 policy generated; the loss lives on the *step axis* of length T-1, where step k predicts token k+1:
@@ -9,7 +9,8 @@ policy generated; the loss lives on the *step axis* of length T-1, where step k 
 
 so a token at position 0 can never be trained (nothing predicts it). Sequences longer than
 ``--data.max_len`` are cut (Molt does the same). Routed experts stay on the token axis ([T, L, K]):
-the training forward routes tokens, not steps.
+the training forward routes tokens, not steps. A vision-language segment carries its image files in
+token order; a cut never splits an image's token run (services/trainer/vision.py).
 
 ``collate`` right-pads a list of samples into a ``MicroBatch`` (pad 0, routed experts pad -1);
 ``partition`` spreads a window's samples over data-parallel ranks (balanced counts and tokens) and
@@ -18,13 +19,18 @@ the training forward routes tokens, not steps.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from molt.schema import Trajectory
+from molt.schema import SchemaError, Trajectory
+
+if TYPE_CHECKING:
+    from services.trainer.vision import VisionInputs
 
 UNKNOWN_POD = "unknown"
 
@@ -58,6 +64,8 @@ class Sample:
     """int64 [T-1], step axis, -1 off the mask."""
     routed_experts: Tensor | None = None
     """int16 [T, L, K] (token axis), -1 = use live routing."""
+    images: list[bytes] = field(default_factory=list)
+    """Image files shown in ``tokens``, in the order of their token runs (vision-language models)."""
     # Filled by the learner's experience pass (step axis, [T-1]).
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
@@ -75,12 +83,19 @@ class Sample:
         return int(self.action_mask.sum())
 
 
-def samples_from_trajectory(traj: Trajectory, max_len: int) -> list[Sample]:
-    """One step-axis ``Sample`` per segment, cut to ``max_len`` tokens."""
+def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs | None = None) -> list[Sample]:
+    """One step-axis ``Sample`` per segment, cut to ``max_len`` tokens (at a whole image, for images)."""
     out = []
     pod = pod_of(traj)
     for i, seg in enumerate(traj.segments):
         t = min(seg.num_tokens, max_len)
+        images = [traj.images[d] for d in seg.images]
+        if images:
+            if vision is None:
+                raise SchemaError(f"segments[{i}].images", "images in a trajectory for a text-only policy")
+            from services.trainer.vision import cut_at_whole_image
+
+            t, images = cut_at_whole_image(seg.token_ids, t, images, vision)
         tokens = torch.from_numpy(seg.token_ids[:t].astype("int64"))
         mask = torch.from_numpy(seg.action_mask()[1:t].copy())
         logp = torch.from_numpy(seg.token_logprobs()[1:t].copy())
@@ -88,17 +103,45 @@ def samples_from_trajectory(traj: Trajectory, max_len: int) -> list[Sample]:
         routed = None
         if seg.routed_experts is not None:
             routed = torch.from_numpy(seg.routed_experts[:t].copy())
-        out.append(Sample(traj.trajectory_id, traj.group_id, i, float(traj.reward), traj.score, pod,
-                          tokens, mask, logp, versions, routed))
+        out.append(
+            Sample(
+                traj.trajectory_id,
+                traj.group_id,
+                i,
+                float(traj.reward),
+                traj.score,
+                pod,
+                tokens,
+                mask,
+                logp,
+                versions,
+                routed,
+                images,
+            )
+        )
     return out
 
 
 def padding_sample() -> Sample:
     """A 2-token sample with no action: ranks with fewer samples run it so collectives stay in step."""
     z = torch.zeros(1)
-    return Sample("", "", 0, 0.0, None, UNKNOWN_POD, torch.zeros(2, dtype=torch.long),
-                  torch.zeros(1, dtype=torch.bool),
-                  z, torch.full((1,), -1, dtype=torch.long), None, z, z, z, z, z)
+    return Sample(
+        "",
+        "",
+        0,
+        0.0,
+        None,
+        UNKNOWN_POD,
+        torch.zeros(2, dtype=torch.long),
+        torch.zeros(1, dtype=torch.bool),
+        z,
+        torch.full((1,), -1, dtype=torch.long),
+        old_logp=z,
+        ref_logp=z,
+        values=z,
+        advantages=z,
+        returns=z,
+    )
 
 
 @dataclass
@@ -117,16 +160,21 @@ class MicroBatch:
     returns: Tensor | None
     routed_experts: Tensor | None
     """[B, T, L, K] int16 padded with -1, or None when no sample carries routing."""
+    images: list[bytes] = field(default_factory=list)
+    """The samples' image files, row after row, each row's in token order."""
 
     @property
     def num_actions(self) -> int:
         return int(self.action_mask.sum())
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device) -> MicroBatch:
         if torch.device(device).type == "cpu":
             return self
-        moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
-        return MicroBatch(**moved)
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor):
+                setattr(moved, name, value.to(device))
+        return moved
 
 
 def _pad(rows: list[Tensor], length: int, value: float) -> Tensor:
@@ -151,9 +199,12 @@ def collate(samples: list[Sample]) -> MicroBatch:
         if len(shapes) > 1:
             raise ValueError(f"routed_experts with different [layers, top_k] in one batch: {sorted(shapes)}")
         lk = shapes.pop()
-        rows = [s.routed_experts if s.routed_experts is not None else torch.full((s.num_tokens,) + lk, -1,
-                                                                                   dtype=torch.int16)
-                for s in samples]
+        rows = [
+            s.routed_experts
+            if s.routed_experts is not None
+            else torch.full((s.num_tokens,) + lk, -1, dtype=torch.int16)
+            for s in samples
+        ]
         routed = _pad(rows, t, -1)
     return MicroBatch(
         input_ids=_pad([s.tokens for s in samples], t, 0),
@@ -166,6 +217,7 @@ def collate(samples: list[Sample]) -> MicroBatch:
         advantages=_pad_opt(samples, "advantages", t - 1),
         returns=_pad_opt(samples, "returns", t - 1),
         routed_experts=routed,
+        images=[image for s in samples for image in s.images],
     )
 
 
@@ -187,11 +239,11 @@ def plan_windows(num_samples: int, batch_size: int, *, one_window: bool, seed: i
     random.Random(seed).shuffle(order)
     if one_window or num_samples <= batch_size:
         return [order] if order else []
-    return [order[i:i + batch_size] for i in range(0, num_samples, batch_size)]
+    return [order[i : i + batch_size] for i in range(0, num_samples, batch_size)]
 
 
 def micro_batches(indices: list[int], micro_batch_size: int, count: int) -> list[list[int]]:
     """``count`` micro-batches of at most ``micro_batch_size`` indices; trailing ones may be empty
     (the rank then runs a padding sample)."""
-    chunks = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    chunks = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     return chunks + [[] for _ in range(count - len(chunks))]

@@ -1,6 +1,6 @@
 """Resumable checkpoints: model, optimizer, step, policy version and stream position, saved together.
 
-Layout under ``--ckpt.path`` (molt-spec 10.1, simplified)::
+Layout under ``--ckpt.path`` (Molt's layout, simplified)::
 
     global_step<N>/            written as .tmp-global_step<N>/ then renamed (atomic on one filesystem)
         model_optim/           torch.distributed.checkpoint (DCP) shards: actor, optimizer, critic, ...
@@ -12,7 +12,9 @@ renames the dir and then ``latest``. A crash at any point leaves either the prev
 the new one, never a half one. The client state carries the trajectory ids trained since the last
 ack (see ``controller.py``): trajectories are acked only after the rename, so a restart can tell
 "trained and saved, not acked" (ack it, do not train) from "not saved" (train it again).
-DCP reshards on load, so a run may resume with another world size.
+DCP reshards on load, so a run may resume with another world size. The SFT learner
+(``services/trainer/sft.py``) saves and loads through the same code; it has no critic and no KL
+controller, and its client state is its position in the dataset.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _stateful(learner) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(learner.actor, learner.optim)
     state = {"actor": model_sd, "actor_optim": optim_sd}
-    if learner.critic is not None:
+    if getattr(learner, "critic", None) is not None:  # the SFT learner has no critic
         c_sd, co_sd = get_state_dict(learner.critic, learner.critic_optim)
         state.update(critic=c_sd, critic_optim=co_sd)
     return state
@@ -72,11 +74,15 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3) -> 
     dcp.save(_stateful(learner), checkpoint_id=str(tmp / "model_optim"))
     dist.barrier()
     if dist.get_rank() == 0:
+        if getattr(learner, "hf_source", None):  # config + tokenizer: `molt export` rebuilds the model from them
+            from services.trainer.export import HF_FILES, copy_model_files
+
+            copy_model_files(learner.hf_source, tmp / HF_FILES)
         extra = {
             "global_step": learner.global_step,
             "sched": learner.sched.state_dict(),
-            "critic_sched": learner.critic_sched.state_dict() if learner.critic_sched else None,
-            "kl_ctl": learner.kl_ctl.state_dict(),
+            "critic_sched": learner.critic_sched.state_dict() if getattr(learner, "critic_sched", None) else None,
+            "kl_ctl": learner.kl_ctl.state_dict() if getattr(learner, "kl_ctl", None) else None,
             "rng": torch.get_rng_state(),
             "client_state": client_state,
         }
@@ -90,12 +96,13 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3) -> 
         os.replace(tmp, final)
         _fsync_dir(base)
         _write_atomic(base / LATEST, tag.encode())
-        _prune(base, max_num, keep=tag)
+        prune(base, max_num, keep=tag)
     dist.barrier()
     return final
 
 
-def _prune(base: Path, max_num: int, keep: str) -> None:
+def prune(base: Path, max_num: int, keep: str) -> None:
+    """Keep the newest ``max_num`` global_step<N> directories under ``base`` (and ``keep``); <= 0 keeps all."""
     if max_num <= 0:
         return
     dirs = sorted((p for p in base.glob("global_step*") if p.is_dir()), key=lambda p: int(p.name[11:]))
@@ -128,17 +135,23 @@ def load(root: str, learner) -> dict[str, Any] | None:
     path = Path(flag[0])
     state = _stateful(learner)
     dcp.load(state, checkpoint_id=str(path / "model_optim"))
-    set_state_dict(learner.actor, learner.optim, model_state_dict=state["actor"],
-                   optim_state_dict=state["actor_optim"])
-    if learner.critic is not None:
-        set_state_dict(learner.critic, learner.critic_optim, model_state_dict=state["critic"],
-                       optim_state_dict=state["critic_optim"])
+    set_state_dict(
+        learner.actor, learner.optim, model_state_dict=state["actor"], optim_state_dict=state["actor_optim"]
+    )
+    if getattr(learner, "critic", None) is not None:
+        set_state_dict(
+            learner.critic,
+            learner.critic_optim,
+            model_state_dict=state["critic"],
+            optim_state_dict=state["critic_optim"],
+        )
     extra = torch.load(path / "extra_state.pt", weights_only=False)
     learner.global_step = extra["global_step"]
     learner.sched.load_state_dict(extra["sched"])
-    if learner.critic_sched is not None and extra["critic_sched"]:
+    if getattr(learner, "critic_sched", None) is not None and extra["critic_sched"]:
         learner.critic_sched.load_state_dict(extra["critic_sched"])
-    learner.kl_ctl.load_state_dict(extra["kl_ctl"])
+    if getattr(learner, "kl_ctl", None) is not None:
+        learner.kl_ctl.load_state_dict(extra["kl_ctl"])
     torch.set_rng_state(extra["rng"])
     log.info("resumed from %s (step %d)", path, learner.global_step)
     return extra["client_state"]

@@ -1,4 +1,4 @@
-"""Trainer settings: Molt's flag names and defaults (molt-spec 8.1), plus what a networked trainer adds.
+"""Trainer settings: Molt's flag names and defaults, plus what a networked trainer adds.
 
 Flags read as in Molt (``--actor.adam.lr``, ``--algo.advantage.estimator``, ``--train.async_queue_size``).
 Additions, each because the services design needs it: ``--train.dispatch`` (consume the stream only),
@@ -11,6 +11,7 @@ Additions, each because the services design needs it: ``--train.dispatch`` (cons
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -58,6 +59,8 @@ class ActorConfig(ActorLossConfig, OptimizerConfig):
     """Activation checkpointing of every decoder layer: full (recompute in backward) or off."""
     freeze_moe_router: bool = False
     """Exclude MoE router (gate) weights from the optimizer and from weight sync."""
+    freeze_visual_encoder: bool = False
+    """Vision-language policy: exclude the vision tower from the optimizer and from weight sync."""
     freezing_steps: int = Field(0, ge=0)
     """gae only: the actor is not updated for the first N steps (critic warmup)."""
     aux_loss_coef: float = Field(0.0, ge=0.0)
@@ -107,6 +110,9 @@ class TrainConfig(Section):
     """Strictly on-policy dispatch: batch k is dispatched only after step k-1's weights are pushed."""
     routing_replay: bool = False
     """Replay the rollout's MoE top-k expert choice (Trajectory routed_experts) in training forwards."""
+    check_weight_update_equal: bool = False
+    """After each weight push, every pod recomputes a fixed probe's prompt logprobs and refuses the new weights
+    (keeping the previous ones, molt_weightsync_check_failures_total) if they differ from the trainer's."""
     pack_shared_prefix: bool = True
     """Compute each group's common prompt prefix once per micro-batch (rows of prefix + each sample's rest under
     a 4-D attention mask) and the LM head only at action steps. Same log-probs, fewer tokens; needs sdpa or eager
@@ -130,10 +136,34 @@ def _split_commas(values: list[str]) -> list[str]:
     return [v for item in values for v in item.replace(",", " ").split()]
 
 
+class WandbConfig(Section):
+    key: str | None = None
+    """W&B API key; set, the run logs to W&B (as Molt). Unset: W&B only with --logger.wandb.mode offline."""
+    mode: Literal["online", "offline"] = "online"
+    """offline: write the W&B run locally (wandb sync uploads it later); needs no key."""
+    org: str | None = None
+    """W&B entity."""
+    group: str | None = None
+    """W&B run group."""
+    project: str = "molt_train_rl"
+    """W&B project."""
+    run_name: str | None = None
+    """Run name (W&B run, TensorBoard subfolder). Unset: rl_<MMDD>T<HH:MM>."""
+    dir: str | None = None
+    """Where W&B writes its files (the wandb/ folder). Unset: the working directory."""
+
+
 class LoggerConfig(Section):
     steps_jsonl: str | None = None
     """Append one JSON line per train step (step, policy_version, reward_mean, mismatch_kl, staleness_mean,
-    samples, seconds, losses, and the trajectory ids trained) to this file."""
+    samples, seconds, losses, the mean of each Result.info key, and the trajectory ids trained) to this file."""
+    logging_steps: int = Field(1, gt=0)
+    """Log to TensorBoard / W&B every N steps (the JSONL file gets every step)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard event files to <dir>/<run_name> (scalars train/<key>, eval/<key>)."""
+    eval_jsonl: str | None = None
+    """Append one JSON line per evaluation (step and the eval_* metrics) to this file."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
 class RolloutConfig(Section):
@@ -147,11 +177,17 @@ class RolloutConfig(Section):
     """Nucleus sampling (must be 1.0 with IS correction)."""
     max_new_tokens: int | None = Field(None, gt=0)
     """Max tokens per generation turn. Unset: the remaining context."""
+    vllm_generate_batch_size: int | None = Field(None, gt=0)
+    """Most prompt groups in flight at once (Molt's in-flight capacity). Unset: as many as the policy-version
+    bound (--train.async_queue_size) lets dispatch run ahead."""
     urls: list[str] = []
     """Rollout pod base URLs, space- or comma-separated (weights are pushed to them after every step; their gRPC
     ports come from /readyz)."""
     grpc_targets: list[str] = []
     """Explicit HOST:PORT weight-sync targets (overrides discovery through --rollout.urls)."""
+    startup_wait_s: float = Field(600.0, ge=0)
+    """At start-up: how long to wait for a --rollout.urls pod that does not answer /readyz yet (its engine still
+    loading, or it restarts), retrying with backoff and reporting not ready meanwhile; then the trainer exits."""
 
     @field_validator("urls", "grpc_targets")
     @classmethod
@@ -167,19 +203,25 @@ class EnvsConfig(Section):
     @classmethod
     def _split(cls, v: list[str]) -> list[str]:
         return _split_commas(v)
+
     agent: str = "default"
     """Agent name sent with every episode."""
     max_inflight: int = Field(64, gt=0)
     """Episodes in flight per worker."""
-    max_retries: int = Field(3, ge=0)
-    """Retries of a failed episode (one that wrote no trajectory)."""
+    max_retries: int = Field(6, ge=0)
+    """Retries of a failed episode (one that ran and wrote no trajectory), with backoff. An unreachable worker
+    is not a failure: episodes wait for it however long it is down."""
+    retry_backoff_s: float = Field(1.0, gt=0.0)
+    """First wait before retrying a failed episode or an unreachable worker; doubles on each retry."""
+    retry_backoff_max_s: float = Field(30.0, gt=0.0)
+    """Cap of that wait."""
     timeout_s: float = Field(600.0, gt=0.0)
     """HTTP timeout of one episode."""
 
 
 class DataConfig(Section):
     prompt_dataset: str | None = None
-    """JSONL prompt file (one object per line)."""
+    """Prompt dataset: a datasets.save_to_disk directory, a parquet / JSONL / JSON file, or a folder of them."""
     input_key: str = "input"
     """Key of the prompt (a string or a list of chat messages)."""
     label_key: str | None = None
@@ -190,6 +232,27 @@ class DataConfig(Section):
     """Total context per trajectory (sent as max_length; longer sequences are cut for training)."""
     max_samples: int = Field(100_000_000, gt=0)
     """Use at most this many prompts."""
+    tools_key: str | None = None
+    """Key of the row's tool schemas (OpenAI function list, or its JSON string), sent to the agent as tools."""
+
+
+class EvalConfig(Section):
+    dataset: str | None = None
+    """Eval prompts (same formats and keys as --data.prompt_dataset, plus an optional datasource column)."""
+    steps: int = -1
+    """Evaluate every N train steps (-1: never)."""
+    split: str = "train"
+    """Split of a DatasetDict directory."""
+    n_samples_per_prompt: int | None = Field(None, gt=0)
+    """Episodes per eval prompt. Unset: --rollout.n_samples_per_prompt."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Eval sampling temperature. Unset: --rollout.temperature."""
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    """Eval nucleus sampling. Unset: --rollout.top_p."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Eval per-turn cap. Unset: --rollout.max_new_tokens."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step of a fresh run (a baseline)."""
 
 
 class FsdpConfig(Section):
@@ -210,6 +273,10 @@ class FsdpConfig(Section):
     """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
     attn_implementation: str | None = None
     """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+    packing_samples: bool = False
+    """Molt's padding-free packing of a micro-batch's samples into rows. Here it turns on
+    --train.pack_shared_prefix (rows under a 4-D mask, each group's prompt computed once; sdpa / eager attention;
+    with flash attention the learner keeps padded micro-batches and logs why)."""
 
 
 class CkptConfig(Section):
@@ -221,6 +288,16 @@ class CkptConfig(Section):
     """Resume from the latest checkpoint under --ckpt.path when there is one."""
     max_num: int = 3
     """Keep this many checkpoints (<= 0 keeps all)."""
+    output_dir: str | None = None
+    """Where the final policy is written as an HF model directory (config, safetensors, tokenizer, chat template)
+    at the end of the run. Unset: the folder holding --ckpt.path (Molt's ./ckpt with the default path)."""
+    disable_final_save: bool = False
+    """Do not write the final HF model directory."""
+    save_hf: bool = False
+    """Also write an HF model directory with every checkpoint, to <path>/_hf/global_step<N> (pruned like them)."""
+
+    def final_dir(self) -> str:
+        return self.output_dir or os.path.dirname(os.path.abspath(self.path))
 
 
 class TrainerSettings(Section):
@@ -236,6 +313,7 @@ class TrainerSettings(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -256,6 +334,7 @@ def load_plugins(paths: list[str]) -> None:
             if not path.exists():
                 raise ValueError(f"--train.plugins: no such file {item}")
             spec = importlib.util.spec_from_file_location(f"molt_plugin_{path.stem}", path)
+            assert spec is not None and spec.loader is not None  # a path ending in .py always has a source loader
             spec.loader.exec_module(importlib.util.module_from_spec(spec))
         else:
             try:
@@ -272,23 +351,31 @@ def validate_settings(s: TrainerSettings) -> list[str]:
     if not s.actor.model_name_or_path:
         raise ValueError("--actor.model_name_or_path (or --model.path) is required: a local HF model directory")
     t = s.train
+    if s.fsdp.packing_samples:
+        t.pack_shared_prefix = True
     if t.force_sync_mode and t.async_queue_size > 1:
         raise ValueError(
             f"--train.force_sync_mode dispatches strictly on-policy and contradicts --train.async_queue_size "
-            f"{t.async_queue_size}; drop one of them")
+            f"{t.async_queue_size}; drop one of them"
+        )
     if t.force_on_policy and t.max_epochs != 1:
         raise ValueError(f"--train.force_on_policy needs --train.max_epochs 1 (got {t.max_epochs})")
     if t.routing_replay and t.partial_rollout_enable:
-        raise ValueError("--train.routing_replay cannot be combined with --train.partial_rollout_enable: routing "
-                         "captured by the rollout engine is lost on preemption; disable one of them")
+        raise ValueError(
+            "--train.routing_replay cannot be combined with --train.partial_rollout_enable: routing "
+            "captured by the rollout engine is lost on preemption; disable one of them"
+        )
     if s.fsdp.pp_size != 1:
         raise ValueError(f"--fsdp.pp_size must be 1 (got {s.fsdp.pp_size}); pipeline parallelism is not supported")
     if s.fsdp.cp_size != 1:
-        raise ValueError(f"--fsdp.cp_size {s.fsdp.cp_size}: context parallelism needs sequence sharding of the "
-                         "inputs, which this trainer does not do yet; use --fsdp.cp_size 1")
+        raise ValueError(
+            f"--fsdp.cp_size {s.fsdp.cp_size}: context parallelism needs sequence sharding of the "
+            "inputs, which this trainer does not do yet; use --fsdp.cp_size 1"
+        )
     if t.batch_size % t.micro_batch_size:
-        raise ValueError(f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size "
-                         f"{t.micro_batch_size}")
+        raise ValueError(
+            f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size {t.micro_batch_size}"
+        )
     for name, opt in (("actor", s.actor), ("critic", s.critic)):
         if len(opt.adam.betas) != 2:
             raise ValueError(f"--{name}.adam.betas takes two values B1 B2, got {opt.adam.betas}")
@@ -296,16 +383,22 @@ def validate_settings(s: TrainerSettings) -> list[str]:
         raise ValueError("--algo.advantage.estimator on_policy_distill needs a teacher: set --ref.model_name_or_path")
     if t.dispatch:
         if not s.data.prompt_dataset:
-            raise ValueError("--train.dispatch needs --data.prompt_dataset (a JSONL file); or pass --train.dispatch "
-                             "false to train only on what others put on the stream")
+            raise ValueError(
+                "--train.dispatch needs --data.prompt_dataset (a dataset directory or file); or pass "
+                "--train.dispatch false to train only on what others put on the stream"
+            )
         if not s.envs.urls:
             raise ValueError("--train.dispatch needs --envs.urls (env worker base URLs); or --train.dispatch false")
+    if s.eval.dataset and not t.dispatch:
+        raise ValueError("--eval.dataset runs episodes on --envs.urls, which needs --train.dispatch")
+    if s.eval.dataset and s.eval.steps <= 0 and not s.eval.eval_at_start:
+        raise ValueError("--eval.dataset is set but never used: add --eval.steps N (evaluate every N steps)")
     if s.actor.freezing_steps and s.algo.advantage.estimator != "gae":
         raise ValueError("--actor.freezing_steps is a critic warmup and needs --algo.advantage.estimator gae")
     get_advantage_estimator(s.algo.advantage.estimator)
     return validate_algo(
-        s.algo, s.actor, s.rollout.n_samples_per_prompt, t.async_queue_size, t.partial_rollout_enable,
-        s.rollout.top_p)
+        s.algo, s.actor, s.rollout.n_samples_per_prompt, t.async_queue_size, t.partial_rollout_enable, s.rollout.top_p
+    )
 
 
 def planned_optimizer_steps(s: TrainerSettings, num_prompts: int | None) -> int:

@@ -1,13 +1,16 @@
 """Dispatch: the prompt dataset and the HTTP client that runs episodes on env workers.
 
-``PromptDataset`` reads a JSONL file (``--data.prompt_dataset``, ``--data.input_key``,
-``--data.label_key``) and walks it in a seeded order per episode; its position is one integer (the
+``PromptDataset`` reads ``--data.prompt_dataset`` with ``molt.data.read_rows`` (a ``save_to_disk``
+directory, parquet or JSONL, a file or a folder; ``--data.input_key``, ``--data.label_key``,
+``--data.tools_key``) and walks it in a seeded order per episode; its position is one integer (the
 number of prompts dispatched), saved in checkpoints.
 
 ``EpisodeDispatcher.run_group`` sends ``--rollout.n_samples_per_prompt`` episodes of one prompt to
 ``POST /v1/episodes:run`` on the least-busy worker of ``--envs.urls``. A 429 waits its Retry-After
-and tries another replica (not counted as a failure); an episode that failed without writing a
-trajectory is retried up to ``--envs.max_retries`` times. The result is how many trajectories of the
+and tries another replica (not counted as a failure); an unreachable worker (refused, reset, 502-504)
+is an outage, waited out with capped exponential backoff (``--envs.retry_backoff_s`` doubling up to
+``--envs.retry_backoff_max_s``) for as long as it lasts; an episode that ran and wrote no trajectory is
+retried up to ``--envs.max_retries`` times with the same backoff. The result is which samples of the
 group were written, which the controller hands to the group assembler.
 """
 
@@ -18,7 +21,6 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +33,8 @@ class Prompt:
     index: int
     prompt: Any
     label: Any
+    tools: list[dict[str, Any]] | None = None
+    datasource: str = "default"
 
 
 class DispatchError(ValueError):
@@ -39,36 +43,64 @@ class DispatchError(ValueError):
 
 
 class PromptDataset:
-    def __init__(self, path: str, input_key: str, label_key: str | None, *, chat: bool, max_samples: int,
-                 seed: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        input_key: str,
+        label_key: str | None,
+        *,
+        chat: bool,
+        max_samples: int,
+        seed: int,
+        tools_key: str | None = None,
+        flag: str = "--data.prompt_dataset",
+        split: str = "train",
+    ) -> None:
+        from molt.data import read_rows
+
         rows = []
-        with open(Path(path)) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if input_key not in row:
-                    raise ValueError(f"{path}:{lineno} has no {input_key!r} (--data.input_key); keys: {sorted(row)}")
-                prompt = row[input_key]
-                if chat and isinstance(prompt, str):
-                    prompt = [{"role": "user", "content": prompt}]
-                rows.append((prompt, row.get(label_key, "") if label_key else ""))
-                if len(rows) >= max_samples:
-                    break
+        for n, row in enumerate(read_rows(path, max_samples=max_samples, flag=flag, split=split)):
+            if input_key not in row:
+                raise ValueError(
+                    f"{flag} {path}: row {n} has no {input_key!r} (--data.input_key); keys: {sorted(row)}"
+                )
+            prompt = row[input_key]
+            if chat and isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            tools = row.get(tools_key) if tools_key else None
+            if isinstance(tools, str):  # Molt's datasets may store the tool schemas as a JSON string
+                tools = json.loads(tools) if tools.strip() else None
+            rows.append(
+                Prompt(
+                    n,
+                    prompt,
+                    row.get(label_key, "") if label_key else "",
+                    tools or None,
+                    str(row.get("datasource") or "default"),
+                )
+            )
         if not rows:
-            raise ValueError(f"--data.prompt_dataset {path} holds no prompts")
+            raise ValueError(f"{flag} {path} holds no prompts")
         self.rows, self.seed = rows, seed
+        self._order: tuple[int, list[int]] = (-1, [])
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def get(self, position: int) -> Prompt:
-        """The prompt at global position ``position`` (episode = position // len, seeded order per episode)."""
+    def row(self, position: int) -> int:
+        """The dataset row at global position ``position`` (episode = position // len, seeded order per
+        episode). The order of the current episode is kept: shuffling the whole dataset per prompt is O(n)."""
         episode, offset = divmod(position, len(self.rows))
-        order = list(range(len(self.rows)))
-        random.Random(self.seed + episode).shuffle(order)
-        prompt, label = self.rows[order[offset]]
-        return Prompt(position, prompt, label)
+        if self._order[0] != episode:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed + episode).shuffle(order)
+            self._order = (episode, order)
+        return self._order[1][offset]
+
+    def get(self, position: int) -> Prompt:
+        """The prompt at global position ``position`` (its ``index``; ``row`` tells which row it is)."""
+        row = self.rows[self.row(position)]
+        return Prompt(position, row.prompt, row.label, row.tools, row.datasource)
 
 
 class EpisodeDispatcher:
@@ -83,22 +115,38 @@ class EpisodeDispatcher:
         self.client = httpx.AsyncClient(timeout=envs_cfg.timeout_s)
         self.slots = asyncio.Semaphore(envs_cfg.max_inflight * len(self.inflight))
         self.failed = 0
+        self.outage_retries = 0
+        self.unreachable: set[str] = set()
 
     def _pick(self, avoid: set[str]) -> str:
         choices = [u for u in self.inflight if u not in avoid] or list(self.inflight)
         return min(choices, key=lambda u: (self.inflight[u], random.random()))
 
+    async def _backoff(self, delay: float) -> float:
+        await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+        return min(delay * 2, self.cfg.retry_backoff_max_s)
+
     async def run_episode(self, body: dict) -> dict:
-        """One episode; returns the worker's result (status ok|failed|timeout) or a synthetic failure."""
-        tries, throttled = 0, set()
+        """One episode; returns the worker's result (status ok|failed|timeout) or a synthetic failure.
+
+        An outage (no worker reachable, or 502/503/504) is waited out however long it lasts, with capped
+        exponential backoff: an outage must not burn the dataset. An episode that ran and wrote nothing is
+        retried ``--envs.max_retries`` times with the same backoff before it counts as failed."""
+        failures, throttled, down = 0, set[str](), set[str]()
+        delay = self.cfg.retry_backoff_s
         while True:
-            url = self._pick(throttled)
+            url = self._pick(throttled | down)
             self.inflight[url] += 1
+            outage = None
             try:
                 async with self.slots:
                     resp = await self.client.post(url + "/v1/episodes:run", json=body)
-            except httpx.HTTPError as exc:
+            except httpx.TimeoutException as exc:  # the episode outlived --envs.timeout_s
                 result = {"status": "failed", "written": False, "error": f"{type(exc).__name__}: {exc}"}
+                if isinstance(exc, httpx.ConnectTimeout):
+                    outage = str(exc)
+            except httpx.TransportError as exc:  # refused, reset, worker died mid-episode
+                outage = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code == 429:
                     throttled.add(url)
@@ -107,27 +155,67 @@ class EpisodeDispatcher:
                         await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
                     continue
                 if resp.status_code in (400, 404, 422):
-                    raise DispatchError(f"env worker {url} refused the episode with HTTP {resp.status_code}: "
-                                        f"{resp.text[:300]} (check --envs.agent and the dataset's prompts)")
-                result = resp.json() if resp.status_code == 200 else {
-                    "status": "failed", "written": False, "error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+                    raise DispatchError(
+                        f"env worker {url} refused the episode with HTTP {resp.status_code}: "
+                        f"{resp.text[:300]} (check --envs.agent and the dataset's prompts)"
+                    )
+                if resp.status_code in (502, 503, 504):
+                    outage = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                result = (
+                    resp.json()
+                    if resp.status_code == 200
+                    else {"status": "failed", "written": False, "error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+                )
             finally:
                 self.inflight[url] -= 1
-            if result.get("written") or tries >= self.cfg.max_retries:
-                if not result.get("written"):
-                    self.failed += 1
-                    log.warning("episode %s/%s failed for good: %s", body["group_id"], body["sample_index"],
-                                result.get("error") or result.get("status"))
+            if outage is not None:
+                if url not in self.unreachable:  # once per outage, not once per episode
+                    self.unreachable.add(url)
+                    log.warning("env worker %s unavailable (%s): episodes wait for it", url, outage)
+                down.add(url)
+                self.outage_retries += 1
+                if len(down) >= len(self.inflight):  # every replica is down: back off, then try them all again
+                    down.clear()
+                    delay = await self._backoff(delay)
+                continue
+            if url in self.unreachable:
+                self.unreachable.discard(url)
+                log.warning("env worker %s is back", url)
+            if result.get("written") or (body.get("eval") and result.get("status") == "ok"):
+                return result  # an eval episode writes nothing by design
+            if failures >= self.cfg.max_retries:
+                self.failed += 1
+                log.warning(
+                    "episode %s/%s failed for good after %d tries: %s",
+                    body["group_id"],
+                    body["sample_index"],
+                    failures + 1,
+                    result.get("error") or result.get("status"),
+                )
                 return result
-            tries += 1
+            failures += 1
+            delay = await self._backoff(delay)
 
-    async def run_group(self, prompt: Prompt, group_id: str) -> int:
-        """All samples of one prompt; returns how many trajectories were written."""
-        bodies = [{"agent": self.cfg.agent, "prompt": prompt.prompt, "label": prompt.label, "group_id": group_id,
-                   "sample_index": k, "sampling_params": self.sampling, "max_length": self.max_len}
-                  for k in range(self.n)]
+    async def run_group(self, prompt: Prompt, group_id: str, samples: list[int] | None = None) -> list[int]:
+        """The episodes ``samples`` (default: all) of one prompt; returns the sample indices written."""
+        samples = list(range(self.n)) if samples is None else samples
+        bodies = [
+            {
+                "agent": self.cfg.agent,
+                "prompt": prompt.prompt,
+                "label": prompt.label,
+                "group_id": group_id,
+                "sample_index": k,
+                "sampling_params": self.sampling,
+                "max_length": self.max_len,
+            }
+            for k in samples
+        ]
+        if prompt.tools:
+            for b in bodies:
+                b["tools"] = prompt.tools
         results = await asyncio.gather(*(self.run_episode(b) for b in bodies))
-        return sum(1 for r in results if r.get("written"))
+        return [k for k, r in zip(samples, results) if r.get("written")]
 
     async def close(self) -> None:
         await self.client.aclose()

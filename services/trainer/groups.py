@@ -12,8 +12,13 @@ the trainer's policy version is at least k - ``max_ahead`` (``--train.async_queu
 ``--train.force_sync_mode``). Groups dropped by dynamic filtering are refilled without counting.
 For that bound to hold at training time too, groups the controller dispatched are released in
 dispatch order (``dispatched``): a straggler holds back younger groups instead of being overtaken and
-trained versions later. Groups nobody registered (other producers, entries reclaimed after a restart)
-are released as they complete.
+trained versions later. Groups nobody registered (other producers) are released as they complete.
+
+With ``by_sample`` (the trainer dispatches its own prompts) a group holds at most one rollout per
+``sample_index``: after a restart the controller re-dispatches only the samples a group misses, and an
+episode of the dead trainer that still finishes writes a second rollout of a sample that is kept as a
+duplicate (acked, never trained). Such groups are released only once registered, so a group adopted
+from the stream before its position is dispatched again waits for its turn.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ class Group:
 
 
 class GroupAssembler:
-    def __init__(self, n_samples_per_prompt: int) -> None:
+    def __init__(self, n_samples_per_prompt: int, *, by_sample: bool = False) -> None:
         self.n = n_samples_per_prompt
+        self.by_sample = by_sample
         self._groups: OrderedDict[str, Group] = OrderedDict()
         self._ids: set[str] = set()
         self._expected: dict[str, int] = {}
@@ -67,13 +73,35 @@ class GroupAssembler:
         group = self._groups.get(traj.group_id) or self._complete.get(traj.group_id)
         if group is None:
             group = self._groups.setdefault(traj.group_id, Group(traj.group_id))
-        if traj.trajectory_id in self._ids:
+        if traj.trajectory_id in self._ids or (self.by_sample and traj.sample_index in self._samples(group)):
             group.duplicates.append(delivery)
             return False
         self._ids.add(traj.trajectory_id)
         group.deliveries.append(delivery)
         self._check(traj.group_id)
         return True
+
+    @staticmethod
+    def _samples(group: Group) -> set[int]:
+        return {d.trajectory.sample_index for d in group.deliveries}
+
+    def held_samples(self, group_id: str) -> set[int]:
+        """Sample indices of ``group_id`` held so far (complete or not)."""
+        group = self._groups.get(group_id) or self._complete.get(group_id)
+        return self._samples(group) if group else set()
+
+    def entry_ids(self) -> set[str]:
+        """Stream entries held (duplicates included), to tell a re-delivery of one of them from a new entry."""
+        groups = list(self._groups.values()) + list(self._complete.values())
+        return {d.entry_id for g in groups for d in g.all_deliveries()}
+
+    def waiting(self) -> set[str]:
+        """Groups held but not complete (registered ones included even before their first rollout)."""
+        return set(self._groups) | {g for g in self._registered if g not in self._complete and g not in self._dropped}
+
+    def reopen(self, group_id: str) -> None:
+        """Forget what the dispatcher said would arrive for ``group_id`` (its missing samples are re-run)."""
+        self._expected.pop(group_id, None)
 
     def expect(self, group_id: str, count: int) -> None:
         """The dispatcher's word on how many rollouts of ``group_id`` were written (0: none will come)."""
@@ -95,7 +123,11 @@ class GroupAssembler:
     def pop_complete(self, max_groups: int) -> list[Group]:
         """Up to ``max_groups`` complete groups; their ids are released. Registered groups come out in
         dispatch order (an incomplete older one blocks them), unregistered ones in completion order."""
-        out = [g for g in list(self._complete.values()) if g.group_id not in self._registered][:max_groups]
+        out = (
+            []
+            if self.by_sample
+            else [g for g in list(self._complete.values()) if g.group_id not in self._registered][:max_groups]
+        )
         while self._order and len(out) < max_groups:
             head = self._order[0]
             if head in self._dropped:

@@ -1,4 +1,4 @@
-"""The learner: experience pass and optimizer steps on every rank (molt-spec 4.1, 4.6, 4.7).
+"""The learner: experience pass and optimizer steps on every rank.
 
 ``Learner.train_step(samples)`` is called on every rank with the same full rollout batch (rank 0
 broadcasts it). Work is split by ``batch.partition``; every rank runs the same number of forwards
@@ -14,6 +14,10 @@ broadcasts it). Work is split by ``batch.partition``; every rank runs the same n
 3. Metrics are token-weighted over micro-batches and ranks (one all-reduce per step).
 
 Log-probs are taken on logits / ``--rollout.temperature`` (the rollout's processed log-probs).
+
+A vision-language policy gets each micro-batch's image files through its own image processor next to
+the recorded tokens (services/trainer/vision.py); ``--actor.freeze_visual_encoder`` keeps its vision
+tower out of the optimizer and of weight sync. Packing is off for it (images need the plain layout).
 """
 
 from __future__ import annotations
@@ -36,22 +40,41 @@ from molt.algorithms import (
 )
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
 from services.trainer.config import TrainerSettings, needs_critic, needs_reference
-from services.trainer.model import DistInfo, freeze_router, load_causal_lm, load_critic
+from services.trainer.model import (
+    DistInfo,
+    freeze_router,
+    freeze_visual_encoder,
+    is_vision_language,
+    load_causal_lm,
+    load_critic,
+)
 from services.trainer.packing import logprobs_and_entropy, pack, packed_token_logprobs, plan_group_chunks
 
 log = logging.getLogger("molt.trainer")
 
 
-def _optimizer(params, cfg, total_steps: int):
+def build_optimizer(params, cfg, total_steps: int):
+    """AdamW + the HF scheduler of an optimizer block (``--actor.*``, ``--critic.*``, SFT's un-prefixed one)."""
     from transformers import get_scheduler
 
-    opt = torch.optim.AdamW(params, lr=cfg.adam.lr, betas=tuple(cfg.adam.betas), eps=cfg.adam.eps,
-                            weight_decay=cfg.adam.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        params,
+        lr=cfg.adam.lr,
+        betas=tuple(cfg.adam.betas),
+        eps=cfg.adam.eps,
+        weight_decay=cfg.adam.weight_decay,
+        foreach=False,
+    )
     kwargs = {}
     if cfg.lr_scheduler == "cosine_with_min_lr":
         kwargs["scheduler_specific_kwargs"] = {"min_lr_rate": cfg.min_lr_ratio}
-    sched = get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
-                          num_training_steps=total_steps, **kwargs)
+    sched = get_scheduler(
+        cfg.lr_scheduler,
+        opt,
+        num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+        **kwargs,
+    )
     return opt, sched
 
 
@@ -63,6 +86,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 # Key of the staleness-free mismatch accumulator inside the per-pod sums (never a pod name).
 FRESH = "__fresh__"
 
+
+def moe_aux_term(aux: torch.Tensor, coef: float, num_micro: int) -> torch.Tensor:
+    """Molt's MoE load-balancing term of one micro-batch: ``coef * aux / micro-batches in the window`` (this
+    rank's gradient-accumulation steps), so a window's gradient is ``coef`` times the mean of its aux losses."""
+    return coef * aux / max(1, num_micro)
+
+
 class Learner:
     def __init__(self, settings: TrainerSettings, info: DistInfo, total_steps: int = 1000) -> None:
         self.s, self.info = settings, info
@@ -73,27 +103,46 @@ class Learner:
         self.dp_size, self.dp_rank = info.world_size // tp, info.rank // tp
         self.temperature = settings.rollout.temperature
         a = settings.actor
-        self.actor = load_causal_lm(a.model_name_or_path, settings.fsdp, info,
-                                    gradient_checkpoint=a.gradient_checkpoint == "full")
+        assert a.model_name_or_path is not None  # TrainerSettings falls back to --model.path or refuses
+        self.hf_source: str = a.model_name_or_path  # checkpoints carry its config and tokenizer (molt export)
+        self.actor = load_causal_lm(
+            a.model_name_or_path, settings.fsdp, info, gradient_checkpoint=a.gradient_checkpoint == "full"
+        )
         self.frozen_names = freeze_router(self.actor) if a.freeze_moe_router else []
+        self.vision = None
+        if is_vision_language(a.model_name_or_path):
+            from services.trainer.vision import VisionInputs
+
+            self.vision = VisionInputs(a.model_name_or_path)
+            if a.freeze_visual_encoder:
+                self.frozen_names += freeze_visual_encoder(self.actor)
+        elif a.freeze_visual_encoder:
+            log.warning("--actor.freeze_visual_encoder: %s has no vision tower; nothing frozen", self.hf_source)
         self.replay = None
         if settings.train.routing_replay:
             from services.trainer.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay(self.actor)
         params = [p for p in self.actor.parameters() if p.requires_grad]
-        self.optim, self.sched = _optimizer(params, a, total_steps)
+        self.optim, self.sched = build_optimizer(params, a, total_steps)
         self.ref = None
         if needs_reference(settings):
-            self.ref = load_causal_lm(settings.ref.model_name_or_path or a.model_name_or_path, settings.fsdp, info,
-                                      trainable=False)
+            self.ref = load_causal_lm(
+                settings.ref.model_name_or_path or a.model_name_or_path, settings.fsdp, info, trainable=False
+            )
         self.critic = self.critic_optim = self.critic_sched = None
+        if needs_critic(settings) and self.vision is not None:
+            raise ValueError(
+                "--algo.advantage.estimator gae: the critic takes no images; train a vision-language policy "
+                "with a critic-free estimator (grpo, rloo, reinforce, ...)"
+            )
         if needs_critic(settings):
             self.critic = load_critic(settings.critic.model_name_or_path or a.model_name_or_path, settings.fsdp, info)
             if settings.critic.freeze_moe_router or a.freeze_moe_router:  # Molt: the critic inherits the actor flag
                 freeze_router(self.critic)
-            self.critic_optim, self.critic_sched = _optimizer(
-                [p for p in self.critic.parameters() if p.requires_grad], settings.critic, total_steps)
+            self.critic_optim, self.critic_sched = build_optimizer(
+                [p for p in self.critic.parameters() if p.requires_grad], settings.critic, total_steps
+            )
         self.packing = self._packing_usable()
         self.policy_loss = build_policy_loss(a, settings.algo)
         self.kl_ctl = build_kl_controller(settings.algo)
@@ -108,7 +157,9 @@ class Learner:
             return False
         attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
         why = None
-        if attn not in ("sdpa", "eager"):
+        if self.vision is not None:
+            why = "a vision-language model: images need the plain token layout"
+        elif attn not in ("sdpa", "eager"):
             why = f"attention implementation {attn!r} takes no 4-D mask"
         elif self.replay is not None:
             why = "routing replay needs the plain token layout"
@@ -124,11 +175,26 @@ class Learner:
             logp, entropy = packed_token_logprobs(model, rows, len(chunk), mb.action_mask.shape[1], self.temperature)
             return logp, entropy, None
         ctx = self.replay.active(mb.routed_experts) if (replay and self.replay) else contextlib.nullcontext()
-        kwargs = {"output_router_logits": True} if (model is self.actor and self.s.actor.aux_loss_coef > 0) else {}
+        kwargs: dict[str, object] = dict(self._pixel_inputs(mb))
+        if model is self.actor and self.s.actor.aux_loss_coef > 0:
+            kwargs["output_router_logits"] = True
         with ctx:
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
         logp, entropy = token_logprobs(out.logits, mb.input_ids, self.temperature)
         return logp, entropy, getattr(out, "aux_loss", None)
+
+    def _pixel_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """The micro-batch's images as the model's pixel arguments; a blank image on an image-less micro-batch
+        when other ranks may run the vision tower (vision.py's module docstring)."""
+        if self.vision is None:
+            return {}
+        if mb.images:
+            pixels = self.vision.pixel_inputs(mb.images)
+        elif self.info.world_size > 1:
+            pixels = self.vision.blank_inputs()
+        else:
+            return {}
+        return {k: v.to(self.info.device) for k, v in pixels.items()}
 
     def _my_chunks(self, samples: list[Sample], indices: list[int]) -> list[list[int]]:
         """This rank's micro-batches of ``indices``, padded to the count of the busiest rank."""
@@ -159,7 +225,7 @@ class Learner:
             for row, i in enumerate(chunk):
                 n = samples[i].num_tokens - 1
                 mine[i] = {k: v[row, :n].detach().float().cpu() for k, v in res.items()}
-        gathered = [None] * self.info.world_size
+        gathered: list[dict[int, dict[str, torch.Tensor]]] = [{}] * self.info.world_size
         dist.all_gather_object(gathered, mine)
         for part in gathered:
             for i, res in part.items():
@@ -168,12 +234,22 @@ class Learner:
         full = collate(samples)
         kl = None
         if self.ref is not None and (not s.algo.kl.use_loss) and full.old_logp is not None:
+            assert full.ref_logp is not None  # computed above for every sample when there is a reference
             kl = approx_kl(full.old_logp, full.ref_logp, s.algo.kl.estimator) * full.action_mask
         adv, ret = compute_advantages(
-            s.algo.advantage.estimator, torch.tensor([x.reward for x in samples]), full.action_mask,
-            group_ids=[x.group_id for x in samples], rollout_ids=[x.trajectory_id for x in samples], kl=kl,
-            values=full.values, gamma=s.algo.advantage.gamma, lam=s.algo.advantage.lam, kl_coef=beta,
-            whiten=not s.algo.advantage.no_whiten, reward_clip=tuple(s.reward.clip_range))
+            s.algo.advantage.estimator,
+            torch.tensor([x.reward for x in samples]),
+            full.action_mask,
+            group_ids=[x.group_id for x in samples],
+            rollout_ids=[x.trajectory_id for x in samples],
+            kl=kl,
+            values=full.values,
+            gamma=s.algo.advantage.gamma,
+            lam=s.algo.advantage.lam,
+            kl_coef=beta,
+            whiten=not s.algo.advantage.no_whiten,
+            reward_clip=(s.reward.clip_range[0], s.reward.clip_range[1]),
+        )
         for i, x in enumerate(samples):
             n = x.num_tokens - 1
             x.advantages, x.returns = adv[i, :n].clone(), ret[i, :n].clone()
@@ -186,15 +262,18 @@ class Learner:
         s = self.s
         if self.replay is not None and not self._warned_no_routing and all(x.routed_experts is None for x in samples):
             self._warned_no_routing = True
-            log.warning("--train.routing_replay is on but the trajectories carry no routed_experts: live routing is "
-                        "used (enable routing capture on the rollout pods)")
+            log.warning(
+                "--train.routing_replay is on but the trajectories carry no routed_experts: live routing is "
+                "used (enable routing capture on the rollout pods)"
+            )
         self.make_experience(samples)
         sums: dict[str, float] = defaultdict(float)
         pods: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         train_actor = not (self.critic is not None and self.global_step < s.actor.freezing_steps)
         grad_norms, critic_norms = [], []
-        windows = plan_windows(len(samples), s.train.batch_size, one_window=s.train.force_on_policy,
-                               seed=s.train.seed + self.global_step)
+        windows = plan_windows(
+            len(samples), s.train.batch_size, one_window=s.train.force_on_policy, seed=s.train.seed + self.global_step
+        )
         for epoch in range(s.train.max_epochs):
             for window in windows:
                 n_window = sum(samples[i].num_actions for i in window)
@@ -204,15 +283,25 @@ class Learner:
                     batch = [samples[i] for i in chunk] or [padding_sample()]
                     mb = collate(batch).to(self.info.device)
                     if train_actor:
-                        self._actor_micro(mb, batch, n_window, last, sums, pods if epoch == 0 else None, samples,
-                                          chunk)
+                        self._actor_micro(
+                            mb,
+                            batch,
+                            n_window,
+                            last,
+                            sums,
+                            pods if epoch == 0 else None,
+                            samples,
+                            chunk,
+                            num_micro=len(chunks),
+                        )
                     if self.critic is not None:
                         self._critic_micro(mb, n_window, last, sums)
                 if train_actor:
                     grad_norms.append(self._opt_step(self.actor, self.optim, self.sched, s.actor.max_norm))
                 if self.critic is not None:
-                    critic_norms.append(self._opt_step(self.critic, self.critic_optim, self.critic_sched,
-                                                       s.critic.max_norm))
+                    critic_norms.append(
+                        self._opt_step(self.critic, self.critic_optim, self.critic_sched, s.critic.max_norm)
+                    )
         self.global_step += 1
         metrics = self._reduce(sums, pods)
         metrics["actor_grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
@@ -222,18 +311,29 @@ class Learner:
             metrics["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         metrics["kl_coef"] = self.kl_ctl.value
         # KL to the reference: per-sample mean as reward (Molt's `kl`), or the loss term's token mean.
-        metrics["kl"] = (metrics.get("kl_loss", 0.0) if s.algo.kl.use_loss
-                         else sum(x.extra.get("kl", 0.0) for x in samples) / max(len(samples), 1))
+        metrics["kl"] = (
+            metrics.get("kl_loss", 0.0)
+            if s.algo.kl.use_loss
+            else sum(x.extra.get("kl", 0.0) for x in samples) / max(len(samples), 1)
+        )
         self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
         return metrics
 
-    def _actor_micro(self, mb, batch, n_window, last, sums, pods, samples, chunk) -> None:
+    def _actor_micro(self, mb, batch, n_window, last, sums, pods, samples, chunk, num_micro: int = 1) -> None:
         s, world = self.s, self.dp_size
-        _set_sync(self.actor, last)
+        set_grad_sync(self.actor, last)
         logp, entropy, aux = self._logp(self.actor, mb, replay=True, chunk=batch)
         mask = mb.action_mask
-        out = self.policy_loss(logp, mb.old_logp, mb.advantages, mask, num_window_tokens=n_window, dp_size=world,
-                               rollout_logp=mb.rollout_logp, entropy=entropy.detach())
+        out = self.policy_loss(
+            logp,
+            mb.old_logp,
+            mb.advantages,
+            mask,
+            num_window_tokens=n_window,
+            dp_size=world,
+            rollout_logp=mb.rollout_logp,
+            entropy=entropy.detach(),
+        )
         loss = out.loss
         if self.ref is not None and s.algo.kl.use_loss:
             kl_tok = approx_kl(logp, mb.ref_logp, s.algo.kl.estimator)
@@ -242,8 +342,8 @@ class Learner:
             sums["kl_loss"] += float((kl_tok.detach() * mask).sum())
         if s.actor.entropy_coef:
             loss = loss - s.actor.entropy_coef * token_mean(entropy, mask, num_window_tokens=n_window, dp_size=world)
-        if aux is not None and s.actor.aux_loss_coef > 0:
-            loss = loss + s.actor.aux_loss_coef * aux / max(1, n_window)
+        if aux is not None and s.actor.aux_loss_coef > 1e-8:
+            loss = loss + moe_aux_term(aux, s.actor.aux_loss_coef, num_micro)
         loss.backward()
         tokens = float(mask.sum())
         sums["tokens"] += tokens
@@ -264,10 +364,18 @@ class Learner:
                 pods[FRESH][1] += float(fresh.sum())
 
     def _critic_micro(self, mb, n_window, last, sums) -> None:
-        _set_sync(self.critic, last)
+        assert self.critic is not None  # only called with a critic
+        set_grad_sync(self.critic, last)
         values = self.critic(mb.input_ids, mb.attention_mask).float()
-        out = value_loss(values, mb.values, mb.returns, mb.action_mask, value_clip=self.s.critic.value_clip,
-                         num_window_tokens=n_window, dp_size=self.dp_size)
+        out = value_loss(
+            values,
+            mb.values,
+            mb.returns,
+            mb.action_mask,
+            value_clip=self.s.critic.value_clip,
+            num_window_tokens=n_window,
+            dp_size=self.dp_size,
+        )
         out.loss.backward()
         tokens = float(mb.action_mask.sum())
         sums["critic_tokens"] += tokens
@@ -275,18 +383,11 @@ class Learner:
             sums[k] += float(v) * tokens
 
     def _opt_step(self, model, optim, sched, max_norm: float) -> float:
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
-        return float(norm)
+        return optimizer_step(model, optim, sched, max_norm)
 
     def _reduce(self, sums: dict[str, float], pods: dict[str, list[float]]) -> dict[str, float]:
         keys = sorted(sums)
-        pod_names = [None] * self.info.world_size
+        pod_names: list[dict[str, list[float]]] = [{}] * self.info.world_size
         dist.all_gather_object(pod_names, dict(pods))
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vec)
@@ -305,6 +406,19 @@ class Learner:
         return out
 
 
-def _set_sync(model, last: bool) -> None:
+def set_grad_sync(model, last: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on a window's last micro-batch (earlier ones accumulate locally)."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last)
+
+
+def optimizer_step(model, optim, sched, max_norm: float) -> float:
+    """Clip to ``max_norm``, step the optimizer and scheduler, zero the grads; returns the pre-clip norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+    return float(norm)

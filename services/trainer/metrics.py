@@ -47,8 +47,17 @@ def observe_many(hist, value: float, count: int) -> None:
     total.inc(value * count)
 
 
-def record_step(m: Metrics, step: int, version: int, stats: dict, *, tokens: int, seconds: float,
-                rewards: list[float], staleness: dict[int, int]) -> None:
+def record_step(
+    m: Metrics,
+    step: int,
+    version: int,
+    stats: dict,
+    *,
+    tokens: int,
+    seconds: float,
+    rewards: list[float],
+    staleness: dict[int, int],
+) -> None:
     m["molt_trainer_step"].set(step)
     m["molt_trainer_policy_version"].set(version)
     m["molt_trainer_tokens_per_second"].set(tokens / seconds if seconds > 0 else 0.0)
@@ -64,6 +73,11 @@ def record_step(m: Metrics, step: int, version: int, stats: dict, *, tokens: int
         m["molt_trainer_is_filter_ratio"].set(stats["is_filter_ratio"])
     for pod, kl in stats.get("mismatch_kl", {}).items():
         m["molt_trainer_mismatch_kl"].labels(pod).set(kl)
+    # NaN when no token of this step came from the current weights (deep async): keep the last measurement
+    # rather than export NaN, which would reset a pending alert on every such step.
+    fresh = stats.get("mismatch_kl_fresh", float("nan"))
+    if fresh == fresh:
+        m["molt_trainer_mismatch_kl_fresh"].set(fresh)
     hist = m["molt_trainer_staleness_versions"]
     for value, count in staleness.items():
         observe_many(hist, value, count)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,9 @@ def _use_nemo(strategy: str) -> bool:
         import nemo_automodel.components.distributed.parallelizer  # noqa: F401
     except Exception as exc:  # any import failure (triton mismatch, missing extras) means: not usable here
         if strategy == "nemo":
-            raise ValueError(f"--fsdp.strategy nemo: nemo_automodel is not importable ({exc}); use --fsdp.strategy "
-                             "torch") from exc
+            raise ValueError(
+                f"--fsdp.strategy nemo: nemo_automodel is not importable ({exc}); use --fsdp.strategy torch"
+            ) from exc
         return False
     return True
 
@@ -89,10 +91,38 @@ def _mp_policy(fsdp, on_gpu: bool):
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     base = getattr(model, "model", None) or getattr(model, "backbone", None) or model
+    # Vision-language models keep their decoder one level down (Idefics3: .model.text_model).
+    base = getattr(base, "text_model", None) or getattr(base, "language_model", None) or base
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"cannot find decoder layers on {type(model).__name__} (expected .model.layers)")
     return list(layers)
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the HF model at ``path`` takes images (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The image encoder of a vision-language model (the connector / projector is not part of it)."""
+    base = getattr(model, "model", None) or model
+    for name in ("vision_model", "vision_tower", "visual"):
+        tower = getattr(base, name, None)
+        if isinstance(tower, nn.Module):
+            return tower
+    raise ValueError(f"--actor.freeze_visual_encoder: no vision tower found on {type(model).__name__}")
+
+
+def freeze_visual_encoder(model: nn.Module) -> list[str]:
+    """``--actor.freeze_visual_encoder``: requires_grad=False on the vision tower; returns its parameter names.
+    The connector and the language model stay trainable: the tower's features are fixed, their use is not."""
+    tower = vision_tower(model)
+    frozen = {id(p) for p in tower.parameters()}
+    tower.requires_grad_(False)
+    return sorted(name for name, p in model.named_parameters() if id(p) in frozen)
 
 
 def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
@@ -105,8 +135,7 @@ def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
         from nemo_automodel.components.distributed.mesh import ParallelismSizes
         from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
 
-        setup = DistributedSetup.build("fsdp2", ParallelismSizes(dp_size=info.world_size),
-                                       world_size=info.world_size)
+        setup = DistributedSetup.build("fsdp2", ParallelismSizes(dp_size=info.world_size), world_size=info.world_size)
         return fsdp2_strategy_parallelize(model, setup.mesh_context.device_mesh, mp_policy=mp)
     from torch.distributed.fsdp import fully_shard
 
@@ -119,34 +148,41 @@ def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
 
 def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = False) -> nn.Module:
     """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring)."""
-    from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    cfg = FSDP2Config(mp_policy=_mp_policy(fsdp, True),
-                      offload_policy=CPUOffloadPolicy() if fsdp.offload != "none" else None,
-                      activation_checkpointing=gradient_checkpoint)
+    cfg = FSDP2Config(
+        mp_policy=_mp_policy(fsdp, True),
+        offload_policy=CPUOffloadPolicy() if fsdp.offload != "none" else None,
+        activation_checkpointing=gradient_checkpoint,
+    )
     sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
     setup = DistributedSetup.build(cfg, sizes, world_size=info.world_size)
-    return NeMoAutoModelForCausalLM.from_pretrained(
-        path, distributed_setup=setup, torch_dtype=torch.float32, attn_implementation=_attn(fsdp, True))
+    auto = NeMoAutoModelForImageTextToText if is_vision_language(path) else NeMoAutoModelForCausalLM
+    return auto.from_pretrained(
+        path, distributed_setup=setup, torch_dtype=torch.float32, attn_implementation=_attn(fsdp, True)
+    )
 
 
-def load_causal_lm(path: str, fsdp, info: DistInfo, *, gradient_checkpoint: bool = False,
-                   trainable: bool = True) -> nn.Module:
+def load_causal_lm(
+    path: str, fsdp, info: DistInfo, *, gradient_checkpoint: bool = False, trainable: bool = True
+) -> nn.Module:
     """A sharded causal LM from a local HF directory (fp32 master weights)."""
     if info.on_gpu and fsdp.strategy != "torch":
         model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint)
     else:
         if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
-            raise ValueError("--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
-                             "pure FSDP2 data parallel (leave them at 1)")
-        from transformers import AutoModelForCausalLM
+            raise ValueError(
+                "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
+                "pure FSDP2 data parallel (leave them at 1)"
+            )
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     attn_implementation=_attn(fsdp, False))
-        model.to(info.device)
+        auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=_attn(fsdp, False))
+        model.to(info.device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; mypy loses `self`
         if gradient_checkpoint:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = shard(model, fsdp, info)
@@ -206,4 +242,5 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the unsharded state dict on rank 0 (CPU tensors); collective: every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # a model's state dict holds only tensors

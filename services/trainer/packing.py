@@ -114,10 +114,10 @@ def pack(samples: list[Sample], max_row_tokens: int) -> PackedRows:
         for i in members:
             t = tokens[i]
             rest = len(t) - prefix
-            ids[r, off:off + rest] = t[prefix:]
-            pos[r, off:off + rest] = np.arange(prefix, len(t))
-            mask[r, off:off + rest, :prefix] = True
-            mask[r, off:off + rest, off:off + rest] = np.tri(rest, dtype=bool)
+            ids[r, off : off + rest] = t[prefix:]
+            pos[r, off : off + rest] = np.arange(prefix, len(t))
+            mask[r, off : off + rest, :prefix] = True
+            mask[r, off : off + rest, off : off + rest] = np.tri(rest, dtype=bool)
             # Where token k of this sample sits in the row: the prefix, then its own remainder.
             where = np.concatenate([np.arange(prefix), np.arange(off, off + rest)])
             k = np.flatnonzero(samples[i].action_mask.numpy())
@@ -129,9 +129,19 @@ def pack(samples: list[Sample], max_row_tokens: int) -> PackedRows:
         # Padding attends to itself only: no all-False mask row (sdpa would turn it into NaN).
         tail = np.arange(off, width)
         mask[r, tail, tail] = True
-    cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.long))
-    return PackedRows(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(mask).unsqueeze(1),
-                      cat(flat), cat(targets), cat(sample_row), cat(steps))
+
+    def cat(xs: list[np.ndarray]) -> Tensor:
+        return torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.long)
+
+    return PackedRows(
+        torch.from_numpy(ids),
+        torch.from_numpy(pos),
+        torch.from_numpy(mask).unsqueeze(1),
+        cat(flat),
+        cat(targets),
+        cat(sample_row),
+        cat(steps),
+    )
 
 
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -157,15 +167,20 @@ def select_hidden(head: nn.Module, flat_index: Tensor):
         handle.remove()
 
 
-def packed_token_logprobs(model: nn.Module, rows: PackedRows, num_samples: int, num_steps: int,
-                          temperature: float) -> tuple[Tensor, Tensor]:
+def packed_token_logprobs(
+    model: nn.Module, rows: PackedRows, num_samples: int, num_steps: int, temperature: float
+) -> tuple[Tensor, Tensor]:
     """(log-prob, entropy), each [num_samples, num_steps] on the step axis, 0 off the action steps."""
     # At least one position goes through the head, so every parameter takes part in the graph even for a
     # padding micro-batch (FSDP2 reduces every gradient).
     index = rows.flat_index if rows.flat_index.numel() else torch.zeros(1, dtype=torch.long)
-    with select_hidden(model.get_output_embeddings(), index):
-        out = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
-                    use_cache=False)
+    with select_hidden(model.get_output_embeddings(), index):  # type: ignore[operator]  # nn.Module.__getattr__ types the HF model's methods as Tensor | Module
+        out = model(
+            input_ids=rows.input_ids,
+            attention_mask=rows.attention_mask,
+            position_ids=rows.position_ids,
+            use_cache=False,
+        )
     picked, entropy = logprobs_and_entropy(out.logits[0, : rows.flat_index.numel()], rows.targets, temperature)
     logp = torch.zeros(num_samples, num_steps, dtype=picked.dtype)
     ent = torch.zeros(num_samples, num_steps, dtype=entropy.dtype)
@@ -176,8 +191,9 @@ def packed_token_logprobs(model: nn.Module, rows: PackedRows, num_samples: int, 
     return logp, ent
 
 
-def plan_group_chunks(samples: list[Sample], indices: list[int], dp_size: int, dp_rank: int,
-                      micro_batch_size: int) -> tuple[list[list[int]], int]:
+def plan_group_chunks(
+    samples: list[Sample], indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int
+) -> tuple[list[list[int]], int]:
     """This rank's micro-batches of ``indices`` with each group's samples kept together (so they share a
     row), groups dealt over ranks by token count; returns (chunks, the busiest rank's chunk count)."""
     groups: dict[str, list[int]] = {}
@@ -188,5 +204,5 @@ def plan_group_chunks(samples: list[Sample], indices: list[int], dp_size: int, d
     per_rank = []
     for r in ranks:
         flat = [i for u in r for i in units[u]]
-        per_rank.append([flat[j:j + micro_batch_size] for j in range(0, len(flat), micro_batch_size)])
+        per_rank.append([flat[j : j + micro_batch_size] for j in range(0, len(flat), micro_batch_size)])
     return per_rank[dp_rank], max(len(c) for c in per_rank)

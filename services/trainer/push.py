@@ -4,6 +4,7 @@ Pushes a saved model dir's weights to running rollout pods over the weight-sync 
 uses (operators roll a fleet back to a checkpoint with it). The pods' gRPC port is the rollout
 service's ``--grpc.port`` (shown on its ``/readyz``). Without ``--version`` the weights become
 version max(pod versions) + 1. Exits 0 when every pod committed, 1 otherwise (the report says why).
+The pods' weight-sync token comes from ``MOLT_WEIGHTS_TOKEN`` (as for the trainer; never a flag).
 """
 
 from __future__ import annotations
@@ -84,15 +85,22 @@ def run(s: PushSettings) -> int:
         model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32).eval()
         check = probe_check(model, max_abs_diff=s.check_max_abs_diff)
         del model
-    pusher = WeightPusher(pods, frozen=s.frozen, tie_word_embeddings=tie, transport=s.transport,
-                          bucket_bytes=s.bucket_bytes, chunk_bytes=s.chunk_bytes, timeout_s=s.timeout_s,
-                          collective_host=s.collective_host)
+    pusher = WeightPusher(
+        pods,
+        frozen=s.frozen,
+        tie_word_embeddings=tie,
+        transport=s.transport,
+        bucket_bytes=s.bucket_bytes,
+        chunk_bytes=s.chunk_bytes,
+        timeout_s=s.timeout_s,
+        collective_host=s.collective_host,
+    )
     try:
         status = pusher.status()
         down = {t: str(r) for t, r in status.items() if isinstance(r, BaseException)}
         if down:
-            raise ValueError(f"pod(s) unreachable: {down}")
-        current = max(r.version for r in status.values())
+            raise ValueError(f"pod(s) unreachable or refusing (check MOLT_WEIGHTS_TOKEN): {down}")
+        current = max(r.version for r in status.values() if not isinstance(r, BaseException))
         version = current + 1 if s.version is None else s.version
         force = s.version is not None and version <= current
         try:
@@ -102,10 +110,19 @@ def run(s: PushSettings) -> int:
             report, ok = exc.report, False
     finally:
         pusher.close()
-    out = {"version": version, "ok": ok, "transport": s.transport, "bytes": report.bytes, "tensors": report.tensors,
-           "read_s": round(load_s, 3), "gather_s": round(report.gather_s, 3),
-           "transfer_s": round(report.transfer_s, 3), "load_s": round(report.load_s, 3),
-           "pods": report.pods, "failed": report.failed}
+    out = {
+        "version": version,
+        "ok": ok,
+        "transport": s.transport,
+        "bytes": report.bytes,
+        "tensors": report.tensors,
+        "read_s": round(load_s, 3),
+        "gather_s": round(report.gather_s, 3),
+        "transfer_s": round(report.transfer_s, 3),
+        "load_s": round(report.load_s, 3),
+        "pods": report.pods,
+        "failed": report.failed,
+    }
     print(json.dumps(out, indent=2))
     if not ok:
         log.error("push of version %d failed on %s", version, sorted(report.failed))

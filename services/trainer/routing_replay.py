@@ -1,4 +1,4 @@
-"""MoE routing replay (R3, ``--train.routing_replay``; molt-spec 7.1) for HF transformers routers.
+"""MoE routing replay (R3, ``--train.routing_replay``) for HF transformers routers.
 
 The rollout engine records, per token and MoE layer, the top-k experts it routed to
 (``Segment.routed_experts`` [T, L, K], -1 = unknown). Training forwards replay that discrete choice so
@@ -44,12 +44,15 @@ class RoutingReplay:
     def __init__(self, model: nn.Module) -> None:
         self.routers = find_routers(model)
         if not self.routers:
-            raise ValueError("--train.routing_replay needs an MoE model with top-k routers (e.g. Qwen3-MoE); "
-                             f"{type(model).__name__} has none")
+            raise ValueError(
+                "--train.routing_replay needs an MoE model with top-k routers (e.g. Qwen3-MoE); "
+                f"{type(model).__name__} has none"
+            )
         for _, name, module in self.routers:
             if not hasattr(module, "top_k"):
-                raise ValueError(f"routing replay: router {name} ({type(module).__name__}) is not a softmax "
-                                 "top-k router")
+                raise ValueError(
+                    f"routing replay: router {name} ({type(module).__name__}) is not a softmax top-k router"
+                )
         self._targets: Tensor | None = None  # [B*T, L, K] int64
         self.replayed_rows = 0
         self._handles = [m.register_forward_hook(self._hook(layer)) for layer, _, m in self.routers]
@@ -62,8 +65,10 @@ class RoutingReplay:
             return
         need = max(layer for layer, _, _ in self.routers) + 1
         if routed_experts.shape[2] < need:
-            raise ValueError(f"routed_experts hold {routed_experts.shape[2]} layers but the model routes in layer "
-                             f"{need - 1}; the rollout engine and the trainer disagree on the model")
+            raise ValueError(
+                f"routed_experts hold {routed_experts.shape[2]} layers but the model routes in layer "
+                f"{need - 1}; the rollout engine and the trainer disagree on the model"
+            )
         self._targets = routed_experts.reshape(-1, *routed_experts.shape[2:]).long()
         try:
             yield
@@ -77,8 +82,10 @@ class RoutingReplay:
             logits, _, live = output
             target = self._targets[:, layer, :]
             if target.shape != live.shape:
-                raise ValueError(f"routing replay: layer {layer} routes {tuple(live.shape)} tokens x top-k, "
-                                 f"the trajectory holds {tuple(target.shape)}")
+                raise ValueError(
+                    f"routing replay: layer {layer} routes {tuple(live.shape)} tokens x top-k, "
+                    f"the trajectory holds {tuple(target.shape)}"
+                )
             use = (target >= 0).all(dim=-1, keepdim=True)
             indices = torch.where(use, target.to(live.device), live)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)

@@ -9,6 +9,11 @@ Per step::
     rank 0: controller.commit()                     (ack only now)
     all:    gather the full state dict -> rank 0 publishes it as version + 1
 
+The weights are also pushed before the first dispatch (resumed or not), and while rank 0 waits for a
+batch it asks the pods every ``CATCH_UP_EVERY_S`` whether they serve its version: a pod that restarted
+on base weights (out of routing with ``--weights.await_push`` until then) is pushed the current weights
+at once, so no rollout is generated outside the staleness bound.
+
 Stopping (``--train.num_steps``, end of the dataset, SIGTERM on rank 0) saves a final checkpoint
 when checkpoints are on, commits, and broadcasts a stop so every rank leaves the loop together.
 """
@@ -16,61 +21,102 @@ when checkpoints are on, commits, and broadcasts a stop so every rank leaves the
 from __future__ import annotations
 
 import collections
-import json
+import concurrent.futures
 import logging
 import os
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from molt.bus import open_queue
-from molt.schema import decode, encode
+from molt.schema import Trajectory, decode, encode
 from services.trainer import checkpoint
 from services.trainer.app import TrainerStatus
 from services.trainer.batch import samples_from_trajectory
 from services.trainer.config import TrainerSettings, planned_optimizer_steps
 from services.trainer.controller import Controller, LoopThread
+from services.trainer.export import save_hf
 from services.trainer.learner import Learner
 from services.trainer.metrics import phase, record_step, trainer_metrics
 from services.trainer.model import DistInfo, full_state_dict
 from services.trainer.publish import WeightPublisher, build_publisher
+from services.trainer.steplog import StepLog, info_means
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from services.trainer.evaluate import Evaluator
 
 log = logging.getLogger("molt.trainer")
+CATCH_UP_EVERY_S = 5.0  # while waiting for rollouts: how often pods are asked whether they run our version
 HOLD_ENV = "MOLT_TRAINER_TEST_HOLD_BEFORE_ACK_STEP"
 """Test hook: before acking step N, log 'holding before ack' and wait to be killed."""
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, info: DistInfo, *, publisher: WeightPublisher | None = None,
-                 queue=None) -> None:
+    def __init__(
+        self, settings: TrainerSettings, info: DistInfo, *, publisher: WeightPublisher | None = None, queue=None
+    ) -> None:
         self.s, self.info = settings, info
         self.metrics = trainer_metrics()
         self.status = TrainerStatus(world_size=info.world_size)
         self.learner = Learner(settings, info, total_steps=planned_optimizer_steps(settings, self._num_prompts()))
         self.publisher = publisher
-        self.vocab_size = getattr(getattr(self.learner.actor, "config", None), "vocab_size", None)
-        self.io: LoopThread | None = None
-        self.controller: Controller | None = None
-        self.server = None
+        config = getattr(self.learner.actor, "config", None)
+        get_text = getattr(config, "get_text_config", None)  # a VL model's vocabulary is its decoder's
+        self.vocab_size = getattr(get_text() if get_text else config, "vocab_size", None)
+        self._io: LoopThread | None = None  # rank 0 only (self.io, self.controller)
+        self._controller: Controller | None = None
+        self.server: uvicorn.Server | None = None
+        self.evaluator: Evaluator | None = None
+        self._batch: concurrent.futures.Future | None = None  # rank 0's pending next_batch, kept across catch-ups
         self.last_saved_step = -1
         self._last_step_end = time.monotonic()
         if info.is_main:
+            self.steplog = StepLog(settings.logger)
             if self.publisher is None:
                 self.publisher = build_publisher(settings.rollout, self.learner.frozen_names, self.learner.actor)
-            self.io = LoopThread()
-            self.controller = Controller(settings, queue or open_queue(settings.redis, self.metrics), self.metrics,
-                                         *self._dispatch_parts())
+            self._io = LoopThread()
+            dataset, dispatcher = self._dispatch_parts()
+            self._controller = Controller(
+                settings,
+                queue or open_queue(settings.redis, self.metrics),
+                self.metrics,
+                dataset,
+                dispatcher,
+                on_bus_outage=self._bus_outage,
+            )
+            if settings.eval.dataset:
+                from services.trainer.evaluate import Evaluator
+
+                self.evaluator = Evaluator(settings, self.controller.dispatcher)
         flag = [self.publisher is not None]
         dist.broadcast_object_list(flag, src=0)
         self.publishing = flag[0]
-        log.info("rank %d of %d ready (%s, %s)", info.rank, info.world_size, info.backend,
-                 type(self.learner.actor).__name__)
+        log.info(
+            "rank %d of %d ready (%s, %s)", info.rank, info.world_size, info.backend, type(self.learner.actor).__name__
+        )
+
+    @property
+    def io(self) -> LoopThread:
+        assert self._io is not None, "rank 0 only"
+        return self._io
+
+    @property
+    def controller(self) -> Controller:
+        assert self._controller is not None, "rank 0 only"
+        return self._controller
 
     def _num_prompts(self) -> int | None:
         if not self.s.train.dispatch or self.s.train.num_steps:
             return None
-        with open(self.s.data.prompt_dataset) as f:  # every rank reads it: the scheduler must agree
-            return min(sum(1 for line in f if line.strip()), self.s.data.max_samples)
+        assert self.s.data.prompt_dataset is not None  # validated with --train.dispatch
+        from molt.data import read_rows
+
+        # every rank reads it: the scheduler must agree
+        return len(read_rows(self.s.data.prompt_dataset, max_samples=self.s.data.max_samples))
 
     def _dispatch_parts(self):
         if not self.s.train.dispatch:
@@ -78,8 +124,16 @@ class Trainer:
         from services.trainer.dispatch import EpisodeDispatcher, PromptDataset
 
         d = self.s.data
-        dataset = PromptDataset(d.prompt_dataset, d.input_key, d.label_key, chat=d.apply_chat_template,
-                                max_samples=d.max_samples, seed=self.s.train.seed)
+        assert d.prompt_dataset is not None  # validated with --train.dispatch
+        dataset = PromptDataset(
+            d.prompt_dataset,
+            d.input_key,
+            d.label_key,
+            chat=d.apply_chat_template,
+            max_samples=d.max_samples,
+            seed=self.s.train.seed,
+            tools_key=d.tools_key,
+        )
         return dataset, EpisodeDispatcher(self.s.envs, self.s.rollout, d.max_len)
 
     # ---- lifecycle
@@ -88,36 +142,59 @@ class Trainer:
         """Serve /healthz, /readyz, /metrics from rank 0's loop thread; returns the bound port."""
         import uvicorn
 
+        from molt.net import listening_socket
+        from molt.serve import announce_ready, raise_fd_limit, uvicorn_config
         from services.trainer.app import build_app
 
         port = self.s.metrics.port if self.s.metrics.port is not None else self.s.server.port
         app = build_app(self.s, self.status, self.metrics)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.s.server.host, port=port, log_level="warning"))
-        self._serving = self.io.spawn(self.server.serve())
+        raise_fd_limit()
+        sock = listening_socket("trainer", self.s.server.host, port)
+        # The trainer's main thread handles SIGTERM (finish the step, save): the server only stops with it.
+        config = uvicorn_config(app, self.s.server.model_copy(update={"log_level": "warning"}))
+        server = self.server = uvicorn.Server(config)
+        self._serving = self.io.spawn(server.serve(sockets=[sock]))
         deadline = time.monotonic() + 30
-        while not self.server.started:
+        while not server.started:
             if time.monotonic() > deadline:
                 raise RuntimeError("trainer HTTP server did not start")
             time.sleep(0.01)
-        bound = self.server.servers[0].sockets[0].getsockname()[1]
-        log.info("trainer listening on http://%s:%d", self.s.server.host, bound)
-        return bound
+        announce_ready("trainer", sock)
+        return sock.getsockname()[1]
+
+    def _bus_outage(self, down: bool) -> None:
+        """Not ready while the stream is unreachable (the controller retries meanwhile)."""
+        if down:
+            snap = self.status.snapshot()
+            self._before_outage = {"ready": snap["ready"], "phase": snap["phase"]}
+            self.status.update(ready=False, phase="waiting_for_stream")
+        else:
+            self.status.update(**getattr(self, "_before_outage", {"ready": True, "phase": "collecting"}))
 
     def request_stop(self, *_) -> None:
-        if self.controller is not None:
-            self.controller.stop_requested = True
+        if self._controller is not None:
+            self._controller.stop_requested = True
 
     def run(self) -> dict:
         client_state = checkpoint.load(self.s.ckpt.path, self.learner) if self.s.ckpt.load_enable else None
         if client_state is not None:
             self.last_saved_step = self.learner.global_step
-            self._publish(self.learner.global_step)  # pods serve the checkpoint's weights (Molt does the same)
+        if self.info.is_main and self.publisher is not None:
+            # Pods may start after the trainer (any order in Kubernetes, or one restarting): waited for here,
+            # with /readyz answering 503 meanwhile; the other ranks wait in the push's collective.
+            self.status.update(phase="waiting_for_pods")
+            self.publisher.connect()
+        # Push before the first dispatch, resumed or not: pods may still serve a previous run's (or a lost
+        # step's) weights, and rollouts of those must not reach this run. The first push is forced.
+        self._publish(self.learner.global_step)
         if self.info.is_main:
             self.io.run(self.controller.resume(client_state))
+            self._maybe_evaluate(at_start=True)
             if self.s.train.dispatch:
                 self.io.call(self.controller.start_dispatch)
-            self.status.update(ready=True, phase="collecting", step=self.learner.global_step,
-                               policy_version=self.controller.version)
+            self.status.update(
+                ready=True, phase="collecting", step=self.learner.global_step, policy_version=self.controller.version
+            )
             self.metrics["molt_trainer_policy_version"].set(self.controller.version)
         try:
             while self._one_step():
@@ -125,7 +202,7 @@ class Trainer:
         finally:
             if self.info.is_main:
                 self.status.update(phase="stopped")
-        return {"steps": self.learner.global_step, "version": self.controller.version if self.controller else None}
+        return {"steps": self.learner.global_step, "version": self._controller.version if self._controller else None}
 
     def close(self) -> None:
         if self.info.is_main:
@@ -135,6 +212,7 @@ class Trainer:
             self.io.run(self.controller.close(), timeout=30)
             if self.publisher is not None:
                 self.publisher.close()
+            self.steplog.close()
             self.io.stop()
 
     # ---- one step
@@ -145,38 +223,71 @@ class Trainer:
         if max_steps is not None and self.learner.global_step >= max_steps:
             return {"stop": True}
         t0 = time.perf_counter()
-        trajs = []
+        trajs: list[Trajectory] = []
         while not trajs:  # a batch of only unusable trajectories is skipped (they are acked with the next commit)
+            if self._batch is None:
+                self._batch = self.io.spawn(c.next_batch(self.s.rollout.batch_size))
             with phase(self.metrics, "wait_batch"):
-                groups = self.io.run(c.next_batch(self.s.rollout.batch_size))
+                try:
+                    groups = self._batch.result(CATCH_UP_EVERY_S if self.publishing else None)
+                except concurrent.futures.TimeoutError:
+                    # Waiting for rollouts: a pod that restarted on base weights (and stays out of routing
+                    # until it has ours) is brought to this version now, not after the next step.
+                    assert self.publisher is not None  # self.publishing
+                    behind = self.publisher.behind(self.learner.global_step)
+                    if behind:
+                        return {"stop": False, "catch_up": behind}
+                    continue
+            self._batch = None
             if not groups:
                 return {"stop": True}
             trajs = [t for g in groups for t in g.trajectories if self._usable(t)]
         step = self.learner.global_step + 1
         save_steps = self.s.ckpt.save_steps
-        return {"stop": False, "trajs": [encode(t, validate=False) for t in trajs], "wait_s": time.perf_counter() - t0,
-                "save": save_steps > 0 and step % save_steps == 0}
+        return {
+            "stop": False,
+            "trajs": [encode(t, validate=False) for t in trajs],
+            "wait_s": time.perf_counter() - t0,
+            "save": save_steps > 0 and step % save_steps == 0,
+        }
 
     def _usable(self, traj) -> bool:
-        """Token ids outside the policy's vocabulary (a producer on another model) would crash every rank's
-        forward: such a trajectory is logged, counted and acked untrained."""
+        """Token ids outside the policy's vocabulary (a producer on another model), or images for a text-only
+        policy, would crash every rank's forward: such a trajectory is logged, counted and acked untrained."""
         vocab = self.vocab_size
         if vocab and any(int(seg.token_ids.max()) >= vocab for seg in traj.segments):
-            log.error("trajectory %s has token ids >= the vocabulary size %d of %s: not trained (check the "
-                      "gateway's --model.path)", traj.trajectory_id, vocab, self.s.actor.model_name_or_path)
+            log.error(
+                "trajectory %s has token ids >= the vocabulary size %d of %s: not trained (check the "
+                "gateway's --model.path)",
+                traj.trajectory_id,
+                vocab,
+                self.s.actor.model_name_or_path,
+            )
+            self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
+            return False
+        if traj.images and self.learner.vision is None:
+            log.error(
+                "trajectory %s shows images but %s is a text-only model: not trained",
+                traj.trajectory_id,
+                self.s.actor.model_name_or_path,
+            )
             self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
             return False
         return True
 
     def _one_step(self) -> bool:
-        plan = [self._plan() if self.info.is_main else None]
-        dist.broadcast_object_list(plan, src=0)
-        plan = plan[0]
+        box = [self._plan() if self.info.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+        assert plan is not None  # every rank holds rank 0's plan after the broadcast
         if plan["stop"]:
             self._finish()
             return False
+        if "catch_up" in plan:
+            self._publish(self.learner.global_step, plan["catch_up"])
+            return True
         trajs = [decode(b) for b in plan["trajs"]]
-        samples = [x for t in trajs for x in samples_from_trajectory(t, self.s.data.max_len)]
+        samples = [x for t in trajs for x in samples_from_trajectory(t, self.s.data.max_len, self.learner.vision)]
         version = self.learner.global_step  # policy version of the weights being trained
         t0 = time.perf_counter()
         if self.info.is_main:
@@ -186,6 +297,7 @@ class Trainer:
         train_s = time.perf_counter() - t0
         if self.info.is_main:
             self._record(trajs, samples, stats, version, train_s)
+            self._maybe_evaluate()
         if plan["save"]:
             self._save()
         elif self.s.ckpt.save_steps <= 0 and self.info.is_main:
@@ -194,45 +306,72 @@ class Trainer:
         return True
 
     def _record(self, trajs, samples, stats, version, train_s) -> None:
-        staleness = collections.Counter()
+        staleness: collections.Counter[int] = collections.Counter()
         for x in samples:
             values, counts = (version - x.versions[x.action_mask]).unique(return_counts=True)
             staleness.update(dict(zip(values.tolist(), counts.tolist())))
         tokens = sum(x.num_actions for x in samples)
-        record_step(self.metrics, self.learner.global_step, version, stats, tokens=tokens, seconds=train_s,
-                    rewards=[t.reward for t in trajs], staleness=staleness)
+        record_step(
+            self.metrics,
+            self.learner.global_step,
+            version,
+            stats,
+            tokens=tokens,
+            seconds=train_s,
+            rewards=[t.reward for t in trajs],
+            staleness=staleness,
+        )
         self.metrics["molt_trainer_trajectories_total"].labels("trained").inc(len(trajs))
-        self.io.run(self.controller.queue.lag())  # refreshes the molt_queue_* gauges
+        self.io.run(self.controller.refresh_lag())
         st = self.status
         self.status.update(step=self.learner.global_step, trained_trajectories=st.trained_trajectories + len(trajs))
         reward = sum(t.reward for t in trajs) / len(trajs)
-        log.info("step %d: %d trajectories, reward %.4f, policy_loss %.4f, grad_norm %.4f, mismatch_kl %s, %.2fs",
-                 self.learner.global_step, len(trajs), reward, stats.get("policy_loss", 0.0),
-                 stats.get("actor_grad_norm", 0.0), {k: round(v, 5) for k, v in stats["mismatch_kl"].items()}, train_s)
+        log.info(
+            "step %d: %d trajectories, reward %.4f, policy_loss %.4f, grad_norm %.4f, mismatch_kl %s, %.2fs",
+            self.learner.global_step,
+            len(trajs),
+            reward,
+            stats.get("policy_loss", 0.0),
+            stats.get("actor_grad_norm", 0.0),
+            {k: round(v, 5) for k, v in stats["mismatch_kl"].items()},
+            train_s,
+        )
         now = time.monotonic()
         period, self._last_step_end = now - self._last_step_end, now
-        if self.s.logger.steps_jsonl:
-            pods = stats["mismatch_kl"]
-            n_stale = sum(staleness.values())
-            line = {"step": self.learner.global_step, "policy_version": self.learner.global_step, "version": version,
-                    "reward_mean": reward, "samples": len(trajs), "tokens": tokens,
-                    "seconds": period, "train_seconds": train_s,
-                    "mismatch_kl": stats["vllm_kl_all_pods"], "mismatch_kl_by_pod": pods,
-                    "staleness_mean": sum(k * v for k, v in staleness.items()) / n_stale if n_stale else 0.0,
-                    "staleness_max": max(staleness) if staleness else 0, "pid": os.getpid(),
-                    **{k: v for k, v in stats.items() if isinstance(v, float)},
-                    "grad_norm": stats.get("actor_grad_norm", 0.0),
-                    "trajectory_ids": [t.trajectory_id for t in trajs]}
-            with open(self.s.logger.steps_jsonl, "a") as f:
-                f.write(json.dumps(line) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        n_stale = sum(staleness.values())
+        line = {
+            "step": self.learner.global_step,
+            "policy_version": self.learner.global_step,
+            "version": version,
+            "reward_mean": reward,
+            "samples": len(trajs),
+            "tokens": tokens,
+            "seconds": period,
+            "train_seconds": train_s,
+            "mismatch_kl": stats["vllm_kl_all_pods"],
+            "mismatch_kl_by_pod": stats["mismatch_kl"],
+            "staleness_mean": sum(k * v for k, v in staleness.items()) / n_stale if n_stale else 0.0,
+            "staleness_max": max(staleness) if staleness else 0,
+            "pid": os.getpid(),
+            **{k: v for k, v in stats.items() if isinstance(v, float)},
+            "grad_norm": stats.get("actor_grad_norm", 0.0),
+        }
+        line.update({k: v for k, v in info_means(trajs).items() if k not in line})
+        line["trajectory_ids"] = [t.trajectory_id for t in trajs]
+        self.steplog.log(self.learner.global_step, line)
 
     def _save(self) -> None:
-        state = [self.controller.client_state(self.learner.global_step) if self.info.is_main else None]
+        state = [self.io.run(self.controller.durable_state(self.learner.global_step)) if self.info.is_main else None]
         dist.broadcast_object_list(state, src=0)
+        client_state = state[0]
+        assert client_state is not None  # every rank holds rank 0's state after the broadcast
         with phase(self.metrics, "checkpoint"):
-            checkpoint.save(self.s.ckpt.path, self.learner, state[0], self.s.ckpt.max_num)
+            saved = checkpoint.save(self.s.ckpt.path, self.learner, client_state, self.s.ckpt.max_num)
+            if self.s.ckpt.save_hf:
+                hf_root = os.path.join(self.s.ckpt.path, "_hf")
+                save_hf(self.learner.actor, self.learner.hf_source, os.path.join(hf_root, saved.name))
+                if self.info.is_main:
+                    checkpoint.prune(Path(hf_root), self.s.ckpt.max_num, keep=saved.name)
         self.last_saved_step = self.learner.global_step
         if self.info.is_main:
             hold = os.environ.get(HOLD_ENV)
@@ -243,17 +382,48 @@ class Trainer:
             with phase(self.metrics, "commit"):
                 self.io.run(self.controller.commit())
 
-    def _publish(self, new_version: int) -> None:
+    def _publish(self, new_version: int, only: list[str] | None = None) -> None:
+        """Collective: push the weights as ``new_version`` to every pod (``only``: to these, forced)."""
         if self.publishing:
             with phase(self.metrics, "publish"):
                 tensors = full_state_dict(self.learner.actor)
+                check = self._probe_check() if self.s.train.check_weight_update_equal else None
                 if self.info.is_main:
+                    assert self.publisher is not None  # self.publishing
                     frozen = set(self.learner.frozen_names)
-                    self.publisher.publish(new_version, {k: v for k, v in tensors.items() if k not in frozen})
+                    tensors = {k: v for k, v in tensors.items() if k not in frozen}
+                    if only:
+                        self.publisher.publish_to(only, new_version, tensors, check=check)
+                    else:
+                        self.publisher.publish(new_version, tensors, check=check)
         if self.info.is_main:
             self.io.call(self.controller.set_version, new_version)
             self.metrics["molt_trainer_policy_version"].set(new_version)
             self.status.update(policy_version=new_version, phase="collecting")
+
+    def _maybe_evaluate(self, at_start: bool = False) -> None:
+        """Rank 0, between steps (the other ranks wait at the next step's broadcast)."""
+        ev = self.evaluator
+        step = self.learner.global_step
+        if ev is not None and (ev.due(step) or (at_start and step == 0 and self.s.eval.eval_at_start)):
+            with phase(self.metrics, "eval"):
+                metrics = self.io.run(ev.run(step))
+            log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
+            self.steplog.log_eval(step, metrics)
+
+    def _probe_check(self):
+        """``--train.check_weight_update_equal``: the probe's prompt logprobs under the weights being pushed (a
+        collective forward); each pod recomputes them after loading and refuses the sync past the threshold.
+        fp32 CPU engines match transformers to ~1e-6, bf16 GPU engines to ~3e-2."""
+        from molt._proto import weightsync_pb2 as pb
+        from molt.weightsync.check import DEFAULT_PROBE, prompt_logprobs
+
+        vocab = self.learner.actor.get_input_embeddings().weight.shape[0]  # type: ignore[operator]  # nn.Module.__getattr__ types the HF model's methods as Tensor | Module
+        ids = [t % vocab for t in DEFAULT_PROBE]
+        expected = prompt_logprobs(self.learner.actor, ids)
+        return pb.ProbeCheck(
+            token_ids=ids, expected_logprobs=expected, max_abs_diff=5e-2 if self.info.on_gpu else 1e-3
+        )
 
     def _finish(self) -> None:
         if self.s.ckpt.save_steps > 0 and self.last_saved_step != self.learner.global_step:
@@ -261,5 +431,8 @@ class Trainer:
         elif self.info.is_main and self.controller.uncommitted:
             if self.s.ckpt.save_steps <= 0:
                 self.io.run(self.controller.commit())
+        if not self.s.ckpt.disable_final_save and self.learner.global_step > 0:
+            # Molt's final save: the trained policy as an HF model directory (transformers and pods load it).
+            save_hf(self.learner.actor, self.learner.hf_source, self.s.ckpt.final_dir())
         if self.info.is_main:
             log.info("stopping at step %d (version %d)", self.learner.global_step, self.controller.version)

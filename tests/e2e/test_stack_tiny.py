@@ -23,8 +23,18 @@ MISMATCH_KL_BOUND = 1e-2
 
 
 def molt_up(run_dir: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "molt.cli", "up", "--recipe", "tiny", "--run-dir", str(run_dir), "--no-progress",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "molt.cli",
+        "up",
+        "--recipe",
+        "tiny",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"molt up failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((run_dir / "summary.json").read_text())
@@ -62,3 +72,8 @@ def test_tiny_recipe_sync_mode_is_on_policy(tmp_path):
     assert summary["trajectories_produced"] == summary["trajectories_trained"] == 3 * 64
     assert summary["pod_policy_versions"] == [3]
     assert summary["mismatch_kl_fresh_max"] < MISMATCH_KL_BOUND
+    # `make run` leaves the trained policy in the run folder as an HF model directory
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run_dir / "model").chat_template
+    AutoModelForCausalLM.from_pretrained(run_dir / "model")

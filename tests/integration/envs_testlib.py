@@ -12,8 +12,11 @@ class Served:
     """An ASGI app served by uvicorn on 127.0.0.1:<kernel-picked port>, in a thread with its own loop."""
 
     def __init__(self, app, name: str, start_timeout_s: float = 180.0) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s

@@ -13,12 +13,19 @@ PROMPT = [1, 45, 300, 12, 77, 501, 9, 2, 1, 33]
 
 
 def tiny_settings(model: Path, **rollout) -> RolloutSettings:
-    """fp32, eager, 64 MiB KV cache, short context: the test recipe of cpu-stack.md."""
-    return RolloutSettings.model_validate({
-        "model": {"path": str(model)},
-        "vllm": {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 256},
-        "rollout": rollout,
-    })
+    """fp32, eager, 64 MiB KV cache, short context: vLLM on CPU sized for tests."""
+    return RolloutSettings.model_validate(
+        {
+            "model": {"path": str(model)},
+            "vllm": {
+                "dtype": "float32",
+                "enforce_eager": True,
+                "kv_cache_memory_bytes": 64 << 20,
+                "max_model_len": 256,
+            },
+            "rollout": rollout,
+        }
+    )
 
 
 @lru_cache(maxsize=8)
@@ -52,8 +59,9 @@ class ServerThread:
         import uvicorn
 
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
     def __enter__(self) -> str:
@@ -71,3 +79,32 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def hf_routing(model: Path, token_ids: list[int]):
+    """transformers' own top-k expert ids of every token in every MoE layer: int16 numpy [T, layers, top_k]."""
+    import numpy as np
+
+    from services.trainer.routing_replay import find_routers
+
+    seen: dict[int, torch.Tensor] = {}
+    hf = _hf(str(model))
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out, layer=layer: seen.__setitem__(layer, out[2].clone()))
+        for layer, _, m in find_routers(hf)
+    ]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([token_ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return np.stack([seen[k].numpy() for k in sorted(seen)], axis=1).astype(np.int16)
+
+
+def same_experts(a, b) -> float:
+    """Share of (token, layer) rows of two [T, L, K] routings that pick the same set of experts."""
+    import numpy as np
+
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1).mean())

@@ -104,7 +104,7 @@ TOOL_FIXED = textwrap.dedent(f'''
             super().__init__(FixedToolEnv)
 ''')
 
-FAULTY = textwrap.dedent('''
+FAULTY = textwrap.dedent("""
     import asyncio
 
     from molt.agents import Env, Result, StepEnvRunner
@@ -134,7 +134,7 @@ FAULTY = textwrap.dedent('''
     class AgentRunner(StepEnvRunner):
         def __init__(self):
             super().__init__(FaultyEnv)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -155,16 +155,21 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
     try:
         pod = Served(build_rollout(tiny_settings(tiny_qwen3)), "rollout-pod")
         served.append(pod)
-        gw_settings = GatewaySettings.model_validate({
-            "model": {"path": str(tiny_qwen3)}, "rollout": {"urls": [pod.url]},
-            "redis": {"url": redis_url, "stream": stream}, "session": {"max_length": 256, "max_tokens": 12},
-        })
+        gw_settings = GatewaySettings.model_validate(
+            {
+                "model": {"path": str(tiny_qwen3)},
+                "rollout": {"urls": [pod.url]},
+                "redis": {"url": redis_url, "stream": stream},
+                "session": {"max_length": 256, "max_tokens": 12},
+            }
+        )
         gateway = Served(build_gateway(gw_settings), "gateway")
         served.append(gateway)
 
         def worker(agents: dict[str, Path], **envs) -> Served:
-            settings = EnvsSettings(agent=[f"{n}={p}" for n, p in agents.items()], gateway={"url": gateway.url},
-                                    envs=envs)
+            settings = EnvsSettings(
+                agent=[f"{n}={p}" for n, p in agents.items()], gateway={"url": gateway.url}, envs=envs
+            )
             w = Served(build_worker(settings), "env-worker")
             served.append(w)
             return w
@@ -173,8 +178,15 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
         all_agents.update({p.stem: p for p in agents_dir.glob("*.py")})
         main = worker(all_agents, max_concurrency=16, episode_timeout_s=60)
         tok = AutoTokenizer.from_pretrained(tiny_qwen3)
-        yield {"gateway": gateway.url, "worker": main.url, "new_worker": worker, "agents": all_agents,
-               "redis_url": redis_url, "stream": stream, "tok": tok}
+        yield {
+            "gateway": gateway.url,
+            "worker": main.url,
+            "new_worker": worker,
+            "agents": all_agents,
+            "redis_url": redis_url,
+            "stream": stream,
+            "tok": tok,
+        }
     finally:
         for s in reversed(served):
             s.stop()
@@ -194,10 +206,17 @@ async def reader(stack):
     await r.close()
 
 
-async def _run(url: str, agent: str, prompt, label=None, i: int = 0, sp=SP, timeout_s: float = 120.0
-               ) -> httpx.Response:
-    body = {"agent": agent, "prompt": prompt, "label": label, "group_id": f"g-{agent}", "sample_index": i,
-            "sampling_params": sp}
+async def _run(
+    url: str, agent: str, prompt, label=None, i: int = 0, sp=SP, timeout_s: float = 120.0
+) -> httpx.Response:
+    body = {
+        "agent": agent,
+        "prompt": prompt,
+        "label": label,
+        "group_id": f"g-{agent}",
+        "sample_index": i,
+        "sampling_params": sp,
+    }
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         return await client.post(f"{url}/v1/episodes:run", json=body)
 
@@ -242,8 +261,11 @@ async def test_molt_style_module_runs_unchanged(stack, reader):
 @pytest.mark.parametrize("agent", ["math", "chat_minimal", "chat_anthropic", "judge"])
 async def test_examples_reward_equals_their_grader(stack, reader, agent):
     label = {"math": "4", "chat_minimal": "a", "chat_anthropic": "a", "judge": "4"}[agent]
-    prompt = "What is 2+2?" if agent == "math" else [{"role": "system", "content": "Be brief."},
-                                                     {"role": "user", "content": "What is 2+2?"}]
+    prompt = (
+        "What is 2+2?"
+        if agent == "math"
+        else [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    )
     r = await _run(stack["worker"], agent, prompt, label=label)
     body = r.json()
     assert r.status_code == 200 and body["status"] == "ok" and body["written"], body
@@ -259,8 +281,9 @@ async def test_examples_reward_equals_their_grader(stack, reader, agent):
             import openai
 
             async with openai.AsyncOpenAI(base_url=f"{stack['gateway']}/v1", api_key="EMPTY") as judge:
-                verdict = await judge.chat.completions.create(**module.judge_request("What is 2+2?", answer, label,
-                                                                                     "policy"))
+                verdict = await judge.chat.completions.create(
+                    **module.judge_request("What is 2+2?", answer, label, "policy")
+                )
             expected = module.parse_score(verdict.choices[0].message.content or "")
         else:
             expected = module.grade(answer, label)
@@ -291,8 +314,9 @@ async def test_failures_fail_only_their_episode(stack, reader):
     port = listener.getsockname()[1]
     w = stack["new_worker"]({"faulty": stack["agents"]["faulty"]}, max_concurrency=8, episode_timeout_s=3)
     kinds = ["raise", "hang", "net", "ok"]
-    results = await asyncio.gather(*[_run(w.url, "faulty", "go", {"kind": k, "port": port}, i) for i, k in
-                                     enumerate(kinds)])
+    results = await asyncio.gather(
+        *[_run(w.url, "faulty", "go", {"kind": k, "port": port}, i) for i, k in enumerate(kinds)]
+    )
     out = {k: r.json() for k, r in zip(kinds, results)}
     assert out["net"]["turns"] == 2, out["net"]
     assert out["raise"]["status"] == "failed" and "bug in user code" in out["raise"]["error"]
@@ -303,7 +327,7 @@ async def test_failures_fail_only_their_episode(stack, reader):
     listener.close()
     seen = await reader.get({out["net"]["trajectory_id"], out["ok"]["trajectory_id"]})
     net_fb = _masked_between(stack["tok"], seen[out["net"]["trajectory_id"]].segments[0])[0]
-    assert "Network is unreachable" in net_fb or "blocked in the sandbox" in net_fb
+    assert "Connection refused" in net_fb  # the sandbox's own loopback: nothing of the host listens
     await reader.drain(block_s=0.5)
     async with httpx.AsyncClient() as client:
         for k in ("raise", "hang"):  # aborted: nothing written, the gateway dropped the session
@@ -318,20 +342,22 @@ async def test_failures_fail_only_their_episode(stack, reader):
 
 
 async def test_saturated_worker_answers_429_and_a_second_replica_takes_the_load(stack):
-    from molt.agents.client import EnvWorkerPool
+    from services.trainer.config import EnvsConfig, RolloutConfig
+    from services.trainer.dispatch import EpisodeDispatcher
 
     a = stack["new_worker"]({"faulty": stack["agents"]["faulty"]}, max_concurrency=1, retry_after_s=1)
     b = stack["new_worker"]({"faulty": stack["agents"]["faulty"]}, max_concurrency=1, retry_after_s=1)
-    first, second = await asyncio.gather(_run(a.url, "faulty", "go", {"kind": "slow"}, 0),
-                                         _run(a.url, "faulty", "go", {"kind": "slow"}, 1))
+    first, second = await asyncio.gather(
+        _run(a.url, "faulty", "go", {"kind": "slow"}, 0), _run(a.url, "faulty", "go", {"kind": "slow"}, 1)
+    )
     codes = sorted([first.status_code, second.status_code])
     assert codes == [200, 429]
     rejected = first if first.status_code == 429 else second
     assert rejected.headers["retry-after"] == "1"
-    pool = EnvWorkerPool([a.url, b.url])
+    dispatcher = EpisodeDispatcher(EnvsConfig(urls=[a.url, b.url]), RolloutConfig(), 256)
     body = {"agent": "faulty", "prompt": "go", "label": {"kind": "slow"}, "group_id": "g", "sampling_params": SP}
-    results = await asyncio.gather(*[pool.run(dict(body, sample_index=i)) for i in range(2)])
-    await pool.aclose()
+    results = await asyncio.gather(*[dispatcher.run_episode(dict(body, sample_index=i)) for i in range(2)])
+    await dispatcher.client.aclose()
     assert [r["status"] for r in results] == ["ok", "ok"]
     async with httpx.AsyncClient() as client:
         for w in (a, b):
@@ -341,9 +367,23 @@ async def test_saturated_worker_answers_429_and_a_second_replica_takes_the_load(
 
 def test_cli_serves_and_stops_on_sigterm(stack):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.envs", "--agent", f"math={EXAMPLES / 'math.py'}", "--gateway.url",
-         stack["gateway"], "--port", "0", "--rollout.max_new_tokens", "8"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "-m",
+            "services.envs",
+            "--agent",
+            f"math={EXAMPLES / 'math.py'}",
+            "--gateway.url",
+            stack["gateway"],
+            "--port",
+            "0",
+            "--rollout.max_new_tokens",
+            "8",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         line = proc.stdout.readline()
@@ -355,5 +395,4 @@ def test_cli_serves_and_stops_on_sigterm(stack):
         assert httpx.get(f"{url}/readyz").status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
-        # uvicorn shuts down gracefully, then re-raises SIGTERM to its default action.
-        assert proc.wait(30) in (0, -signal.SIGTERM)
+        assert proc.wait(30) == 0  # a graceful shutdown (molt/serve.py), as every service

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from services.gateway.channel import PodChannel
 from services.gateway.metrics import gateway_metrics
 from services.gateway.pods import PodFailed, PodPool
 from services.gateway.transport import HttpTransport, PodConnectionError, generate_body
@@ -17,8 +18,12 @@ pytestmark = pytest.mark.timeout(60)
 
 def answer_for(call: dict) -> dict:
     n = call["sampling_params"].get("max_tokens", 1)
-    return {"id": call["id"], "status": 200, "policy_version": 1,
-            "outputs": [{"token_ids": [5] * n, "logprobs": [-0.5] * n, "finish_reason": "length"}]}
+    return {
+        "id": call["id"],
+        "status": 200,
+        "policy_version": 1,
+        "outputs": [{"token_ids": [5] * n, "logprobs": [-0.5] * n, "finish_reason": "length"}],
+    }
 
 
 class StreamPod:
@@ -31,7 +36,7 @@ class StreamPod:
         self.streams = 0
         self.singles = 0
 
-    async def __aenter__(self) -> "StreamPod":
+    async def __aenter__(self) -> StreamPod:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
@@ -51,8 +56,9 @@ class StreamPod:
                     self.streams += 1
                     await self._stream(reader, writer)
                     return
-                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                              if h.lower().startswith(b"content-length"))
+                length = next(
+                    int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+                )
                 call = json.loads(await reader.readexactly(length))
                 self.singles += 1
                 body = json.dumps(answer_for({"id": "x", **call})).encode()
@@ -103,7 +109,7 @@ class StreamPod:
 
 
 def channel(url: str, timeout_s: float = 10.0):
-    return HttpTransport(16, timeout_s, 2.0).channel(url)
+    return PodChannel(url, 2.0, timeout_s)
 
 
 def body(max_tokens: int = 2) -> bytes:
@@ -111,8 +117,9 @@ def body(max_tokens: int = 2) -> bytes:
 
 
 async def test_calls_share_one_stream_and_answers_come_back_out_of_order():
-    slow_first = lambda call: (0.3 if call["sampling_params"]["max_tokens"] == 9 else 0.0,  # noqa: E731
-                               json.dumps(answer_for(call)).encode())
+    def slow_first(call):
+        return 0.3 if call["sampling_params"]["max_tokens"] == 9 else 0.0, json.dumps(answer_for(call)).encode()
+
     async with StreamPod(reply=slow_first) as pod:
         ch = channel(pod.url)
         results = await asyncio.gather(ch.generate(body(9)), ch.generate(body(2)), ch.generate(body(3)))
@@ -122,20 +129,21 @@ async def test_calls_share_one_stream_and_answers_come_back_out_of_order():
     assert pod.streams == 1 and ch.opened == 1
 
 
-async def test_a_pod_without_the_endpoint_gets_single_calls():
+async def test_a_pod_without_the_endpoint_is_a_failed_pod():
     async with StreamPod(mode="404") as pod:
         pool = PodPool([pod.url], HttpTransport(16, 10.0, 2.0), gateway_metrics())
-        gens = await asyncio.gather(*(pool.generate(pool.get(pod.url), [1, 2], {"max_tokens": 2}) for _ in range(3)))
-        again = await pool.generate(pool.get(pod.url), [1, 2], {"max_tokens": 4})
+        with pytest.raises(PodFailed, match="HTTP 404"):
+            await pool.generate(pool.get(pod.url), [1, 2], {"max_tokens": 2})
         pool.close()
-    assert [len(g[0].token_ids) for g in gens] == [2, 2, 2] and len(again[0].token_ids) == 4
-    assert pool.get(pod.url).channel.supported is False and pod.singles == 4
-    assert pool.get(pod.url).healthy
+    assert not pool.get(pod.url).healthy and pod.singles == 0
 
 
 async def test_a_dropped_stream_fails_its_calls_and_the_next_call_opens_a_new_one():
-    async with StreamPod(reply=lambda call: "drop" if call["sampling_params"]["max_tokens"] == 7
-                         else (0.2, json.dumps(answer_for(call)).encode())) as pod:
+    async with StreamPod(
+        reply=lambda call: (
+            "drop" if call["sampling_params"]["max_tokens"] == 7 else (0.2, json.dumps(answer_for(call)).encode())
+        )
+    ) as pod:
         ch = channel(pod.url)
         waiting = asyncio.ensure_future(ch.generate(body(2)))
         await asyncio.sleep(0.05)

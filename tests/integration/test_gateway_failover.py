@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
-from services.gateway.testing import start_gateway, start_rollout_pods, stop
+from tests.gateway_testlib import start_gateway, start_rollout_pods, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 KEY = "key-one"
@@ -31,10 +31,28 @@ def fleet(tiny_qwen3, redis_url, tmp_path_factory):
     gw = None
     try:
         pods = start_rollout_pods(tiny_qwen3, [logs / "pod0.log", logs / "pod1.log"])
-        gw, url = start_gateway(["--model", str(tiny_qwen3), "--rollout.urls", ",".join(u for _, u in pods),
-                                 "--redis.url", redis_url, "--redis.stream", stream, "--session.max_length", "1024",
-                                 "--auth.api_keys", KEY, "other-key", "--auth.max_open_sessions_per_key", "2",
-                                 "--rollout.health_interval_s", "0.5"], logs / "gateway.log")
+        gw, url = start_gateway(
+            [
+                "--model",
+                str(tiny_qwen3),
+                "--rollout.urls",
+                ",".join(u for _, u in pods),
+                "--redis.url",
+                redis_url,
+                "--redis.stream",
+                stream,
+                "--session.max_length",
+                "1024",
+                "--auth.api_keys",
+                KEY,
+                "other-key",
+                "--auth.max_open_sessions_per_key",
+                "2",
+                "--rollout.health_interval_s",
+                "0.5",
+            ],
+            logs / "gateway.log",
+        )
         yield {"url": url, "pods": dict((u, p) for p, u in pods), "redis": redis_url, "stream": stream}
     finally:
         if gw is not None:
@@ -57,6 +75,7 @@ def _entries(fleet) -> list:
             return [d.trajectory for d in await q.read("c", 100, block_s=0.2)]
         finally:
             await q.close()
+
     return asyncio.run(go())
 
 
@@ -79,8 +98,11 @@ def test_bad_keys_and_session_limits(fleet):
 
 def test_pod_killed_mid_episode_session_finishes_on_the_other(fleet):
     url = fleet["url"]
-    s = httpx.post(url + "/v1/sessions", headers=_headers(), json={
-        "sampling_params": {"ignore_eos": True}, "group_id": "failover"}).json()
+    s = httpx.post(
+        url + "/v1/sessions",
+        headers=_headers(),
+        json={"sampling_params": {"ignore_eos": True}, "group_id": "failover"},
+    ).json()
     sid = s["session_id"]
     client = openai.OpenAI(base_url=s["openai_base_url"], api_key=KEY, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Count slowly."}]
@@ -89,8 +111,11 @@ def test_pod_killed_mid_episode_session_finishes_on_the_other(fleet):
     messages += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Keep going."}]
     # A long generation on the sticky pod; kill that pod while the request is in flight.
     result: dict = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", client.chat.completions.create(
-        model="policy", messages=messages, max_tokens=700)))
+    worker = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", client.chat.completions.create(model="policy", messages=messages, max_tokens=700)
+        )
+    )
     worker.start()
     time.sleep(0.6)
     assert worker.is_alive(), "the generation finished before the pod could be killed; raise max_tokens"
@@ -117,5 +142,5 @@ def test_pod_killed_mid_episode_session_finishes_on_the_other(fleet):
     # the surviving pod reproduces nothing it did not generate: each span's logprobs are finite, <= 0
     assert seg.logprobs.shape[0] == 716 and (seg.logprobs <= 0).all()
     metrics = httpx.get(url + "/metrics").text
-    assert f'molt_gateway_pod_failovers_total{{pod="{first}"}} 1.0' in metrics
-    assert f'molt_gateway_pod_healthy{{pod="{first}"}} 0.0' in metrics
+    assert f'molt_gateway_pod_failovers_total{{rollout_url="{first}"}} 1.0' in metrics
+    assert f'molt_gateway_pod_healthy{{rollout_url="{first}"}} 0.0' in metrics

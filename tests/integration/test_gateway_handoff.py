@@ -20,7 +20,7 @@ from services.gateway.app import build_app
 from services.gateway.config import GatewaySettings
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import count_key
-from services.gateway.testing import FakePods
+from tests.gateway_testlib import FakePods
 
 pytestmark = pytest.mark.redis
 
@@ -28,11 +28,17 @@ POD = "http://pod-a:1"
 KEY = "k1"
 AUTH = {"authorization": f"Bearer {KEY}"}
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function",
-          "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}]
-REPLIES = [('<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>\n'
-            '<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>'),
-           "Paris is sunny, Rome rainy.<|im_end|>", "You are welcome.<|im_end|>"]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}
+]
+REPLIES = [
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>'
+    ),
+    "Paris is sunny, Rome rainy.<|im_end|>",
+    "You are welcome.<|im_end|>",
+]
 
 
 @pytest.fixture
@@ -41,11 +47,12 @@ def replicas(replica_group, chat_model):
 
     def script(prompt: list[int], sp: dict) -> list[int]:
         marker = chat_model.encode("<|im_start|>assistant")
-        turn = sum(1 for i in range(len(prompt)) if prompt[i:i + 2] == marker)
+        turn = sum(1 for i in range(len(prompt)) if prompt[i : i + 2] == marker)
         return chat_model.encode(REPLIES[min(turn, len(REPLIES)) - 1])
 
-    return lambda **session: replica_group.add(script, session=session,
-                                               auth={"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4})
+    return lambda **session: replica_group.add(
+        script, session=session, auth={"api_keys": [KEY, "k2"], "max_open_sessions_per_key": 4}
+    )
 
 
 def _client(http: httpx.AsyncClient, sid: str) -> openai.AsyncOpenAI:
@@ -61,16 +68,29 @@ async def _episode(start: httpx.AsyncClient, then: httpx.AsyncClient, between=No
     """Three turns (a tool call, two tool results at once, a user follow-up) and a finish: the first two turns
     on ``start``, the rest on ``then``; ``between(sid, messages, replies)`` runs after the second turn, with the
     messages that produced it. The session id and the three replies."""
-    r = await start.post("/v1/sessions", json={"group_id": "g1", "label": {"answer": 42}, "env_name": "weather",
-                                               "sampling_params": {"temperature": 0.7}}, headers=AUTH)
+    r = await start.post(
+        "/v1/sessions",
+        json={
+            "group_id": "g1",
+            "label": {"answer": 42},
+            "env_name": "weather",
+            "sampling_params": {"temperature": 0.7},
+        },
+        headers=AUTH,
+    )
     assert r.status_code == 201, r.text
     sid = r.json()["session_id"]
-    messages: list[dict] = [{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "Weather in Paris and Rome?"}]
+    messages: list[dict] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+    ]
     replies = [await _turn(start, sid, messages)]
     calls = replies[0]["tool_calls"]
-    messages += [replies[0], {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"},
-                 {"role": "tool", "tool_call_id": calls[1]["id"], "content": "rainy"}]
+    messages += [
+        replies[0],
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"},
+        {"role": "tool", "tool_call_id": calls[1]["id"], "content": "rainy"},
+    ]
     replies.append(await _turn(start, sid, messages))
     if between is not None:
         await between(sid, list(messages), replies)
@@ -83,8 +103,10 @@ async def _episode(start: httpx.AsyncClient, then: httpx.AsyncClient, between=No
 
 def _without_call_ids(replies: list[dict]) -> list[dict]:
     """Tool-call ids are unique per gateway process; everything else of a reply must match."""
-    return [dict(r, tool_calls=[{k: v for k, v in c.items() if k != "id"} for c in r.get("tool_calls", [])])
-            for r in replies]
+    return [
+        dict(r, tool_calls=[{k: v for k, v in c.items() if k != "id"} for c in r.get("tool_calls", [])])
+        for r in replies
+    ]
 
 
 async def _written(redis_url: str, stream: str) -> dict:
@@ -96,11 +118,23 @@ async def _written(redis_url: str, stream: str) -> dict:
 
 
 def _comparable(t) -> dict:
-    return {"group_id": t.group_id, "reward": t.reward, "info": t.info,
-            "events": [{k: v for k, v in e.items() if k != "time"} for e in t.events],
-            "segments": [(s.token_ids.tolist(), [tuple(x) for x in s.action_spans.tolist()], s.logprobs.tolist(),
-                          s.versions.tolist()) for s in t.segments],
-            "env_name": t.provenance.env_name, "sampling_params": t.provenance.sampling_params}
+    return {
+        "group_id": t.group_id,
+        "reward": t.reward,
+        "info": t.info,
+        "events": [{k: v for k, v in e.items() if k != "time"} for e in t.events],
+        "segments": [
+            (
+                s.token_ids.tolist(),
+                [tuple(x) for x in s.action_spans.tolist()],
+                s.logprobs.tolist(),
+                s.versions.tolist(),
+            )
+            for s in t.segments
+        ],
+        "env_name": t.provenance.env_name,
+        "sampling_params": t.provenance.sampling_params,
+    }
 
 
 async def test_an_episode_goes_on_token_exact_on_the_replica_that_adopts_it(replicas, redis_url, stream_name):
@@ -138,8 +172,11 @@ async def _open_with_a_turn(http: httpx.AsyncClient, key: str = KEY) -> str:
     r = await http.post("/v1/sessions", json={}, headers={"authorization": f"Bearer {key}"})
     assert r.status_code == 201, r.text
     sid = r.json()["session_id"]
-    r = await http.post(f"/s/{sid}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                        json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+    r = await http.post(
+        f"/s/{sid}/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 200, r.text
     return sid
 
@@ -161,8 +198,9 @@ async def test_only_the_sessions_key_adopts_it_and_only_one_replica_does(replica
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
         assert await rds.exists(f"{stream_name}:gateway:handoff:{sids[0]}")
         # Two replicas asked at once (and twice on one of them): one adopts, the other finds nothing parked.
-        got = await asyncio.gather(d.gateway.adopt(sids[0], KEY), e.gateway.adopt(sids[0], KEY),
-                                   e.gateway.adopt(sids[0], KEY))
+        got = await asyncio.gather(
+            d.gateway.adopt(sids[0], KEY), e.gateway.adopt(sids[0], KEY), e.gateway.adopt(sids[0], KEY)
+        )
         assert sorted(got) == [False, True, True] or sorted(got) == [False, False, True]
         holder = d if got[0] else e
         assert sum(sids[0] in g.gateway.sessions for g in (d, e)) == 1
@@ -170,8 +208,9 @@ async def test_only_the_sessions_key_adopts_it_and_only_one_replica_does(replica
         # Deleting and finishing work on a parked session too (adopted on the way).
         r = await http_d.delete(f"/v1/sessions/{sids[1]}", headers=AUTH)
         assert r.status_code == 200 and r.json()["aborted"]
-        r = await http_e.post("/v1/episodes", headers=AUTH,
-                              json={"episodes": [{"session_id": sids[2], "reward": 0.5}]})
+        r = await http_e.post(
+            "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": sids[2], "reward": 0.5}]}
+        )
         assert r.json()["written"] == 1, r.text
         assert await rds.zcard(count_key(stream_name, KEY)) == 1  # only sids[0] is still open
     finally:
@@ -185,14 +224,21 @@ async def test_without_handoff_or_redis_open_sessions_are_lost_and_counted(repli
     assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in c.gateway.metrics.render()[0].decode()
     # Redis gone by the time the replica exits: parking fails, the sessions are lost and said to be, not hidden.
     model = chat_model
-    settings = GatewaySettings.model_validate({"model": {"path": str(model.path)}, "rollout": {"urls": [POD]},
-                                               "redis": {"url": "redis://127.0.0.1:1/0", "stream": "gone"}})
+    settings = GatewaySettings.model_validate(
+        {
+            "model": {"path": str(model.path)},
+            "rollout": {"urls": [POD]},
+            "redis": {"url": "redis://127.0.0.1:1/0", "stream": "gone"},
+        }
+    )
     app = build_app(settings, transport=FakePods([POD], lambda p, sp: model.encode("Hi.<|im_end|>")), model=model)
     assert isinstance(app.gateway.handoff, SessionHandoff)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     r = await http.post("/v1/sessions", json={})
-    await http.post(f"/s/{r.json()['session_id']}/v1/chat/completions",
-                    json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+    await http.post(
+        f"/s/{r.json()['session_id']}/v1/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert await app.gateway.shut_down() == 1
     # A request for a session this replica does not hold, with Redis down: 503, not a 404 that says it is gone.
     r = await http.get("/v1/sessions/0123456789abcdef")
@@ -209,8 +255,11 @@ async def test_a_parked_state_this_replica_cannot_read_is_a_500_and_counted_lost
     try:
         parked = {"owner": owner_tag(KEY), "state": b'{"format": 99}', "segments": b"[]"}
         await rds.hset(f"{stream_name}:gateway:handoff:s-new", mapping=parked)
-        r = await http_d.post("/s/s-new/v1/chat/completions", headers=AUTH,
-                              json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+        r = await http_d.post(
+            "/s/s-new/v1/chat/completions",
+            headers=AUTH,
+            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 500 and r.json()["error"]["code"] == "handoff_unreadable"
         assert "format 99" in r.json()["error"]["message"]
         assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in d.gateway.metrics.render()[0].decode()

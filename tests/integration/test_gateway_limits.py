@@ -13,9 +13,11 @@ from services.gateway.limits import RedisOpenSessions
 @pytest.fixture
 def replicas(replica_group, chat_model, redis_url):
     def make(url: str = redis_url, lease_s: float = 60.0):
-        app, http, _ = replica_group.add(lambda prompt, sp: chat_model.encode("Hi.<|im_end|>"), redis={"url": url},
-                                         auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2,
-                                               "session_lease_s": lease_s})
+        app, http, _ = replica_group.add(
+            lambda prompt, sp: chat_model.encode("Hi.<|im_end|>"),
+            redis={"url": url},
+            auth={"api_keys": ["k1", "k2"], "max_open_sessions_per_key": 2, "session_lease_s": lease_s},
+        )
         return app, http
 
     return make
@@ -44,8 +46,9 @@ async def test_a_keys_limit_holds_across_replicas(replicas):
     third = (await _open(http_a, "k1")).json()["session_id"]
     assert (await _open(http_b, "k1")).status_code == 429
     # So does finishing one (a turn first: a session with tokens writes its trajectory).
-    r = await http_a.post(f"/s/{first}/v1/chat/completions", headers=_key("k1"),
-                          json={"messages": [{"role": "user", "content": "hi"}]})
+    r = await http_a.post(
+        f"/s/{first}/v1/chat/completions", headers=_key("k1"), json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert r.status_code == 200, r.text
     r = await http_a.post(f"/v1/sessions/{first}/finish", json={"reward": 1.0}, headers=_key("k1"))
     assert r.status_code == 200 and r.json()["written"]

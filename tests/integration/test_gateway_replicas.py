@@ -24,7 +24,7 @@ from molt.agents.gateway import GatewayClient
 from molt.net import free_port
 from services.gateway.limits import count_key
 from services.gateway.replicas import Replicas
-from services.gateway.testing import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 KEYS = ["key-a", "key-b"]
@@ -32,9 +32,24 @@ AUTH = {"authorization": f"Bearer {KEYS[0]}"}
 
 
 def _gateway_args(tiny_qwen3, pod_url: str, redis_url: str, stream: str, port: int) -> list[str]:
-    return ["--model", str(tiny_qwen3), "--rollout.urls", pod_url, "--redis.url", redis_url, "--redis.stream", stream,
-            "--session.max_length", "1024", "--server.port", str(port), "--replica.public_url",
-            f"http://127.0.0.1:{port}", "--auth.api_keys", *KEYS]
+    return [
+        "--model",
+        str(tiny_qwen3),
+        "--rollout.urls",
+        pod_url,
+        "--redis.url",
+        redis_url,
+        "--redis.stream",
+        stream,
+        "--session.max_length",
+        "1024",
+        "--server.port",
+        str(port),
+        "--replica.public_url",
+        f"http://127.0.0.1:{port}",
+        "--auth.api_keys",
+        *KEYS,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +61,19 @@ def pair(tiny_qwen3, redis_url, tmp_path_factory):
     try:
         for name in ("a", "b"):
             port = free_port()
-            proc, _ = start_gateway(_gateway_args(tiny_qwen3, pod_url, redis_url, stream, port),
-                                    logs / f"gateway-{name}.log")
+            proc, _ = start_gateway(
+                _gateway_args(tiny_qwen3, pod_url, redis_url, stream, port), logs / f"gateway-{name}.log"
+            )
             gateways.append((proc, f"http://127.0.0.1:{port}"))
-        yield {"a": gateways[0][1], "b": gateways[1][1], "redis": redis_url, "stream": stream, "pod": pod_url,
-               "model": tiny_qwen3, "logs": logs}
+        yield {
+            "a": gateways[0][1],
+            "b": gateways[1][1],
+            "redis": redis_url,
+            "stream": stream,
+            "pod": pod_url,
+            "model": tiny_qwen3,
+            "logs": logs,
+        }
     finally:
         for proc, _ in gateways:
             stop(proc)
@@ -78,14 +101,20 @@ def test_every_wire_reaches_the_replica_that_holds_the_session(pair):
     assert s1["openai_base_url"] == f"{a}/s/{s1['session_id']}/v1" and s3["anthropic_base_url"].startswith(b)
     via_b = openai.OpenAI(base_url=f"{b}/s/{s1['session_id']}/v1", api_key=KEYS[0])
     messages = [{"role": "user", "content": "Count to three."}]
-    r1 = via_b.chat.completions.with_raw_response.create(model="policy", messages=messages, max_tokens=6,
-                                                         logprobs=True)
+    r1 = via_b.chat.completions.with_raw_response.create(
+        model="policy", messages=messages, max_tokens=6, logprobs=True
+    )
     assert r1.headers["x-molt-policy-version"] == "0" and "gateway;dur=" in r1.headers["server-timing"]
     first = r1.parse()
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Again."}]
-    chunks = list(via_b.chat.completions.create(model="policy", messages=messages, max_tokens=5, stream=True,
-                                                stream_options={"include_usage": True}))
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Again."},
+    ]
+    chunks = list(
+        via_b.chat.completions.create(
+            model="policy", messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].usage.completion_tokens > 0
     claude = anthropic.Anthropic(base_url=f"{a}/s/{s3['session_id']}", api_key=KEYS[0])  # s3 lives on b
     m = claude.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
@@ -94,18 +123,31 @@ def test_every_wire_reaches_the_replica_that_holds_the_session(pair):
     async def sdk_calls():
         client = GatewayClient(b, api_key=KEYS[0])  # s2 lives on a
         try:
-            out = await client.request("POST", f"/v1/sessions/{s2['session_id']}/generate", {
-                "messages": [{"role": "user", "content": "Go"}], "sampling_params": {"max_tokens": 3}})
+            out = await client.request(
+                "POST",
+                f"/v1/sessions/{s2['session_id']}/generate",
+                {"messages": [{"role": "user", "content": "Go"}], "sampling_params": {"max_tokens": 3}},
+            )
             return out, await client.request("GET", f"/v1/sessions/{s2['session_id']}")
         finally:
             await client.aclose()
+
     out, summary = asyncio.run(sdk_calls())
     assert out["num_tokens"] == summary["num_tokens"] and 0 < len(out["token_ids"]) <= 3
 
     # one batch through b: s1 and s2 (on a), s3 (on b), an unknown id
-    r = httpx.post(b + "/v1/episodes", headers=AUTH, json={"episodes": [
-        {"session_id": s1["session_id"], "reward": 1.0}, {"session_id": s3["session_id"], "reward": 0.5},
-        {"session_id": "nope", "reward": 0.0}, {"session_id": s2["session_id"], "reward": 0.0}]})
+    r = httpx.post(
+        b + "/v1/episodes",
+        headers=AUTH,
+        json={
+            "episodes": [
+                {"session_id": s1["session_id"], "reward": 1.0},
+                {"session_id": s3["session_id"], "reward": 0.5},
+                {"session_id": "nope", "reward": 0.0},
+                {"session_id": s2["session_id"], "reward": 0.0},
+            ]
+        },
+    )
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     assert [x["status"] if "status" in x else 200 for x in results] == [200, 200, 404, 200]
@@ -129,21 +171,28 @@ def test_forged_and_unreachable_owners(pair):
     a, b = pair["a"], pair["b"]
     # a well-formed id signed with keys the replicas do not share: answered where it lands, never followed
     forged = Replicas(b, ["not-our-key"]).new_session_id()
-    r = httpx.post(f"{a}/s/{forged}/v1/chat/completions", headers=AUTH,
-                   json={"messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        f"{a}/s/{forged}/v1/chat/completions", headers=AUTH, json={"messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     # a replica that is gone (signed with the shared keys, pointing at a closed port)
     gone = Replicas(f"http://127.0.0.1:{free_port()}", KEYS).new_session_id()
-    r = httpx.post(f"{a}/s/{gone}/v1/messages", headers=AUTH,
-                   json={"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        f"{a}/s/{gone}/v1/messages",
+        headers=AUTH,
+        json={"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 502 and r.json()["error"]["type"] == "api_error" and r.headers["retry-after"] == "1"
     assert "did not answer" in r.json()["error"]["message"]
     r = httpx.post(a + "/v1/episodes", headers=AUTH, json={"episodes": [{"session_id": gone, "reward": 1}]})
     assert r.json()["results"][0]["error"]["code"] == "replica_unreachable"
     # a client that asks for "100 Continue" (curl does, for bodies over 1 KB) still gets the owner's real answer
     s = _open(b)
-    r = httpx.post(f"{a}/s/{s['session_id']}/v1/chat/completions", headers={**AUTH, "expect": "100-continue"},
-                   json={"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        f"{a}/s/{s['session_id']}/v1/chat/completions",
+        headers={**AUTH, "expect": "100-continue"},
+        json={"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     # HEAD is not relayed (its answer would announce a body that never comes): answered where it lands
     r = httpx.head(f"{a}/v1/sessions/{_open(b)['session_id']}", headers=AUTH, timeout=5)
@@ -159,8 +208,10 @@ def test_sigterm_drains_open_sessions_then_exits(pair):
     the end, directly and forwarded from its peers, takes no new ones, and exits once none is open."""
     port = free_port()
     c_url = f"http://127.0.0.1:{port}"
-    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
-                             "--session.drain_s", "60"], pair["logs"] / "gateway-c.log")
+    proc, _ = start_gateway(
+        [*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port), "--session.drain_s", "60"],
+        pair["logs"] / "gateway-c.log",
+    )
     try:
         s1, s2 = _open(c_url), _open(c_url)
         proc.send_signal(signal.SIGTERM)
@@ -175,8 +226,16 @@ def test_sigterm_drains_open_sessions_then_exits(pair):
             r = httpx.post(f"{url}/s/{s['session_id']}/v1/chat/completions", json=turn, headers=AUTH)
             assert r.status_code == 200, r.text
         assert proc.poll() is None  # two sessions still open
-        r = httpx.post(pair["b"] + "/v1/episodes", headers=AUTH, json={"episodes": [
-            {"session_id": s1["session_id"], "reward": 1.0}, {"session_id": s2["session_id"], "reward": 0.0}]})
+        r = httpx.post(
+            pair["b"] + "/v1/episodes",
+            headers=AUTH,
+            json={
+                "episodes": [
+                    {"session_id": s1["session_id"], "reward": 1.0},
+                    {"session_id": s2["session_id"], "reward": 0.0},
+                ]
+            },
+        )
         assert r.json()["written"] == 2, r.text
         assert proc.wait(15) == 0  # none open: it shut down on its own, long before the 60 s drain
         written = _read(pair)
@@ -194,22 +253,31 @@ def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
     port = free_port()
     e = f"http://127.0.0.1:{port}"
     log = pair["logs"] / "gateway-e.log"
-    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
-                             "--session.drain_s", "1"], log)
+    proc, _ = start_gateway(
+        [*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port), "--session.drain_s", "1"],
+        log,
+    )
     r = redis.Redis.from_url(pair["redis"])
     try:
         s, other = _open(e), _open(e)
         sid = s["session_id"]
-        httpx.post(f"{e}/s/{other['session_id']}/v1/completions", headers=AUTH,
-                   json={"model": "policy", "prompt": "Hello", "max_tokens": 2}).raise_for_status()
+        httpx.post(
+            f"{e}/s/{other['session_id']}/v1/completions",
+            headers=AUTH,
+            json={"model": "policy", "prompt": "Hello", "max_tokens": 2},
+        ).raise_for_status()
         messages = [{"role": "user", "content": "Count to three."}]
         told = []  # (token ids, logprobs) of each turn, as its client got them
 
         def turn(client: openai.OpenAI) -> None:
             out = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
             told.append([c.logprob for c in out.choices[0].logprobs.content])
-            messages.extend([{"role": "assistant", "content": out.choices[0].message.content},
-                             {"role": "user", "content": "Again."}])
+            messages.extend(
+                [
+                    {"role": "assistant", "content": out.choices[0].message.content},
+                    {"role": "user", "content": "Again."},
+                ]
+            )
 
         turn(openai.OpenAI(base_url=s["openai_base_url"], api_key=KEYS[0], max_retries=0))
         proc.send_signal(signal.SIGTERM)
@@ -220,13 +288,18 @@ def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
         assert r.get(f"{pair['stream']}:gateway:moved:{sid}") == pair["a"].encode()
         turn(openai.OpenAI(base_url=f"{pair['b']}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # b relays to a
         # e comes back at the same address (a fixed hostname, a StatefulSet): the id names it, a holds the session.
-        proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port)],
-                                pair["logs"] / "gateway-e2.log")
+        proc, _ = start_gateway(
+            [*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port)],
+            pair["logs"] / "gateway-e2.log",
+        )
         turn(openai.OpenAI(base_url=f"{e}/s/{sid}/v1", api_key=KEYS[0], max_retries=0))  # e relays to a
         # One batch through b: sid (b knows it moved to a) and the other session, still parked (b finds e gone,
         # adopts it and finishes it itself).
-        res = httpx.post(pair["b"] + "/v1/episodes", headers=AUTH, json={"episodes": [
-            {"session_id": sid, "reward": 1}, {"session_id": other["session_id"], "reward": 0}]})
+        res = httpx.post(
+            pair["b"] + "/v1/episodes",
+            headers=AUTH,
+            json={"episodes": [{"session_id": sid, "reward": 1}, {"session_id": other["session_id"], "reward": 0}]},
+        )
         assert res.json()["written"] == 2, res.text
         assert not r.exists(f"{pair['stream']}:gateway:handoff:{other['session_id']}")
         assert r.zscore(count_key(pair["stream"], KEYS[0]), sid) is None
@@ -235,7 +308,7 @@ def test_a_replica_that_exits_hands_its_open_sessions_to_the_others(pair):
         assert len(spans) == 4
         offset = 0  # the segment's logprobs are its action tokens', span after span
         for (start, end), lp in zip(spans, told):
-            assert seg.logprobs[offset: offset + end - start].tolist() == pytest.approx(lp, abs=1e-6)
+            assert seg.logprobs[offset : offset + end - start].tolist() == pytest.approx(lp, abs=1e-6)
             offset += end - start
         assert "parked in Redis" in log.read_text()
     finally:
@@ -250,8 +323,16 @@ def test_sessions_still_open_when_the_drain_runs_out_are_lost_and_free_their_slo
     lease lapses."""
     port = free_port()
     log = pair["logs"] / "gateway-d.log"
-    proc, _ = start_gateway([*_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
-                             "--session.drain_s", "1", "--session.handoff", "false"], log)
+    proc, _ = start_gateway(
+        [
+            *_gateway_args(pair["model"], pair["pod"], pair["redis"], pair["stream"], port),
+            "--session.drain_s",
+            "1",
+            "--session.handoff",
+            "false",
+        ],
+        log,
+    )
     r = redis.Redis.from_url(pair["redis"])
     try:
         sid = _open(f"http://127.0.0.1:{port}")["session_id"]

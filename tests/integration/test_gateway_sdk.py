@@ -21,18 +21,24 @@ import pytest
 import redis
 
 from services.gateway.chat import ChatModel
-from services.gateway.testing import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": CITY}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}
+]
 HISTORY = [
     {"role": "system", "content": "You are a weather bot."},
     {"role": "user", "content": "Weather in Paris and Rome?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_p", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_p", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_p", "content": "PARIS_SUNNY"},
 ]
 
@@ -44,8 +50,21 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
     pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
     gw = None
     try:
-        gw, url = start_gateway(["--model", str(tiny_qwen3), "--rollout.urls", pod_url, "--redis.url", redis_url,
-                                 "--redis.stream", stream, "--session.max_length", "1024"], logs / "gateway.log")
+        gw, url = start_gateway(
+            [
+                "--model",
+                str(tiny_qwen3),
+                "--rollout.urls",
+                pod_url,
+                "--redis.url",
+                redis_url,
+                "--redis.stream",
+                stream,
+                "--session.max_length",
+                "1024",
+            ],
+            logs / "gateway.log",
+        )
         yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": ChatModel(tiny_qwen3)}
     finally:
         if gw is not None:
@@ -75,8 +94,14 @@ def _read(stack, sid: str):
 
 def _replay(stack, token_ids: list[int], start: int, end: int, seed: int, max_tokens: int) -> dict:
     """Re-run one action span's prefix directly on the pod with the same sampling parameters."""
-    r = httpx.post(stack["pod"] + "/v1/generate", json={"prompt_token_ids": token_ids[:start], "sampling_params": {
-        "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": seed}}, timeout=60)
+    r = httpx.post(
+        stack["pod"] + "/v1/generate",
+        json={
+            "prompt_token_ids": token_ids[:start],
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": seed},
+        },
+        timeout=60,
+    )
     return r.json()["outputs"][0]
 
 
@@ -86,13 +111,16 @@ def test_openai_sync_multi_turn_with_tools_is_token_exact(stack):
     messages = [dict(m) for m in HISTORY]
     replies = []
     for turn in range(3):
-        r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=12, seed=7,
-                                           logprobs=True)
+        r = client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, max_tokens=12, seed=7, logprobs=True
+        )
         replies.append(r)
         msg = r.choices[0].message.model_dump(exclude_none=True)
         if turn == 0:  # two tool results in one turn: both must be in the token stream
-            new = [{"role": "tool", "tool_call_id": "call_r", "content": "ROME_RAINY"},
-                   {"role": "tool", "tool_call_id": "call_x", "content": "BERLIN_COLD"}]
+            new = [
+                {"role": "tool", "tool_call_id": "call_r", "content": "ROME_RAINY"},
+                {"role": "tool", "tool_call_id": "call_x", "content": "BERLIN_COLD"},
+            ]
         else:
             new = [{"role": "user", "content": f"And now turn {turn}?"}]
         messages += [msg] + new
@@ -110,7 +138,7 @@ def test_openai_sync_multi_turn_with_tools_is_token_exact(stack):
     offset = 0
     for (start, end), r in zip(spans, replies):
         pod_lps = np.array([c.logprob for c in r.choices[0].logprobs.content], dtype=np.float32)
-        np.testing.assert_array_equal(seg.logprobs[offset: offset + end - start], pod_lps)
+        np.testing.assert_array_equal(seg.logprobs[offset : offset + end - start], pod_lps)
         offset += end - start
         content = (r.choices[0].message.content or "").strip()
         assert model.decode(ids[start:end], skip_special=True).strip() == content or r.choices[0].message.tool_calls
@@ -120,9 +148,9 @@ def test_openai_sync_multi_turn_with_tools_is_token_exact(stack):
     prompt = model.decode(ids[: spans[0][0]], skip_special=False)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>' in prompt
     assert "PARIS_SUNNY" in prompt
-    delta1 = model.decode(ids[spans[0][1]: spans[1][0]], skip_special=False)
+    delta1 = model.decode(ids[spans[0][1] : spans[1][0]], skip_special=False)
     assert delta1.index("ROME_RAINY") < delta1.index("BERLIN_COLD") and delta1.endswith("<|im_start|>assistant\n")
-    assert "And now turn 1?" in model.decode(ids[spans[1][1]: spans[2][0]], skip_special=False)
+    assert "And now turn 1?" in model.decode(ids[spans[1][1] : spans[2][0]], skip_special=False)
     assert (seg.versions == 0).all()
 
 
@@ -134,8 +162,9 @@ def test_openai_async_streaming_and_idempotent_retry(stack):
         messages = [{"role": "user", "content": "Tell me a story."}]
         texts = []
         for turn in range(2):
-            stream = await client.chat.completions.create(model="policy", messages=messages, max_tokens=10, seed=3,
-                                                          stream=True)
+            stream = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=10, seed=3, stream=True
+            )
             text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
             texts.append(text)
             if turn == 0:  # an identical retry is answered from the cache
@@ -159,20 +188,28 @@ def test_anthropic_sync_and_streaming_with_tool_blocks(stack):
     tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema": {"type": "object"}}]
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                           "input": {"city": "oslo"}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "oslo"}}],
+        },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "OSLO_SNOW"}]},
     ]
     m1 = client.messages.create(model="policy", max_tokens=12, system="Be brief.", messages=messages, tools=tools)
     assert m1.usage.output_tokens > 0 and m1.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
-                 {"role": "user", "content": [
-                     {"type": "tool_result", "tool_use_id": "toolu_2", "content": "EXTRA_ONE"},
-                     {"type": "tool_result", "tool_use_id": "toolu_3",
-                      "content": [{"type": "text", "text": "EXTRA_TWO"}]},
-                     {"type": "text", "text": "Summarize."}]}]
-    with client.messages.stream(model="policy", max_tokens=12, system="Be brief.", messages=messages,
-                                tools=tools) as st:
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "EXTRA_ONE"},
+                {"type": "tool_result", "tool_use_id": "toolu_3", "content": [{"type": "text", "text": "EXTRA_TWO"}]},
+                {"type": "text", "text": "Summarize."},
+            ],
+        },
+    ]
+    with client.messages.stream(
+        model="policy", max_tokens=12, system="Be brief.", messages=messages, tools=tools
+    ) as st:
         text = "".join(st.text_stream)
         final = st.get_final_message()
     assert final.usage.output_tokens > 0
@@ -195,8 +232,10 @@ def test_compaction_starts_second_segment(stack):
     r1 = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     messages += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
     client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    compacted = [{"role": "system", "content": "Summary of earlier turns: a chat."},
-                 {"role": "user", "content": "Continue from the summary."}]
+    compacted = [
+        {"role": "system", "content": "Summary of earlier turns: a chat."},
+        {"role": "user", "content": "Continue from the summary."},
+    ]
     client.chat.completions.create(model="policy", messages=compacted, max_tokens=8)
     info = _finish(stack, s["session_id"], reward=0.25)
     assert info["segments"] == 2
@@ -219,8 +258,9 @@ def test_bad_requests_get_4xx(stack):
     an = anthropic.Anthropic(base_url=stack["url"] + "/s/0123", api_key="EMPTY", max_retries=0)
     with pytest.raises(anthropic.NotFoundError):
         an.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "x"}])
-    r = httpx.post(s["openai_base_url"] + "/chat/completions", content=b"{oops",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        s["openai_base_url"] + "/chat/completions", content=b"{oops", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.headers["x-molt-policy-version"] == "0"
     assert _finish(stack, s["session_id"])["written"] is False

@@ -8,22 +8,30 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("arch, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                                       ("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize(
+    "arch, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"), ("llama", "LlamaForCausalLM")]
+)
 def test_tiny_builds_offline_and_loads(tmp_path, arch, cls):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / arch
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "molt.models", "tiny", "--arch", arch, "--out", str(out)], check=True,
-                   env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    subprocess.run(
+        [sys.executable, "-m", "molt.models", "tiny", "--arch", arch, "--out", str(out)],
+        check=True,
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     elapsed = time.perf_counter() - start
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert type(model).__name__ == cls
     assert model.config.head_dim >= 32  # vLLM's CPU attention rejects smaller heads
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], len(tok))
@@ -44,10 +52,16 @@ def test_chat_template_appends_only(tiny_qwen3):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
-            {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "42"},
+    ]
     prev = ""
     for i in range(1, len(msgs) + 1):
         text = tok.apply_chat_template(msgs[:i], tokenize=False)

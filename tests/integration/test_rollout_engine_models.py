@@ -25,8 +25,9 @@ async def _assert_parity(engine: RolloutEngine, model) -> None:
     assert max_abs_diff(probe, hf_token_logprobs(model, PROMPT[:1], PROMPT[1:])) < TOL
 
 
-@pytest.mark.parametrize("pair", [("tiny_qwen3_moe", "tiny_qwen3_moe_b"),
-                                  ("tiny_llama_untied", "tiny_llama_untied_b")])
+@pytest.mark.parametrize(
+    "pair", [("tiny_qwen3_moe", "tiny_qwen3_moe_b"), ("tiny_llama_untied", "tiny_llama_untied_b")]
+)
 async def test_moe_and_untied_parity_before_and_after_update(request, pair):
     """MoE catches stale CPU expert packing; untied checks the separate lm_head is loaded."""
     model_a, model_b = (request.getfixturevalue(name) for name in pair)

@@ -11,8 +11,11 @@ import time
 
 import httpx
 import pytest
+import torch
 from rollout_testlib import PROMPT, ServerThread, hf_token_logprobs, max_abs_diff, tiny_settings
+from transformers import AutoTokenizer
 
+from molt.serve import cpu_env
 from services.rollout.app import build_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,8 +31,10 @@ def pod(tiny_qwen3):
 
 def test_generate_answer_shape_and_parity(pod, tiny_qwen3):
     url, _ = pod
-    body = {"prompt_token_ids": PROMPT, "sampling_params": {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5,
-                                                    "ignore_eos": True}}
+    body = {
+        "prompt_token_ids": PROMPT,
+        "sampling_params": {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True},
+    }
     r = httpx.post(f"{url}/v1/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     answer = r.json()
@@ -40,14 +45,49 @@ def test_generate_answer_shape_and_parity(pod, tiny_qwen3):
         assert max_abs_diff(out["logprobs"], hf_token_logprobs(tiny_qwen3, PROMPT, out["token_ids"])) < TOL
 
 
+def test_top_logprobs_are_the_models_k_best_and_a_choice_constrains_the_tokens(pod, tiny_qwen3):
+    url, _ = pod
+    params = {"max_tokens": 4, "seed": 3, "ignore_eos": True, "top_logprobs": 3, "logit_bias": {"7": -100}}
+    r = httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    [out] = r.json()["outputs"]
+    ids = out["token_ids"]
+    assert 7 not in ids and len(out["top_logprobs"]) == len(ids)
+    logits = _hf_logits(tiny_qwen3, PROMPT + ids)
+    logits[:, 7] -= 100  # vLLM adds the bias before it computes logprobs: they are the biased distribution's
+    for i, best in enumerate(out["top_logprobs"]):
+        ref = torch.log_softmax(logits[len(PROMPT) - 1 + i], dim=-1).topk(3)
+        assert [t for t, _ in best] == ref.indices.tolist()
+        assert max_abs_diff([lp for _, lp in best], ref.values.tolist()) < TOL
+    choice = {"max_tokens": 8, "seed": 4, "structured_outputs": {"choice": ["yes", "no way"]}}
+    r = httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": choice}, timeout=120)
+    assert r.status_code == 200, r.text
+    [out] = r.json()["outputs"]
+    text = AutoTokenizer.from_pretrained(str(tiny_qwen3)).decode(out["token_ids"], skip_special_tokens=True)
+    assert text in ("yes", "no way") and out["finish_reason"] == "stop"
+
+
+def _hf_logits(model, ids: list[int]):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+        return net(torch.tensor([ids])).logits[0].float()
+
+
 async def test_32_concurrent_requests_complete_and_are_batched(pod):
     url, app = pod
     engine = app.state.engine
     engine.stats.max_running = 0
     steps_before = engine.stats.steps
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-        bodies = [{"prompt_token_ids": PROMPT[: 3 + i % 7], "sampling_params": {"max_tokens": 16, "ignore_eos": True,
-                                                                                "seed": i}} for i in range(32)]
+        bodies = [
+            {
+                "prompt_token_ids": PROMPT[: 3 + i % 7],
+                "sampling_params": {"max_tokens": 16, "ignore_eos": True, "seed": i},
+            }
+            for i in range(32)
+        ]
         answers = await asyncio.gather(*(client.post("/v1/generate", json=b) for b in bodies))
         metrics = (await client.get("/metrics")).text
     assert [a.status_code for a in answers] == [200] * 32
@@ -59,16 +99,19 @@ async def test_32_concurrent_requests_complete_and_are_batched(pod):
     assert "molt_rollout_generated_tokens_total" in metrics and "molt_rollout_kv_cache_usage_ratio" in metrics
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    ({"prompt_token_ids": [5, 1024], "sampling_params": {}}, 400, "[0, 1024)"),
-    ({"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 300}}, 400, "context length 256"),
-    ({"prompt_token_ids": PROMPT, "sampling_params": {"n": 100000}}, 400, "[1, 64]"),
-    ({"prompt_token_ids": PROMPT, "sampling_params": {"temprature": 1.0}}, 400, "temprature"),
-    ({"prompt_token_ids": "hello", "sampling_params": {}}, 400, "list of token ids"),
-    ({"prompt_token_ids": PROMPT, "sampling_params": {"top_p": 0}}, 400, "top_p"),
-    ({"prompt": "hi"}, 400, "unknown field"),
-    (b"{not json", 400, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"prompt_token_ids": [5, 1024], "sampling_params": {}}, 400, "[0, 1024)"),
+        ({"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 300}}, 400, "context length 256"),
+        ({"prompt_token_ids": PROMPT, "sampling_params": {"n": 100000}}, 400, "[1, 64]"),
+        ({"prompt_token_ids": PROMPT, "sampling_params": {"temprature": 1.0}}, 400, "temprature"),
+        ({"prompt_token_ids": "hello", "sampling_params": {}}, 400, "list of token ids"),
+        ({"prompt_token_ids": PROMPT, "sampling_params": {"top_p": 0}}, 400, "top_p"),
+        ({"prompt": "hi"}, 400, "unknown field"),
+        (b"{not json", 400, "not valid JSON"),
+    ],
+)
 def test_bad_input_is_a_400_that_names_the_limit(pod, body, status, needle):
     url, _ = pod
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -76,8 +119,9 @@ def test_bad_input_is_a_400_that_names_the_limit(pod, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and needle in err["message"]
-    ok = httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}},
-                    timeout=30)
+    ok = httpx.post(
+        f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=30
+    )
     assert ok.status_code == 200
 
 
@@ -117,11 +161,26 @@ def test_probes_health_and_weight_reload(pod, tiny_qwen3_b):
 
 
 def test_pod_process_serves_and_stops_on_sigterm(tiny_qwen3):
-    """`python -m services.rollout --model DIR --port 0` as a real process (short flags of the issue)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "services.rollout", "--model", str(tiny_qwen3), "--port", "0",
-           "--vllm.dtype", "float32", "--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(64 << 20),
-           "--vllm.max_model_len", "256", "--server.log_level", "warning"]
+    """`python -m services.rollout --model DIR --port 0` as a real process (the short flags)."""
+    env = cpu_env({**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.rollout",
+        "--model",
+        str(tiny_qwen3),
+        "--port",
+        "0",
+        "--vllm.dtype",
+        "float32",
+        "--vllm.enforce_eager",
+        "--vllm.kv_cache_memory_bytes",
+        str(64 << 20),
+        "--vllm.max_model_len",
+        "256",
+        "--server.log_level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         url = None
@@ -130,11 +189,12 @@ def test_pod_process_serves_and_stops_on_sigterm(tiny_qwen3):
             line = proc.stdout.readline()
             if not line and proc.poll() is not None:
                 break
-            if line.startswith("ROLLOUT_READY "):
-                url = line.split()[1]
+            if line.startswith("molt-rollout ready "):
+                url = line.split()[-1]
         assert url, f"pod did not start (rc={proc.poll()})"
-        r = httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 4}},
-                       timeout=30)
+        r = httpx.post(
+            f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 4}}, timeout=30
+        )
         assert r.status_code == 200 and len(r.json()["outputs"][0]["token_ids"]) == 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

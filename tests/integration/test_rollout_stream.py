@@ -12,7 +12,8 @@ import httpx
 import pytest
 from rollout_testlib import PROMPT, ServerThread, hf_token_logprobs, max_abs_diff, tiny_settings
 
-from services.gateway.transport import HttpTransport, generate_body
+from services.gateway.channel import PodChannel
+from services.gateway.transport import generate_body
 from services.rollout.app import build_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,22 +63,24 @@ class RawStream:
             size, _, body = body.partition(b"\r\n")
             if int(size, 16) == 0:
                 break
-            data, body = data + body[: int(size, 16)], body[int(size, 16) + 2:]
+            data, body = data + body[: int(size, 16)], body[int(size, 16) + 2 :]
         return [json.loads(line) for line in data.splitlines()]
 
 
 async def test_one_stream_carries_many_calls_each_answered_when_done(pod, tiny_qwen3):
     url, app = pod
-    channel = HttpTransport(16, 60.0, 5.0).channel(url)
+    channel = PodChannel(url, 5.0, 60.0)
     sp = {"temperature": 1.0, "ignore_eos": True}
     try:
-        calls = [channel.generate(generate_body(PROMPT[: 4 + i], {**sp, "max_tokens": 2 if i % 2 else 48, "seed": i}))
-                 for i in range(8)]
+        calls = [
+            channel.generate(generate_body(PROMPT[: 4 + i], {**sp, "max_tokens": 2 if i % 2 else 48, "seed": i}))
+            for i in range(8)
+        ]
         results = await asyncio.gather(*calls)
     finally:
         channel.close()
     assert channel.opened == 1  # all eight on one stream
-    for i, (status, answer, sent, answered) in enumerate(results):
+    for i, (status, answer, _sent, _answered) in enumerate(results):
         assert status == 200, answer
         out = answer["outputs"][0]
         assert len(out["token_ids"]) == (2 if i % 2 else 48) and answer["policy_version"] == 0
@@ -91,12 +94,14 @@ def test_each_call_gets_its_own_error_and_an_abort_stops_one_call(pod):
     engine = app.state.engine
     aborted = engine.aborts.get("client_disconnect", 0)
     s = RawStream(url)
-    s.send({"id": "long", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 200, "ignore_eos": True}},
-           {"id": "ok", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
-           {"id": "too-long", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 100000}},
-           {"id": "typo", "prompt_token_ids": PROMPT, "sampling_param": {}},
-           {"prompt_token_ids": PROMPT},
-           b"{not json")
+    s.send(
+        {"id": "long", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 200, "ignore_eos": True}},
+        {"id": "ok", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
+        {"id": "too-long", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 100000}},
+        {"id": "typo", "prompt_token_ids": PROMPT, "sampling_param": {}},
+        {"prompt_token_ids": PROMPT},
+        b"{not json",
+    )
     _wait(lambda: engine.stats.running >= 1, "the long call never started")
     s.send({"abort": ["long"]})
     s.end()
@@ -117,14 +122,24 @@ def test_a_dropped_stream_aborts_its_running_calls(pod):
     engine = app.state.engine
     aborted = engine.aborts.get("client_disconnect", 0)
     s = RawStream(url)
-    s.send(*({"id": f"c{i}", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
-             for i in range(3)))
+    s.send(
+        *(
+            {"id": f"c{i}", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+            for i in range(3)
+        )
+    )
     _wait(lambda: engine.stats.running >= 3, "the calls never started")
     s.sock.close()
-    _wait(lambda: engine.aborts.get("client_disconnect", 0) >= aborted + 3 and not engine._inflight,
-          "a dropped stream left calls running")
-    assert httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}},
-                      timeout=60).status_code == 200
+    _wait(
+        lambda: engine.aborts.get("client_disconnect", 0) >= aborted + 3 and not engine._inflight,
+        "a dropped stream left calls running",
+    )
+    assert (
+        httpx.post(
+            f"{url}/v1/generate", json={"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 def test_a_line_too_long_to_frame_ends_the_stream_cleanly(pod, monkeypatch):

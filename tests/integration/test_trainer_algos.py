@@ -28,17 +28,41 @@ def world():
 
 def _samples(seed=0):
     rng = np.random.default_rng(seed)
-    trajs = [Trajectory(f"t{i}", f"g{i // 2}", i % 2, [Segment(rng.integers(3, 1000, 9 + i), [[4, 9 + i]],
-                                                               -rng.uniform(0.5, 3, 5 + i), np.zeros(5 + i, int))],
-                        float(i % 2)) for i in range(4)]
+    trajs = [
+        Trajectory(
+            f"t{i}",
+            f"g{i // 2}",
+            i % 2,
+            [Segment(rng.integers(3, 1000, 9 + i), [[4, 9 + i]], -rng.uniform(0.5, 3, 5 + i), np.zeros(5 + i, int))],
+            float(i % 2),
+        )
+        for i in range(4)
+    ]
     return [x for t in trajs for x in samples_from_trajectory(t, 100)]
 
 
 def _settings(model, *flags):
-    s = parse_settings(TrainerSettings, [
-        "--actor.model_name_or_path", str(model), "--train.dispatch", "false", "--fsdp.strategy", "torch",
-        "--train.batch_size", "2", "--actor.adam.lr", "1e-3", "--rollout.n_samples_per_prompt", "2",
-        "--actor.gradient_checkpoint", "off", *flags], environ={})
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            str(model),
+            "--train.dispatch",
+            "false",
+            "--fsdp.strategy",
+            "torch",
+            "--train.batch_size",
+            "2",
+            "--actor.adam.lr",
+            "1e-3",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--actor.gradient_checkpoint",
+            "off",
+            *flags,
+        ],
+        environ={},
+    )
     validate_settings(s)
     return s
 
@@ -46,18 +70,62 @@ def _settings(model, *flags):
 CASES = {
     "gae": (["--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0"], ["value_loss", "critic_grad_norm"]),
     "reinforce_kl_reward": (["--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0.1"], ["kl"]),
-    "grpo_kl_loss_entropy": (["--algo.advantage.estimator", "grpo", "--algo.kl.use_loss",
-                              "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0.01"], ["kl_loss", "entropy"]),
-    "rloo_gspo_force_on_policy": (["--algo.advantage.estimator", "rloo", "--actor.loss_mode", "gspo",
-                                   "--train.force_on_policy", "--algo.kl.init_coef", "0"], ["policy_loss"]),
-    "dr_grpo_cispo_geo_is": (["--algo.advantage.estimator", "dr_grpo", "--actor.loss_mode", "cispo",
-                              "--actor.eps_clip_low_high", "0.2", "5", "--algo.kl.init_coef", "0",
-                              "--algo.advantage.is_correction_level", "geo",
-                              "--algo.advantage.is_correction_threshold", "0.01", "100"],
-                             ["vllm_kl", "is_filter_ratio"]),
-    "reinforce_baseline_dual_clip_epochs": (["--algo.advantage.estimator", "reinforce_baseline",
-                                             "--actor.dual_clip", "3", "--train.max_epochs", "2",
-                                             "--algo.kl.init_coef", "0"], ["policy_clip_ratio"]),
+    "grpo_kl_loss_entropy": (
+        [
+            "--algo.advantage.estimator",
+            "grpo",
+            "--algo.kl.use_loss",
+            "--algo.kl.estimator",
+            "k3",
+            "--actor.entropy_coef",
+            "0.01",
+        ],
+        ["kl_loss", "entropy"],
+    ),
+    "rloo_gspo_force_on_policy": (
+        [
+            "--algo.advantage.estimator",
+            "rloo",
+            "--actor.loss_mode",
+            "gspo",
+            "--train.force_on_policy",
+            "--algo.kl.init_coef",
+            "0",
+        ],
+        ["policy_loss"],
+    ),
+    "dr_grpo_cispo_geo_is": (
+        [
+            "--algo.advantage.estimator",
+            "dr_grpo",
+            "--actor.loss_mode",
+            "cispo",
+            "--actor.eps_clip_low_high",
+            "0.2",
+            "5",
+            "--algo.kl.init_coef",
+            "0",
+            "--algo.advantage.is_correction_level",
+            "geo",
+            "--algo.advantage.is_correction_threshold",
+            "0.01",
+            "100",
+        ],
+        ["vllm_kl", "is_filter_ratio"],
+    ),
+    "reinforce_baseline_dual_clip_epochs": (
+        [
+            "--algo.advantage.estimator",
+            "reinforce_baseline",
+            "--actor.dual_clip",
+            "3",
+            "--train.max_epochs",
+            "2",
+            "--algo.kl.init_coef",
+            "0",
+        ],
+        ["policy_clip_ratio"],
+    ),
 }
 
 
@@ -74,8 +142,9 @@ def test_each_algorithm_trains(case, world, tiny_qwen3):
 
 
 def test_distillation_uses_the_teacher(world, tiny_qwen3, tiny_qwen3_b):
-    s = _settings(tiny_qwen3, "--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path",
-                  str(tiny_qwen3_b))
+    s = _settings(
+        tiny_qwen3, "--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path", str(tiny_qwen3_b)
+    )
     assert s.algo.kl.init_coef == 1.0 and s.algo.kl.estimator == "k1" and not s.algo.kl.use_loss
     learner = Learner(s, world)
     stats = learner.train_step(_samples())
@@ -83,8 +152,12 @@ def test_distillation_uses_the_teacher(world, tiny_qwen3, tiny_qwen3_b):
 
 
 def test_critic_warmup_freezes_the_actor(world, tiny_qwen3):
-    learner = Learner(_settings(tiny_qwen3, "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0",
-                                "--actor.freezing_steps", "1"), world)
+    learner = Learner(
+        _settings(
+            tiny_qwen3, "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0", "--actor.freezing_steps", "1"
+        ),
+        world,
+    )
     before = {k: v.clone() for k, v in full_state_dict(learner.actor).items()}
     stats = learner.train_step(_samples())
     assert stats["actor_frozen"] == 1.0 and stats["value_loss"] > 0
@@ -94,8 +167,18 @@ def test_critic_warmup_freezes_the_actor(world, tiny_qwen3):
 
 
 def test_checkpoint_roundtrip_is_exact(world, tiny_qwen3, tmp_path):
-    flags = ("--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.05", "--algo.kl.target", "0.1",
-             "--actor.lr_scheduler", "cosine_with_min_lr", "--train.num_steps", "10")
+    flags = (
+        "--algo.advantage.estimator",
+        "gae",
+        "--algo.kl.init_coef",
+        "0.05",
+        "--algo.kl.target",
+        "0.1",
+        "--actor.lr_scheduler",
+        "cosine_with_min_lr",
+        "--train.num_steps",
+        "10",
+    )
     a = Learner(_settings(tiny_qwen3, *flags), world)
     a.train_step(_samples(0))
     checkpoint.save(str(tmp_path), a, {"version": 1, "note": "x"})
@@ -127,14 +210,29 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
     from services.trainer.trainer import Trainer
 
     queue = MemoryTrajectoryQueue()
-    good = [Trajectory(f"ok{i}", "g", i, [Segment([5, 6, 7, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
-            for i in range(2)]
-    bad = [Trajectory(f"bad{i}", "h", i, [Segment([5, 6, 99999, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
-           for i in range(2)]
+    good = [
+        Trajectory(f"ok{i}", "g", i, [Segment([5, 6, 7, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
+        for i in range(2)
+    ]
+    bad = [
+        Trajectory(f"bad{i}", "h", i, [Segment([5, 6, 99999, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
+        for i in range(2)
+    ]
     asyncio.run(_put(queue, bad + good))
     log = tmp_path / "steps.jsonl"
-    s = _settings(tiny_qwen3, "--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0",
-                  "--rollout.batch_size", "1", "--train.num_steps", "1", "--logger.steps_jsonl", str(log))
+    s = _settings(
+        tiny_qwen3,
+        "--algo.advantage.estimator",
+        "grpo",
+        "--algo.kl.init_coef",
+        "0",
+        "--rollout.batch_size",
+        "1",
+        "--train.num_steps",
+        "1",
+        "--logger.steps_jsonl",
+        str(log),
+    )
     trainer = Trainer(s, world, queue=queue)
     try:
         assert trainer.run()["steps"] == 1

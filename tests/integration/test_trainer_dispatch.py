@@ -59,10 +59,18 @@ class Workers:
             tid = Trajectory.new_id()
             self.ids.append(tid)
             seg = Segment(tokens, [[4, 10]], -np.ones(6), np.full(6, self.version))
-            await queue["q"].put(Trajectory(tid, body["group_id"], body["sample_index"], [seg],
-                                            float(body["sample_index"] % 2)))
-            return {"status": "ok", "reward": 0.0, "score": None, "turns": 1, "tokens": 6, "trajectory_id": tid,
-                    "written": True}
+            await queue["q"].put(
+                Trajectory(tid, body["group_id"], body["sample_index"], [seg], float(body["sample_index"] % 2))
+            )
+            return {
+                "status": "ok",
+                "reward": 0.0,
+                "score": None,
+                "turns": 1,
+                "tokens": 6,
+                "trajectory_id": tid,
+                "written": True,
+            }
 
         return app
 
@@ -88,13 +96,44 @@ def test_dispatch_trains_every_group_and_respects_the_staleness_bound(tiny_qwen3
     workers = Workers(redis_url, stream_name)
     workers.start()
     audit = tmp_path / "audit.jsonl"
-    s = parse_settings(TrainerSettings, [
-        "--actor.model_name_or_path", str(tiny_qwen3), "--redis.url", redis_url, "--redis.stream", stream_name,
-        "--data.prompt_dataset", str(dataset), "--data.input_key", "question", "--data.label_key", "answer",
-        "--envs.urls", *workers.urls, "--envs.max_retries", "2",
-        "--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "2",
-        "--rollout.batch_size", "2", "--train.batch_size", "4", "--fsdp.strategy", "torch",
-        "--logger.steps_jsonl", str(audit)], environ={})
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            str(tiny_qwen3),
+            "--redis.url",
+            redis_url,
+            "--redis.stream",
+            stream_name,
+            "--data.prompt_dataset",
+            str(dataset),
+            "--data.input_key",
+            "question",
+            "--data.label_key",
+            "answer",
+            "--envs.urls",
+            *workers.urls,
+            "--envs.max_retries",
+            "2",
+            "--envs.retry_backoff_s",
+            "0.05",
+            "--algo.advantage.estimator",
+            "grpo",
+            "--algo.kl.init_coef",
+            "0",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--rollout.batch_size",
+            "2",
+            "--train.batch_size",
+            "4",
+            "--fsdp.strategy",
+            "torch",
+            "--logger.steps_jsonl",
+            str(audit),
+        ],
+        environ={},
+    )
     validate_settings(s)
 
     def publish(version, tensors):

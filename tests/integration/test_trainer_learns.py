@@ -64,15 +64,16 @@ class Producer(threading.Thread):
             gen = ids[i, PROMPT:]
             reward = float((gen < self.half).float().mean())
             self.rewards.append(reward)
-            seg = Segment(ids[i].numpy(), [[PROMPT, PROMPT + NEW_TOKENS]], logps[i].numpy(),
-                          np.full(NEW_TOKENS, self.version))
+            seg = Segment(
+                ids[i].numpy(), [[PROMPT, PROMPT + NEW_TOKENS]], logps[i].numpy(), np.full(NEW_TOKENS, self.version)
+            )
             trajs.append(Trajectory(f"b{batch}-{i}", f"b{batch}-g{i // N}", i % N, [seg], reward))
         return trajs
 
     def run(self):
         try:
             asyncio.run(self._run())
-        except BaseException as exc:  # surfaced by the test
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
             self.error = exc
 
     async def _run(self):
@@ -91,16 +92,43 @@ class Producer(threading.Thread):
 
 
 def test_mean_reward_rises_through_the_stream(tiny_qwen3, redis_url, stream_name):
-    settings = parse_settings(TrainerSettings, [
-        "--actor.model_name_or_path", str(tiny_qwen3), "--train.dispatch", "false",
-        "--redis.url", redis_url, "--redis.stream", stream_name,
-        "--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", str(N), "--rollout.batch_size", str(GROUPS),
-        "--train.batch_size", str(GROUPS * N), "--train.micro_batch_size", str(GROUPS * N),
-        "--actor.adam.lr", "1e-2", "--train.force_sync_mode", "--train.num_steps", str(STEPS),
-        "--fsdp.strategy", "torch",
-        "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "trunc",
-    ], environ={})
+    settings = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            str(tiny_qwen3),
+            "--train.dispatch",
+            "false",
+            "--redis.url",
+            redis_url,
+            "--redis.stream",
+            stream_name,
+            "--algo.advantage.estimator",
+            "grpo",
+            "--algo.kl.init_coef",
+            "0",
+            "--rollout.n_samples_per_prompt",
+            str(N),
+            "--rollout.batch_size",
+            str(GROUPS),
+            "--train.batch_size",
+            str(GROUPS * N),
+            "--train.micro_batch_size",
+            str(GROUPS * N),
+            "--actor.adam.lr",
+            "1e-2",
+            "--train.force_sync_mode",
+            "--train.num_steps",
+            str(STEPS),
+            "--fsdp.strategy",
+            "torch",
+            "--algo.advantage.is_correction_level",
+            "token",
+            "--algo.advantage.is_correction_mode",
+            "trunc",
+        ],
+        environ={},
+    )
     validate_settings(settings)
     producer = Producer(tiny_qwen3, redis_url, stream_name)
     info = init_distributed()
@@ -125,10 +153,12 @@ def test_mean_reward_rises_through_the_stream(tiny_qwen3, redis_url, stream_name
     assert last > first + 0.25, per_batch
     # Observability: staleness histogram, mismatch KL per pod, queue lag, loss terms.
     assert "molt_trainer_staleness_versions_bucket" in text
-    assert 'molt_trainer_mismatch_kl{pod="unknown"}' in text
-    mismatch = float(text.split('molt_trainer_mismatch_kl{pod="unknown"} ')[1].split()[0])
+    assert 'molt_trainer_mismatch_kl{rollout_url="unknown"}' in text
+    mismatch = float(text.split('molt_trainer_mismatch_kl{rollout_url="unknown"} ')[1].split()[0])
     assert abs(mismatch) < 1e-4  # exact sampler, same weights: trainer and rollout log-probs agree
-    assert "molt_trainer_staleness_versions_bucket{le=\"0.0\"} %d.0" % (STEPS * GROUPS * N * NEW_TOKENS) in text
+    fresh = float(text.split("\nmolt_trainer_mismatch_kl_fresh ")[1].split()[0])  # numerics only: also ~0
+    assert abs(fresh) < 1e-4
+    assert f'molt_trainer_staleness_versions_bucket{{le="0.0"}} {STEPS * GROUPS * N * NEW_TOKENS}.0' in text
     assert 'molt_trainer_loss{term="policy_loss"}' in text and "molt_queue_pending_entries" in text
     assert 'molt_trainer_step_seconds_count{phase="train"} 16.0' in text
 

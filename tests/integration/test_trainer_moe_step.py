@@ -19,11 +19,32 @@ from services.trainer.routing_replay import find_routers
 
 
 def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe):
-    s = parse_settings(TrainerSettings, [
-        "--actor.model_name_or_path", str(tiny_qwen3_moe), "--train.dispatch", "false", "--fsdp.strategy", "torch",
-        "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "2",
-        "--train.batch_size", "4", "--train.micro_batch_size", "2", "--actor.adam.lr", "1e-2",
-        "--train.routing_replay", "--actor.freeze_moe_router"], environ={})
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            str(tiny_qwen3_moe),
+            "--train.dispatch",
+            "false",
+            "--fsdp.strategy",
+            "torch",
+            "--algo.kl.init_coef",
+            "0",
+            "--algo.advantage.estimator",
+            "rloo",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--train.batch_size",
+            "4",
+            "--train.micro_batch_size",
+            "2",
+            "--actor.adam.lr",
+            "1e-2",
+            "--train.routing_replay",
+            "--actor.freeze_moe_router",
+        ],
+        environ={},
+    )
     validate_settings(s)
     ref = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
@@ -31,15 +52,20 @@ def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe):
     for i in range(4):
         ids = torch.tensor(rng.integers(3, 1000, 10 + i))
         seen = {}
-        hooks = [m.register_forward_hook(lambda mod, a, out, layer=layer: seen.__setitem__(layer, out[2].clone()))
-                 for layer, _, m in find_routers(ref)]
+        hooks = [
+            m.register_forward_hook(
+                lambda mod, a, out, layer=layer, seen=seen: seen.__setitem__(layer, out[2].clone())
+            )
+            for layer, _, m in find_routers(ref)
+        ]
         with torch.no_grad():
             logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
         for h in hooks:
             h.remove()
         routed = torch.stack([seen[k] for k in sorted(seen)], dim=1).numpy()  # [T, L, K]
-        seg = Segment(ids.numpy(), [[4, len(ids)]], logp[3:].numpy(), np.zeros(len(ids) - 4, dtype=int),
-                      routed_experts=routed)
+        seg = Segment(
+            ids.numpy(), [[4, len(ids)]], logp[3:].numpy(), np.zeros(len(ids) - 4, dtype=int), routed_experts=routed
+        )
         trajs.append(Trajectory(f"t{i}", f"g{i // 2}", i % 2, [seg], float(i % 2)))
     info = init_distributed()
     try:

@@ -31,19 +31,28 @@ def _group_trajectories(num_groups=3, n=4, prompt_len=12, seed=0):
                 tokens = np.concatenate([tokens, rng.integers(3, 1000, 4), rng.integers(3, 1000, 5)])
                 spans.append([len(tokens) - 5, len(tokens)])
             n_act = sum(b - a for a, b in spans)
-            out.append(Trajectory(f"t{g}-{j}", f"g{g}", j, [Segment(tokens, spans, -rng.uniform(0.1, 3, n_act),
-                                                                     np.zeros(n_act, int))], float(j % 2)))
+            out.append(
+                Trajectory(
+                    f"t{g}-{j}",
+                    f"g{g}",
+                    j,
+                    [Segment(tokens, spans, -rng.uniform(0.1, 3, n_act), np.zeros(n_act, int))],
+                    float(j % 2),
+                )
+            )
     return out
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_llama_untied"])
 def test_packed_logprobs_equal_the_plain_forward(model_fixture, request):
-    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture), dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        request.getfixturevalue(model_fixture), dtype=torch.float32, attn_implementation="sdpa"
+    )
     samples = [s for t in _group_trajectories() for s in samples_from_trajectory(t, 100)]
     mb = collate(samples)
-    plain, plain_ent = token_logprobs(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
-                                      mb.input_ids, 0.8)
+    plain, plain_ent = token_logprobs(
+        model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.input_ids, 0.8
+    )
     rows = pack(samples, 2048)
     assert rows.num_tokens < mb.input_ids.numel()  # the prefixes were shared
     logp, ent = packed_token_logprobs(model, rows, len(samples), mb.action_mask.shape[1], 0.8)
@@ -61,8 +70,19 @@ def world():
 
 
 def test_a_learner_step_is_the_same_packed_or_plain(world, tiny_qwen3):
-    flags = ["--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt",
-             "4", "--train.batch_size", "12", "--train.micro_batch_size", "4", "--train.force_on_policy"]
+    flags = [
+        "--algo.advantage.estimator",
+        "grpo",
+        "--algo.kl.init_coef",
+        "0",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--train.batch_size",
+        "12",
+        "--train.micro_batch_size",
+        "4",
+        "--train.force_on_policy",
+    ]
     results = []
     for packed in ("true", "false"):
         torch.manual_seed(0)

@@ -11,18 +11,53 @@ import time
 from collections import Counter
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
-from tests.integration.trainer_testlib import (ROOT, audit, delete_stream, env, put, run_trainer,
-                                                    synthetic_groups, trainer_cmd)
+from tests.integration.trainer_testlib import (
+    ROOT,
+    audit,
+    delete_stream,
+    env,
+    put,
+    run_trainer,
+    synthetic_groups,
+    trainer_cmd,
+)
 
 
 def _flags(model, redis_url, stream, tmp):
     return [
-        "--actor.model_name_or_path", str(model), "--train.dispatch", "false",
-        "--redis.url", redis_url, "--redis.stream", stream, "--train.consumer", "trainer-a",
-        "--algo.advantage.estimator", "rloo", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "2",
-        "--rollout.batch_size", "1", "--train.batch_size", "2", "--actor.adam.lr", "1e-4",
-        "--train.num_steps", "6", "--ckpt.path", str(tmp / "ckpt"), "--ckpt.save_steps", "2", "--ckpt.load_enable",
-        "--logger.steps_jsonl", str(tmp / "audit.jsonl"), "--fsdp.strategy", "torch",
+        "--actor.model_name_or_path",
+        str(model),
+        "--train.dispatch",
+        "false",
+        "--redis.url",
+        redis_url,
+        "--redis.stream",
+        stream,
+        "--train.consumer",
+        "trainer-a",
+        "--algo.advantage.estimator",
+        "rloo",
+        "--algo.kl.init_coef",
+        "0",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--rollout.batch_size",
+        "1",
+        "--train.batch_size",
+        "2",
+        "--actor.adam.lr",
+        "1e-4",
+        "--train.num_steps",
+        "6",
+        "--ckpt.path",
+        str(tmp / "ckpt"),
+        "--ckpt.save_steps",
+        "2",
+        "--ckpt.load_enable",
+        "--logger.steps_jsonl",
+        str(tmp / "audit.jsonl"),
+        "--fsdp.strategy",
+        "torch",
     ]
 
 
@@ -75,8 +110,13 @@ def test_kill_between_consume_and_ack_trains_each_trajectory_once(tiny_qwen3, re
     try:
         put(redis_url, stream_name, produced)
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(trainer_cmd() + flags, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**env(), "MOLT_TRAINER_TEST_HOLD_BEFORE_ACK_STEP": "4"})
+            proc = subprocess.Popen(
+                trainer_cmd() + flags,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env(), "MOLT_TRAINER_TEST_HOLD_BEFORE_ACK_STEP": "4"},
+            )
         try:
             _wait_for(log_path, "holding before ack of step 4", proc)
             lag = _pending(redis_url, stream_name)

@@ -19,6 +19,7 @@ import pytest_asyncio
 import torch
 from rollout_testlib import PROMPT, hf_token_logprobs, max_abs_diff, tiny_settings
 
+from molt.serve import cpu_env
 from molt.weightsync.check import probe_check
 from molt.weightsync.client import GrpcPodClient, PodError
 from molt.weightsync.layout import plan_layout
@@ -140,11 +141,26 @@ async def test_gloo_collective_from_a_second_process_equals_grpc(pod, tiny_qwen3
     await pusher.push_async(_hf_state(tiny_qwen3)[0], version=engine.policy_version + 1)  # away from b again
     await pusher._pods()[0].close()
     version = engine.policy_version + 1
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = cpu_env()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.trainer.push", "--model", str(tiny_qwen3_b), "--pods", target,
-        "--transport", "gloo", "--version", str(version), "--bucket_bytes", str(256 << 10), cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "services.trainer.push",
+        "--model",
+        str(tiny_qwen3_b),
+        "--pods",
+        target,
+        "--transport",
+        "gloo",
+        "--version",
+        str(version),
+        "--bucket_bytes",
+        str(256 << 10),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 240)
     assert proc.returncode == 0, out.decode()[-3000:]
     assert engine.policy_version == version

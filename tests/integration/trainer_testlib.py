@@ -13,6 +13,7 @@ import numpy as np
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from molt.schema import Segment, Trajectory
+from molt.serve import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,14 +59,20 @@ def trainer_cmd(nproc: int = 1) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    e = cpu_env({**os.environ, "PYTHONPATH": str(ROOT)})
     e.pop("MOLT_TRAINER_TEST_HOLD_BEFORE_ACK_STEP", None)
     return e
 
 
 def run_trainer(flags: list[str], nproc: int = 1, timeout: float = 120, extra_env: dict | None = None):
-    proc = subprocess.run(trainer_cmd(nproc) + flags, cwd=ROOT, env={**env(), **(extra_env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        trainer_cmd(nproc) + flags,
+        cwd=ROOT,
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc

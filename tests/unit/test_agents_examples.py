@@ -22,10 +22,17 @@ def _module(name):
     return sys.modules[f"molt_agent_ex_{name}"]
 
 
-@pytest.mark.parametrize("text, label, reward", [
-    ("so the answer is \\boxed{12}", "12", 1.0), ("7 then 12.0", {"ground_truth": 12}, 1.0),
-    ("1/2", "0.5", 1.0), ("no number", "3", 0.0), ("3, then 4", "3", 0.0), ("1,234", "1234", 1.0),
-])
+@pytest.mark.parametrize(
+    "text, label, reward",
+    [
+        ("so the answer is \\boxed{12}", "12", 1.0),
+        ("7 then 12.0", {"ground_truth": 12}, 1.0),
+        ("1/2", "0.5", 1.0),
+        ("no number", "3", 0.0),
+        ("3, then 4", "3", 0.0),
+        ("1,234", "1234", 1.0),
+    ],
+)
 def test_math_grade(text, label, reward):
     assert _module("math").grade(text, label) == reward
 
@@ -38,8 +45,11 @@ def test_judge_parse_and_chat_grade():
 
 
 async def test_tool_env_runs_code_in_the_sandbox_and_masks_its_output():
-    turns = {1: "let me compute\n```python\nprint(6 * 7)\n```", 2: "```python\nimport socket\n"
-             "socket.create_connection(('127.0.0.1', 9))\n```", 3: "<answer>42</answer>"}
+    turns = {
+        1: "let me compute\n```python\nprint(6 * 7)\n```",
+        2: "```python\nimport socket\nsocket.create_connection(('127.0.0.1', 9))\n```",
+        3: "<answer>42</answer>",
+    }
     fake = FakeGateway(policy=lambda prompt, turn: turns[turn])
     runner = load_agent_runner(EXAMPLES / "tool_env.py", "ex_tools")
     gw = GatewayClient("http://fake", transport=httpx.ASGITransport(app=fake.app))
@@ -49,4 +59,4 @@ async def test_tool_env_runs_code_in_the_sandbox_and_masks_its_output():
     assert s.action_texts() == [turns[1], turns[2], turns[3]]
     masked = s.masked_texts()
     assert len(masked) == 3 and "<output>\n42\n</output>" in masked[1]
-    assert "Network is unreachable" in masked[2] or "blocked in the sandbox" in masked[2]
+    assert "ConnectionRefusedError" in masked[2]  # the sandbox's own loopback: nothing of the host listens

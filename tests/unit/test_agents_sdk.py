@@ -35,7 +35,7 @@ async def test_single_turn_state_reward_and_finish():
     out = await StepEnvRunner(Grader).execute(_episode(sampling_params={"temperature": 0.7}), _gateway(fake))
     assert set(seen[0]) == {"observation_text", "action_text", "label", "sampling_params"}
     assert seen[0]["observation_text"] == "Q: 1+1?" and seen[0]["action_text"] == "it is 2"
-    assert seen[0]["sampling_params"]["temperature"] == 0.7
+    assert seen[0]["sampling_params"].temperature == 0.7  # an object with vLLM's attribute names, as in Molt
     s = fake.sessions[out.trajectory_id]
     assert s.status == "finished" and s.finish == {"reward": 1.0, "score": 1.0, "info": {"n": 3.0}}
     assert (out.reward, out.turns, out.tokens, out.written) == (1.0, 1, len("Q: 1+1?it is 2"), True)
@@ -54,9 +54,13 @@ class Countdown(Env):
 
     async def step(self, state):
         self.turn += 1
-        state["sampling_params"]["temperature"] = 99.0  # a copy: must not leak into the next turn
-        return Result(reward=[self.turn / 10, 5.0], observation=f"|fb{self.turn}|", terminated=self.turn == 3,
-                      score=0.25 if self.turn == 3 else None)
+        state["sampling_params"].temperature = 99.0  # a copy: must not leak into the next turn
+        return Result(
+            reward=[self.turn / 10, 5.0],
+            observation=f"|fb{self.turn}|",
+            terminated=self.turn == 3,
+            score=0.25 if self.turn == 3 else None,
+        )
 
 
 async def test_multi_turn_sums_rewards_and_masks_feedback_even_on_the_last_turn():
@@ -94,26 +98,59 @@ async def test_result_sampling_params_replace_params_and_per_turn_cap():
 
         async def step(self, state):
             self.turn += 1
-            return Result(observation=".", terminated=self.turn == 3,
-                          sampling_params={"temperature": 0.1, "max_tokens": 3} if self.turn == 1 else None)
+            return Result(
+                observation=".",
+                terminated=self.turn == 3,
+                sampling_params={"temperature": 0.1, "max_tokens": 3} if self.turn == 1 else None,
+            )
 
     fake = FakeGateway(policy=lambda prompt, turn: "xy")
-    await StepEnvRunner(Switch).execute(_episode(max_new_tokens=8, sampling_params={"temperature": 1.0}),
-                                        _gateway(fake))
+    await StepEnvRunner(Switch).execute(
+        _episode(max_new_tokens=8, sampling_params={"temperature": 1.0}), _gateway(fake)
+    )
     sent = [r["sampling_params"] for r in next(iter(fake.sessions.values())).requests]
     assert sent[0] == {"temperature": 1.0, "max_tokens": 8}
     assert sent[1] == sent[2] == {"temperature": 0.1, "max_tokens": 3}
     assert sent[3] == {"max_tokens": 0}  # terminal feedback: append only
 
 
-async def test_length_finish_truncates_the_episode():
-    class Forever(Env):
+async def test_a_per_turn_length_cut_marks_truncated_but_the_env_decides_when_to_stop():
+    class TwoTurns(Env):
+        def __init__(self):
+            self.turn = 0
+
         async def step(self, state):
-            return Result(reward=1.0, observation="more", terminated=False)
+            self.turn += 1
+            return Result(reward=1.0, observation="more", terminated=self.turn == 2)
 
     fake = FakeGateway(policy=lambda prompt, turn: "a long answer")
-    out = await StepEnvRunner(Forever).execute(_episode(max_new_tokens=4), _gateway(fake))
-    assert out.truncated and out.turns == 1 and out.reward == 1.0  # per-turn cap hit -> stop (Molt)
+    out = await StepEnvRunner(TwoTurns).execute(_episode(max_new_tokens=4), _gateway(fake))
+    # every turn hits the per-turn cap of 4 tokens; Molt goes on until the env terminates
+    assert out.truncated and out.turns == 2 and out.reward == 2.0
+
+
+async def test_result_sampling_params_accepts_an_object_with_vllm_attribute_names():
+    from types import SimpleNamespace
+
+    from molt.agents.params import SamplingParams
+
+    class Switch(Env):
+        def __init__(self):
+            self.turn = 0
+
+        async def step(self, state):
+            self.turn += 1
+            sp = state["sampling_params"]
+            assert isinstance(sp, SamplingParams) and sp.max_tokens == (8 if self.turn == 1 else 3)
+            new = SimpleNamespace(max_tokens=3, temperature=0.2, top_p=1.0, stop=[])  # e.g. a vLLM SamplingParams
+            return Result(observation=".", terminated=self.turn == 2, sampling_params=new)
+
+    fake = FakeGateway(policy=lambda prompt, turn: "xy")
+    await StepEnvRunner(Switch).execute(_episode(max_new_tokens=8), _gateway(fake))
+    sent = [r["sampling_params"] for r in next(iter(fake.sessions.values())).requests]
+    assert sent[:2] == [{"max_tokens": 8}, {"max_tokens": 3, "temperature": 0.2, "top_p": 1.0}]
+    with pytest.raises(ValueError, match="Result.sampling_params: unknown sampling param"):
+        SamplingParams.from_any({"max_new_tokens": 3}, "Result.sampling_params")
 
 
 async def test_total_budget_stops_the_loop():
@@ -144,8 +181,10 @@ async def test_messages_prompt_and_reset():
     assert s.masked_texts()[0] == "<|user|>hi\n<|user|>again\n<|assistant|>"
 
 
-@pytest.mark.parametrize("bad, err", [("not a result", TypeError), (Result(reward=None), ValueError),
-                                      (Result(reward=float("nan")), ValueError)])
+@pytest.mark.parametrize(
+    "bad, err",
+    [("not a result", TypeError), (Result(reward=None), ValueError), (Result(reward=float("nan")), ValueError)],
+)
 async def test_bad_results_abort_the_session(bad, err):
     class Bad(Env):
         async def step(self, state):
@@ -192,13 +231,17 @@ async def test_chat_agent_with_the_openai_sdk():
             resp = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=32)
             return Result(reward=float("2" in resp.choices[0].message.content), info={"len": 3})
 
-    ep = _episode(prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}],
-                  sampling_params={"temperature": 0.5}, max_length=100)
+    ep = _episode(
+        prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}],
+        sampling_params={"temperature": 0.5},
+        max_length=100,
+    )
     out = await ChatAgentRunner(Agent).execute(ep, _gateway(fake))
     ctx = contexts[0]
     assert ctx.prompt == "1+1?" and ctx.model_name == "policy" and ctx.api_key == "EMPTY"
     assert ctx.base_url.endswith(f"/s/{ctx.session_id}/v1") and ctx.session_url.endswith(f"/s/{ctx.session_id}")
-    assert ctx.sampling_params == {"temperature": 0.5} and ctx.max_length == 100 and ctx.gateway_url == "http://fake"
+    assert ctx.sampling_params.temperature == 0.5 and ctx.sampling_params.max_tokens is None
+    assert ctx.max_length == 100 and ctx.gateway_url == "http://fake"
     s = fake.sessions[out.trajectory_id]
     assert s.status == "finished" and s.finish["reward"] == 1.0 and out.turns == 1 and out.written
     assert s.action_texts() == ["the answer is 2"]
@@ -219,7 +262,8 @@ async def test_chat_agent_string_prompt_and_failures_abort():
 
 def test_load_agent_runner(tmp_path):
     good = tmp_path / "agent.py"
-    good.write_text(textwrap.dedent("""
+    good.write_text(
+        textwrap.dedent("""
         from molt.agents import Env, Result, StepEnvRunner
 
         class MyEnv(Env):
@@ -229,7 +273,8 @@ def test_load_agent_runner(tmp_path):
         class AgentRunner(StepEnvRunner):
             def __init__(self):
                 super().__init__(MyEnv)
-    """))
+    """)
+    )
     runner = load_agent_runner(good, "mine")
     assert isinstance(runner, StepEnvRunner) and runner.env_cls.__name__ == "MyEnv"
     (tmp_path / "none.py").write_text("x = 1\n")
@@ -254,14 +299,16 @@ async def test_terminal_feedback_is_skipped_when_the_gateway_cannot_append_only(
 def test_molt_module_paths_import(tmp_path):
     """Molt modules import from molt.agents.base / molt.agents.chat_agent too."""
     path = tmp_path / "molt_paths.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from molt.agents.base import Env, Result, StepEnvRunner
         from molt.agents.chat_agent import ChatAgent, ChatAgentRunner, ChatContext
 
         class AgentRunner(StepEnvRunner):
             def __init__(self):
                 super().__init__(Env)
-    """))
+    """)
+    )
     assert isinstance(load_agent_runner(path, "molt_paths"), StepEnvRunner)
 
 
@@ -273,8 +320,13 @@ async def test_open_session_asks_again_after_a_503():
 
     async def flaky(scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/v1/sessions" and answers:
-            await send({"type": "http.response.start", "status": answers.pop(0),
-                        "headers": [(b"retry-after", b"0.1"), (b"content-type", b"application/json")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": answers.pop(0),
+                    "headers": [(b"retry-after", b"0.1"), (b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": b'{"error": {"code": "draining"}}'})
             return
         await fake.app(scope, receive, send)
@@ -291,3 +343,41 @@ async def test_open_session_asks_again_after_a_503():
     with pytest.raises(GatewayError) as err:
         await client.open_session(group_id="g")
     assert err.value.status == 400 and not answers  # not asked again
+
+
+async def test_tensor_and_numpy_info_values_reach_the_trajectory_as_scalars():
+    import numpy as np
+    import torch
+
+    class Tensors(Env):
+        async def step(self, state):
+            return Result(
+                reward=torch.tensor(1.0),
+                score=np.float32(0.5),
+                info={
+                    "exact": torch.tensor(1.0),
+                    "turns": torch.tensor([2.0, 9.0]),
+                    "np": np.float32(0.25),
+                    "flag": True,
+                    "name": "text is skipped",
+                    "empty": torch.tensor([]),
+                },
+            )
+
+    fake = FakeGateway(policy=lambda prompt, turn: "x")
+    out = await StepEnvRunner(Tensors).execute(_episode(), _gateway(fake))
+    expected = {"exact": 1.0, "turns": 2.0, "np": 0.25, "flag": 1.0}  # first element, as Molt's _first_scalar
+    assert fake.sessions[out.trajectory_id].finish == {"reward": 1.0, "score": 0.5, "info": expected}
+    assert out.info == expected
+
+
+async def test_an_eval_episode_is_graded_but_writes_nothing():
+    fake = FakeGateway(policy=lambda prompt, turn: "it is 2")
+
+    class Grader(Env):
+        async def step(self, state):
+            return Result(reward=1.0)
+
+    out = await StepEnvRunner(Grader).execute(_episode(eval=True), _gateway(fake))
+    assert out.reward == 1.0 and not out.written
+    assert fake.sessions[out.trajectory_id].status == "aborted"  # the gateway writes no trajectory

@@ -1,4 +1,4 @@
-"""Advantage estimators: the hand-derived examples of molt-spec 4.3, dedupe, clipping, registry.
+"""Advantage estimators: hand-derived examples, dedupe, clipping, registry.
 
 Unless stated otherwise: one group, every sample has the same number of action tokens, gamma = lambda
 = 1, beta = 0, rewards already inside the clip range.

@@ -1,4 +1,4 @@
-"""Algorithm config blocks (Molt names and defaults, molt-spec 8.1) and validate_algo (5, 8.2)."""
+"""Algorithm config blocks (Molt names and defaults) and validate_algo."""
 
 from __future__ import annotations
 
@@ -43,15 +43,35 @@ def test_molt_defaults():
     assert (s.algo.kl.target, s.algo.kl.horizon) == (None, 10_000)
     assert not s.algo.dynamic_filtering_enable and s.algo.dynamic_filtering_range == [0.0, 1.0]
     assert (s.actor.loss_mode, s.actor.eps_clip_low_high, s.actor.dual_clip, s.actor.entropy_coef) == (
-        "ppo", None, None, None)
+        "ppo",
+        None,
+        None,
+        None,
+    )
     assert s.critic.value_clip == 0.2 and s.reward.clip_range == [-10.0, 10.0]
 
 
 def test_dotted_flags_and_help_text():
-    argv = ["--algo.advantage.estimator", "grpo", "--algo.advantage.is_correction_level", "geo",
-            "--algo.advantage.is_correction_threshold", "0.99", "1.01", "--algo.kl.target", "0.01",
-            "--actor.eps_clip_low_high", "0.2", "0.27", "--actor.dual_clip", "10", "--algo.advantage.no_whiten",
-            "--reward.clip_range", "-1", "1"]
+    argv = [
+        "--algo.advantage.estimator",
+        "grpo",
+        "--algo.advantage.is_correction_level",
+        "geo",
+        "--algo.advantage.is_correction_threshold",
+        "0.99",
+        "1.01",
+        "--algo.kl.target",
+        "0.01",
+        "--actor.eps_clip_low_high",
+        "0.2",
+        "0.27",
+        "--actor.dual_clip",
+        "10",
+        "--algo.advantage.no_whiten",
+        "--reward.clip_range",
+        "-1",
+        "1",
+    ]
     s = parse_settings(_Settings, argv, environ={})
     assert s.algo.advantage.estimator == "grpo" and s.algo.advantage.is_correction_threshold == [0.99, 1.01]
     assert s.actor.eps_clip_low_high == [0.2, 0.27] and s.actor.dual_clip == 10.0
@@ -131,8 +151,10 @@ def test_rejections_name_the_flags(algo, actor, kw, match):
 
 
 def test_accepted_async_recipe_and_builders():
-    algo = AlgoConfig(advantage={"estimator": "grpo", "is_correction_level": "geo",
-                                 "is_correction_threshold": [0.99, 1.01]}, kl={"target": 0.02, "horizon": 500})
+    algo = AlgoConfig(
+        advantage={"estimator": "grpo", "is_correction_level": "geo", "is_correction_threshold": [0.99, 1.01]},
+        kl={"target": 0.02, "horizon": 500},
+    )
     actor = ActorLossConfig(eps_clip_low_high=[0.2, 0.27], dual_clip=10.0)
     hints, *_ = _validate(algo, actor, async_queue_size=2, partial_rollout=True)
     assert any("--train.partial_rollout_enable" in h for h in hints)

@@ -1,4 +1,4 @@
-"""Dynamic filtering of prompt groups (molt-spec 4.9)."""
+"""Dynamic filtering of prompt groups."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""IS correction for the train/rollout mismatch: molt-spec 5's worked examples, every level x mode.
+"""IS correction for the train/rollout mismatch: hand-worked examples, every level x mode.
 
 Worked-example setup: one sequence of 3 action tokens, PPO ratio 1 and A = 1 (so the base per-token
 loss is -1), band [0.8, 1.25], N_window = 3, dp = 1; delta = log pi_old - log pi_rollout.
@@ -108,8 +108,9 @@ def test_off_ignores_rollout_logprobs_and_on_requires_them():
     logp = torch.zeros(1, 2, requires_grad=True)
     off = PolicyLoss("ppo")
     garbage = torch.full((1, 2), float("nan"))
-    assert off(logp, logp.detach(), torch.ones(1, 2), torch.ones(1, 2), num_window_tokens=2,
-               rollout_logp=garbage).loss.item() == pytest.approx(-1.0)
+    assert off(
+        logp, logp.detach(), torch.ones(1, 2), torch.ones(1, 2), num_window_tokens=2, rollout_logp=garbage
+    ).loss.item() == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="no rollout log-probs"):
         PolicyLoss("ppo", is_level="token")(
             logp, logp.detach(), torch.ones(1, 2), torch.ones(1, 2), num_window_tokens=2

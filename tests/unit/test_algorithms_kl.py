@@ -1,4 +1,4 @@
-"""KL estimators (molt-spec 4.4) and the KL controller (4.5), with hand-derived numbers."""
+"""KL estimators and the KL controller, with hand-derived numbers."""
 
 from __future__ import annotations
 

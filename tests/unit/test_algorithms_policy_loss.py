@@ -1,4 +1,4 @@
-"""Policy losses (molt-spec 4.6), the global token-mean, value loss (4.8) and entropy."""
+"""Policy losses, the global token-mean, value loss and entropy."""
 
 from __future__ import annotations
 
@@ -79,8 +79,10 @@ def test_accumulated_gradient_equals_gradient_of_global_token_mean():
     masks = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])]
     n_window = int(sum(m.sum() for m in masks))
     loss = PolicyLoss("ppo", eps_clip=(0.2, 0.28))
-    assert any(loss(lp, old, adv, m, num_window_tokens=n_window).metrics["policy_clip_ratio"] > 0
-               for (lp, old, adv), m in zip(mbs, masks))  # the clipped branch is exercised
+    assert any(
+        loss(lp, old, adv, m, num_window_tokens=n_window).metrics["policy_clip_ratio"] > 0
+        for (lp, old, adv), m in zip(mbs, masks)
+    )  # the clipped branch is exercised
     for (logp, old, adv), mask in zip(mbs, masks):
         loss(logp, old, adv, mask, num_window_tokens=n_window).loss.backward()
     accumulated = [logp.grad.clone() for logp, _, _ in mbs]

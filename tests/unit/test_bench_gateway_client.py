@@ -17,8 +17,10 @@ class _Transport:
         self.written.append(data)
 
 
-CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-           b"5\r\n{\"a\":\r\n3;x=y\r\n 1}\r\n0\r\n\r\n")
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b'5\r\n{"a":\r\n3;x=y\r\n 1}\r\n0\r\n\r\n'
+)
 SIZED = b"HTTP/1.1 200 OK\r\nServer-Timing: gateway;dur=0.5, pod;dur=2\r\nContent-Length: 2\r\n\r\nok"
 
 

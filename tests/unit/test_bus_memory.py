@@ -11,8 +11,9 @@ from molt.schema import Segment, Trajectory
 
 
 def traj(tid: str) -> Trajectory:
-    seg = Segment(token_ids=np.arange(6), action_spans=np.array([[2, 6]]), logprobs=np.full(4, -1.0),
-                  versions=np.zeros(4))
+    seg = Segment(
+        token_ids=np.arange(6), action_spans=np.array([[2, 6]]), logprobs=np.full(4, -1.0), versions=np.zeros(4)
+    )
     return Trajectory(trajectory_id=tid, group_id="g", sample_index=0, segments=[seg], reward=1.0)
 
 

@@ -36,9 +36,20 @@ class Settings(Section):
 
 
 def test_dotted_flags_and_types():
-    s = parse_settings(Settings, ["--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
-                                  "--algo.advantage.is_correction_threshold", "0.99", "1.01",
-                                  "--algo.advantage.no_whiten"], environ={})
+    s = parse_settings(
+        Settings,
+        [
+            "--algo.advantage.estimator",
+            "grpo",
+            "--rollout.n_samples_per_prompt",
+            "8",
+            "--algo.advantage.is_correction_threshold",
+            "0.99",
+            "1.01",
+            "--algo.advantage.no_whiten",
+        ],
+        environ={},
+    )
     assert s.algo.advantage.estimator == "grpo"
     assert s.rollout.n_samples_per_prompt == 8
     assert s.algo.advantage.is_correction_threshold == [0.99, 1.01]
@@ -46,14 +57,19 @@ def test_dotted_flags_and_types():
 
 
 def test_bool_forms():
-    assert parse_settings(Settings, ["--algo.advantage.no_whiten", "false"], environ={}).algo.advantage.no_whiten is False
+    assert (
+        parse_settings(Settings, ["--algo.advantage.no_whiten", "false"], environ={}).algo.advantage.no_whiten is False
+    )
     s = parse_settings(Settings, ["--no-algo.advantage.no_whiten"], environ={"MOLT_ALGO__ADVANTAGE__NO_WHITEN": "1"})
     assert s.algo.advantage.no_whiten is False
 
 
 def test_layering_defaults_env_flags():
-    env = {"MOLT_REDIS__URL": "redis://env:1/0", "MOLT_ROLLOUT__N_SAMPLES_PER_PROMPT": "4",
-           "MOLT_ALGO__ADVANTAGE__IS_CORRECTION_THRESHOLD": "0.8,1.2"}
+    env = {
+        "MOLT_REDIS__URL": "redis://env:1/0",
+        "MOLT_ROLLOUT__N_SAMPLES_PER_PROMPT": "4",
+        "MOLT_ALGO__ADVANTAGE__IS_CORRECTION_THRESHOLD": "0.8,1.2",
+    }
     s = parse_settings(Settings, ["--rollout.n_samples_per_prompt", "16"], environ=env)
     assert s.redis.url == "redis://env:1/0"  # env over default
     assert s.rollout.n_samples_per_prompt == 16  # flag over env

@@ -19,13 +19,21 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 from deploy import tools  # noqa: E402
-ENV = {"MOLT_API_KEY": "sk-test-0123456789abcdef"}
+
+ENV = {
+    "MOLT_API_KEY": "sk-test-0123456789abcdef",
+    "MOLT_REDIS_PASSWORD": "redis-test-password",
+    "MOLT_WEIGHTS_TOKEN": "weights-test-token",
+}
 HTTP_PORTS = {"rollout": 8000, "gateway": 8080, "envs": 8090}
-DOCKERFILES = {"rollout": "rollout.Dockerfile", "trainer": "trainer.Dockerfile", "gateway": "service.Dockerfile",
-               "envs": "service.Dockerfile"}
+DOCKERFILES = {
+    "rollout": "rollout.Dockerfile",
+    "rollout-model": "rollout.Dockerfile",
+    "trainer": "trainer.Dockerfile",
+    "gateway": "service.Dockerfile",
+    "envs": "service.Dockerfile",
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +52,29 @@ def test_compose_validates_against_the_compose_spec(compose):
     assert list(validator.iter_errors(tools.interpolate(bad, ENV)))
 
 
-def test_api_key_is_required():
-    with pytest.raises(KeyError, match="MOLT_API_KEY"):
-        tools.load_compose({})
+@pytest.mark.parametrize("var", ["MOLT_API_KEY", "MOLT_REDIS_PASSWORD", "MOLT_WEIGHTS_TOKEN"])
+def test_secrets_are_required(var):
+    with pytest.raises(KeyError, match=var):
+        tools.load_compose({k: v for k, v in ENV.items() if k != var})
 
 
 def test_services_start_in_health_order(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "rollout", "gateway", "envs", "trainer", "prometheus", "grafana"}
+    assert set(services) == {
+        "redis",
+        "rollout-model",
+        "rollout",
+        "gateway",
+        "envs",
+        "trainer",
+        "prometheus",
+        "grafana",
+    }
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
+            if dep == "rollout-model":  # a one-shot: it picks the model and exits
+                assert cond["condition"] == "service_completed_successfully", name
+                continue
             assert cond["condition"] == "service_healthy", (name, dep)
             assert "healthcheck" in services[dep], f"{name} waits on {dep}, which has no healthcheck"
     assert set(services["gateway"]["depends_on"]) == {"redis", "rollout"}
@@ -82,6 +103,17 @@ def test_commands_parse_with_the_service_settings(compose, name, tmp_path):
     service, argv = tools.service_argv(svc["command"])
     assert service == name
     env = dict(svc.get("environment", {}))
+    found = tools.settings_model(service)
+    if found is not None:  # flags the chart and compose pass ahead of the service (see test_deploy_helm)
+        from molt.config import iter_fields
+        from tests.unit.test_deploy_helm import PENDING_FLAGS
+
+        fields = {d for d, _, _ in iter_fields(found[0])}
+        argv = [
+            a
+            for a in argv
+            if not ((service, a[2:].split("=", 1)[0]) in PENDING_FLAGS and a[2:].split("=", 1)[0] not in fields)
+        ]
     if tools.parse_service(service, argv, env, agent_dir=tmp_path) is None:
         pytest.skip(f"services.{name} has no settings module yet")
 
@@ -92,7 +124,7 @@ def test_prometheus_scrapes_every_service(compose):
     config = yaml.safe_load((ROOT / mount.split(":")[0]).read_text())
     targets = {}
     for job in config["scrape_configs"]:
-        assert job["honor_labels"] is True, job["job_name"]  # keep services' own `pod` label
+        assert not job.get("honor_labels"), job["job_name"]  # the target's `pod` label wins
         for sc in job["static_configs"]:
             assert "pod" in sc["labels"]
             for t in sc["targets"]:
@@ -103,8 +135,11 @@ def test_prometheus_scrapes_every_service(compose):
 
 
 def test_grafana_gets_datasource_and_dashboard(compose):
-    vols = {v.split(":")[1]: ROOT / v.split(":")[0] for v in compose["services"]["grafana"]["volumes"]
-            if v.startswith("./")}
+    vols = {
+        v.split(":")[1]: ROOT / v.split(":")[0]
+        for v in compose["services"]["grafana"]["volumes"]
+        if v.startswith("./")
+    }
     dash_dir = vols["/var/lib/grafana/dashboards/molt"]
     assert (dash_dir / "molt-overview.json").is_file()
     prov = vols["/etc/grafana/provisioning"]
@@ -116,8 +151,11 @@ def test_grafana_gets_datasource_and_dashboard(compose):
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
-            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(set(DOCKERFILES.values())))
@@ -149,7 +187,38 @@ def test_slim_services_import_without_torch(service):
     """The slim image has no torch or vLLM: the gateway and env worker must not need them."""
     if importlib.util.find_spec(f"services.{service}.app") is None:
         pytest.skip(f"services.{service}.app not written yet")
-    code = ("import sys\nfor m in ('torch', 'vllm', 'nemo_automodel'): sys.modules[m] = None\n"
-            f"import services.{service}.app, services.{service}.__main__\n")
+    code = (
+        "import sys\nfor m in ('torch', 'vllm', 'nemo_automodel'): sys.modules[m] = None\n"
+        f"import services.{service}.app, services.{service}.__main__\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_model_is_kept_and_rollout_starts_from_the_newest_export(compose):
+    services = compose["services"]
+    cmd = services["trainer"]["command"]
+    assert "--ckpt.save_steps=50" in cmd and "--ckpt.load_enable" in cmd and "--ckpt.save_hf" in cmd
+    assert "--ckpt.path=/checkpoints" in cmd and "--ckpt.output_dir=/checkpoints/final-hf" in cmd
+    assert "checkpoints:/checkpoints" in services["trainer"]["volumes"]
+    assert "checkpoints" in compose["volumes"]  # a named volume: survives container restarts and rebuilds
+    assert services["trainer"]["restart"] == "on-failure"  # and resumes from it
+    assert "--model.path=/run/molt/model" in services["rollout"]["command"]
+    assert {"checkpoints:/checkpoints:ro", "rollout-model:/run/molt:ro"} <= set(services["rollout"]["volumes"])
+    assert "/checkpoints/_hf/*/" in services["rollout-model"]["command"][-1]
+
+
+def test_redis_password_and_weight_token_come_from_the_environment(compose):
+    services = compose["services"]
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--requirepass") + 1] == ENV["MOLT_REDIS_PASSWORD"]
+    assert redis[redis.index("--appendonly") + 1] == "yes"
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == ENV["MOLT_REDIS_PASSWORD"]
+    url = f"redis://:{ENV['MOLT_REDIS_PASSWORD']}@redis:6379/0"
+    for name in ("gateway", "trainer"):
+        assert services[name]["environment"]["MOLT_REDIS__URL"] == url, name
+        assert not any(a.startswith("--redis.url") for a in services[name]["command"])  # not on a command line
+    for name in ("rollout", "trainer"):
+        assert services[name]["environment"]["MOLT_WEIGHTS_TOKEN"] == ENV["MOLT_WEIGHTS_TOKEN"], name
+    for name in ("gateway", "envs"):
+        assert "MOLT_WEIGHTS_TOKEN" not in services[name]["environment"], name

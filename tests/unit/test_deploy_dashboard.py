@@ -5,7 +5,6 @@ against what running services export."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import warnings
@@ -18,24 +17,70 @@ from molt.metrics import CATALOG
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 from deploy import metric_refs as refs  # noqa: E402
 from deploy import tools  # noqa: E402
 from deploy.grafana import dashboard as builder  # noqa: E402
 
-ALERTS = {  # the issue's list, by name
-    "MoltQueueBacklogGrowing", "MoltQueueOldestUnackedOld", "MoltMismatchKLHigh", "MoltWeightSyncFailing",
-    "MoltWeightSyncSlow", "MoltWeightApplySlow", "MoltRolloutPolicyBehind", "MoltNoTrajectoriesArriving",
-    "MoltPodsNotReady", "MoltTargetDown", "MoltRolloutPodUnhealthy",
+ALERTS = {  # every alert we promise, by name
+    "MoltQueueBacklogGrowing",
+    "MoltQueueOldestUnackedOld",
+    "MoltMismatchKLFreshHigh",
+    "MoltWeightSyncFailing",
+    "MoltWeightSyncSlow",
+    "MoltWeightApplySlow",
+    "MoltRolloutPolicyBehind",
+    "MoltNoTrajectoriesArriving",
+    "MoltPodsNotReady",
+    "MoltTargetDown",
+    "MoltRolloutPodUnhealthy",
 }
 # Non-Molt series the rules may read: Prometheus' own and kube-state-metrics'.
 FOREIGN_SERIES = {"up", "kube_pod_status_ready"}
 PROMQL_WORDS = {
-    "sum", "max", "min", "count", "avg", "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-    "unless", "rate", "increase", "deriv", "delta", "histogram_quantile", "clamp_min", "scalar", "absent",
-    "label_values", "namespace", "le", "stream", "pod", "side", "phase", "wire", "code", "agent", "status", "reason",
-    "outcome", "transport", "term", "condition", "job", "__name__", "humanize", "bool",
+    "sum",
+    "max",
+    "min",
+    "count",
+    "avg",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "rate",
+    "increase",
+    "deriv",
+    "delta",
+    "histogram_quantile",
+    "clamp_min",
+    "scalar",
+    "absent",
+    "label_values",
+    "namespace",
+    "le",
+    "stream",
+    "pod",
+    "rollout_url",
+    "side",
+    "phase",
+    "wire",
+    "code",
+    "agent",
+    "status",
+    "reason",
+    "outcome",
+    "transport",
+    "term",
+    "condition",
+    "job",
+    "__name__",
+    "humanize",
+    "bool",
+    "abs",
 }
 
 
@@ -64,12 +109,18 @@ def test_every_queried_name_and_label_is_in_the_catalog(dashboard, rule):
 
 def test_dashboard_covers_the_issue_topics(dashboard):
     series = {s.series for q in refs.dashboard_queries(dashboard) for s in refs.selectors(q.expr)}
-    for must in ("molt_queue_undelivered_entries", "molt_queue_oldest_unacked_age_seconds",  # queue lag
-                 "molt_trainer_staleness_versions_bucket",  # staleness
-                 "molt_trainer_mismatch_kl", "molt_trainer_policy_version",  # mismatch KL per pod and version
-                 "molt_weightsync_phase_seconds_bucket", "molt_rollout_weight_apply_seconds_bucket",  # sync phases
-                 "molt_gateway_added_latency_seconds_bucket",  # gateway latency
-                 "molt_trainer_reward_mean", "molt_envs_reward_bucket"):  # reward
+    for must in (
+        "molt_queue_undelivered_entries",
+        "molt_queue_oldest_unacked_age_seconds",  # queue lag
+        "molt_trainer_staleness_versions_bucket",  # staleness
+        "molt_trainer_mismatch_kl",
+        "molt_trainer_policy_version",  # mismatch KL per pod and version
+        "molt_weightsync_phase_seconds_bucket",
+        "molt_rollout_weight_apply_seconds_bucket",  # sync phases
+        "molt_gateway_added_latency_seconds_bucket",  # gateway latency
+        "molt_trainer_reward_mean",
+        "molt_envs_reward_bucket",
+    ):  # reward
         assert must in series, must
     unused = {n for n in CATALOG if not any(s == n or s.rsplit("_", 1)[0] == n for s in series)}
     if unused:  # a new catalog metric is no error, but it likely wants a panel
@@ -125,17 +176,20 @@ def test_panel_layout(dashboard):
     assert names == ["datasource", "namespace"]
 
 
-@pytest.mark.parametrize("expr, fragment", [
-    ("molt_gateway_requests{}", "counters are exposed as molt_gateway_requests_total"),
-    ("molt_gateway_added_latency_seconds", "a histogram"),
-    ("sum by (pod) (rate(molt_envs_rejected_total[5m]))", None),  # pod: a target label, allowed
-    ("sum by (wire) (rate(molt_envs_rejected_total[5m]))", "label 'wire'"),
-    ('molt_weightsync_failures_total{phase="x"}', "no label 'phase'"),
-    ("molt_queue_lag_entries", "not in molt/metrics.py CATALOG"),
-    ("histogram_quantile(0.9, sum by (le) (rate(molt_trainer_step_seconds_bucket[5m])))", None),
-    # Reward buckets are non-negative, so the histogram keeps its _sum (mean reward on the dashboard).
-    ("rate(molt_envs_reward_sum[5m])", None),
-])
+@pytest.mark.parametrize(
+    "expr, fragment",
+    [
+        ("molt_gateway_requests{}", "counters are exposed as molt_gateway_requests_total"),
+        ("molt_gateway_added_latency_seconds", "a histogram"),
+        ("sum by (pod) (rate(molt_envs_rejected_total[5m]))", None),  # pod: a target label, allowed
+        ("sum by (wire) (rate(molt_envs_rejected_total[5m]))", "label 'wire'"),
+        ('molt_weightsync_failures_total{phase="x"}', "no label 'phase'"),
+        ("molt_queue_lag_entries", "not in molt/metrics.py CATALOG"),
+        ("histogram_quantile(0.9, sum by (le) (rate(molt_trainer_step_seconds_bucket[5m])))", None),
+        # Reward buckets are non-negative, so the histogram keeps its _sum (mean reward on the dashboard).
+        ("rate(molt_envs_reward_sum[5m])", None),
+    ],
+)
 def test_catalog_check_catches_mistakes(expr, fragment):
     errors = refs.check_catalog([refs.Query("test", expr)], CATALOG)
     if fragment is None:
@@ -154,11 +208,23 @@ def test_scrape_check_reports_missing_names_and_labels():
         "# HELP molt_gateway_errors_total Errors.\n# TYPE molt_gateway_errors_total counter\n"
     )
     declared, samples = refs.scraped_series(text)
-    queries = [refs.Query("a", "sum by (wire, code) (rate(molt_gateway_requests_total[5m]))"),
-               refs.Query("b", "sum(molt_gateway_open_sessions)"),
-               refs.Query("c", "sum by (code) (rate(molt_gateway_errors_total[5m]))"),
-               refs.Query("d", "max(molt_trainer_step)")]
+    queries = [
+        refs.Query("a", "sum by (wire, code) (rate(molt_gateway_requests_total[5m]))"),
+        refs.Query("b", "sum(molt_gateway_open_sessions)"),
+        refs.Query("c", "sum by (code) (rate(molt_gateway_errors_total[5m]))"),
+        refs.Query("d", "max(molt_trainer_step)"),
+    ]
     errors, unobserved = refs.check_scrape(refs.required_labels(queries, CATALOG), declared, samples)
     assert any("molt_gateway_requests_total: samples lack label 'code'" in e for e in errors)
     assert any("molt_trainer_step: not exported" in e for e in errors)
     assert unobserved == ["molt_gateway_errors_total"]
+
+
+def test_no_series_label_is_a_target_label():
+    """Prometheus and Kubernetes set pod/namespace/job/instance/... on every scraped series: a Molt label of
+    the same name would clobber them (or be renamed exported_pod). The rollout pod a series is about is
+    `rollout_url`."""
+    from molt.metrics import CATALOG
+
+    for spec in CATALOG.values():
+        assert not set(spec.labels) & refs.TARGET_LABELS, (spec.name, spec.labels)

@@ -39,16 +39,25 @@ def setup(tmp_path):
     path = tmp_path / "agent.py"
     path.write_text(AGENTS)
     fake = FakeGateway(policy=lambda prompt, turn: "yes")
-    settings = EnvsSettings(agent=[f"echo={path}"], gateway={"url": "http://fake"},
-                            envs={"max_concurrency": 2, "episode_timeout_s": 1.0, "retry_after_s": 3})
+    settings = EnvsSettings(
+        agent=[f"echo={path}"],
+        gateway={"url": "http://fake"},
+        envs={"max_concurrency": 2, "episode_timeout_s": 1.0, "retry_after_s": 3},
+    )
     app = build_app(settings, gateway_transport=httpx.ASGITransport(app=fake.app))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker")
     return fake, client
 
 
 def _req(label, i=0):
-    return {"agent": "echo", "prompt": "say yes", "label": label, "group_id": "g", "sample_index": i,
-            "sampling_params": {"temperature": 1.0}}
+    return {
+        "agent": "echo",
+        "prompt": "say yes",
+        "label": label,
+        "group_id": "g",
+        "sample_index": i,
+        "sampling_params": {"temperature": 1.0},
+    }
 
 
 async def test_episode_ok(setup):
@@ -63,8 +72,9 @@ async def test_episode_ok(setup):
 
 async def test_failures_fail_only_their_episode(setup):
     fake, client = setup
-    raised, hung = await asyncio.gather(client.post("/v1/episodes:run", json=_req("raise")),
-                                        client.post("/v1/episodes:run", json=_req("hang")))
+    raised, hung = await asyncio.gather(
+        client.post("/v1/episodes:run", json=_req("raise")), client.post("/v1/episodes:run", json=_req("hang"))
+    )
     assert raised.json()["status"] == "failed" and "RuntimeError: boom" in raised.json()["error"]
     assert hung.json()["status"] == "timeout" and not hung.json()["written"]
     for r in (raised, hung):
@@ -112,8 +122,7 @@ def test_cli_repeated_agents_and_unknown_flags(tmp_path, capsys):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text(AGENTS)
     b.write_text(AGENTS)
-    argv = normalize_argv(["--agent", f"a={a}", "--gateway.url", "http://g", f"--agent=b={b}",
-                           "--port", "7"])
+    argv = normalize_argv(["--agent", f"a={a}", "--gateway.url", "http://g", f"--agent=b={b}", "--port", "7"])
     settings = parse_settings(EnvsSettings, argv, environ={})
     assert settings.agents() == {"a": str(a), "b": str(b)} and settings.server.port == 7
     with pytest.raises(SystemExit):
@@ -134,20 +143,24 @@ class _ByHost(httpx.AsyncBaseTransport):
         return await self.transports[request.url.host].handle_async_request(request)
 
 
-async def test_pool_spreads_load_over_replicas(tmp_path):
-    from molt.agents.client import EnvWorkerPool
+async def test_the_dispatcher_spreads_load_over_replicas(tmp_path):
+    from services.trainer.config import EnvsConfig, RolloutConfig
+    from services.trainer.dispatch import EpisodeDispatcher
 
     path = tmp_path / "agent.py"
     path.write_text(AGENTS)
     fake = FakeGateway(policy=lambda prompt, turn: "yes")
     apps = {}
     for host in ("w1", "w2"):
-        settings = EnvsSettings(agent=[f"echo={path}"], gateway={"url": "http://fake"},
-                                envs={"max_concurrency": 1, "retry_after_s": 0})
+        settings = EnvsSettings(
+            agent=[f"echo={path}"], gateway={"url": "http://fake"}, envs={"max_concurrency": 1, "retry_after_s": 0}
+        )
         apps[host] = build_app(settings, gateway_transport=httpx.ASGITransport(app=fake.app))
-    pool = EnvWorkerPool(["http://w1", "http://w2"], transport=_ByHost(apps))
-    results = await asyncio.gather(*[pool.run(_req("slow", i)) for i in range(4)])
-    assert [r["status"] for r in results] == ["ok"] * 4 and pool.rejections >= 2
-    served = [a.state.worker.metrics["molt_envs_episodes_total"].labels("echo", "ok")._value.get()
-              for a in apps.values()]
+    dispatcher = EpisodeDispatcher(EnvsConfig(urls=["http://w1", "http://w2"]), RolloutConfig(), 256)
+    dispatcher.client = httpx.AsyncClient(transport=_ByHost(apps))
+    results = await asyncio.gather(*[dispatcher.run_episode(_req("slow", i)) for i in range(4)])
+    assert [r["status"] for r in results] == ["ok"] * 4
+    served = [
+        a.state.worker.metrics["molt_envs_episodes_total"].labels("echo", "ok")._value.get() for a in apps.values()
+    ]
     assert sum(served) == 4 and min(served) >= 1  # both replicas took episodes

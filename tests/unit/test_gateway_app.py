@@ -10,17 +10,17 @@ import httpx2
 import openai
 import pytest
 
-from molt.config import parse_settings
+from molt.config import expand_short_flags, parse_settings
 from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from molt.config import expand_short_flags
 from services.gateway.config import GatewaySettings
-from services.gateway.testing import FakePods, fake_logprob
+from tests.gateway_testlib import FakePods, fake_logprob
 
 PODS = ["http://pod-a:1", "http://pod-b:2"]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": CITY}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,11 @@ class Replies:
 @pytest.fixture
 def env(model):
     def make(**overrides):
-        cfg = {"model": {"path": str(model.path)}, "rollout": {"urls": PODS},
-               "redis": {"url": "memory://", "stream": "test"}}
+        cfg = {
+            "model": {"path": str(model.path)},
+            "rollout": {"urls": PODS},
+            "redis": {"url": "memory://", "stream": "test"},
+        }
         for k, v in overrides.items():
             cfg.setdefault(k, {}).update(v)
         settings = GatewaySettings.model_validate(cfg)
@@ -54,6 +57,7 @@ def env(model):
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
         http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
         return app, pods, replies, http
+
     return make
 
 
@@ -72,15 +76,19 @@ async def test_openai_tool_call_turns_are_captured_token_exact(env, model):
     app, pods, replies, http = env()
     s = await _open(http, group_id="g1", sample_index=2, env_name="weather", env_version="1")
     client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
-    replies.queue = ['<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call><|im_end|>',
-                     "It is sunny.<|im_end|>"]
+    replies.queue = [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call><|im_end|>',
+        "It is sunny.<|im_end|>",
+    ]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     call = r1.choices[0].message.tool_calls[0]
     assert r1.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "paris"}
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"},
+    ]
     raw = await client.chat.completions.with_raw_response.create(model="policy", messages=messages, tools=TOOLS)
     assert raw.headers["x-molt-policy-version"] == "0"
     r2 = raw.parse()
@@ -94,12 +102,13 @@ async def test_openai_tool_call_turns_are_captured_token_exact(env, model):
     (p1, _), (p2, _) = _calls(pods)
     g1 = model.encode('<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call><|im_end|>')
     g2 = model.encode("It is sunny.<|im_end|>")
-    assert p2[: len(p1)] == p1 and p2[len(p1): len(p1) + len(g1)] == g1  # second prompt extends the first exactly
+    assert p2[: len(p1)] == p1 and p2[len(p1) : len(p1) + len(g1)] == g1  # second prompt extends the first exactly
     assert seg.token_ids.tolist() == p2 + g2
     assert seg.action_spans.tolist() == [[len(p1), len(p1) + len(g1)], [len(p2), len(p2) + len(g2)]]
-    assert seg.logprobs.tolist() == pytest.approx([fake_logprob(t, i) for i, t in enumerate(g1)]
-                                                  + [fake_logprob(t, i) for i, t in enumerate(g2)])
-    assert "sunny, 21C" in model.decode(p2[len(p1) + len(g1):], skip_special=False)
+    assert seg.logprobs.tolist() == pytest.approx(
+        [fake_logprob(t, i) for i, t in enumerate(g1)] + [fake_logprob(t, i) for i, t in enumerate(g2)]
+    )
+    assert "sunny, 21C" in model.decode(p2[len(p1) + len(g1) :], skip_special=False)
     # finishing twice is idempotent; the session is closed for further turns
     again = (await http.post(f"/v1/sessions/{s['session_id']}/finish", json={"reward": 0.0})).json()
     assert again["entry_id"] == done["entry_id"] and len(await _written(app)) == 0
@@ -128,25 +137,31 @@ async def test_openai_stream_and_anthropic_wire(env, model):
     s = await _open(http)
     oa = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
     replies.queue = ["Streaming works fine.<|im_end|>"]
-    stream = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
-                                              stream=True, stream_options={"include_usage": True})
+    stream = await oa.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "go"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Streaming works fine." and chunks[-1].usage.completion_tokens > 0
     # Anthropic on a second session: tool_use out, tool_result in, streamed
     s2 = await _open(http)
     an = anthropic.AsyncAnthropic(base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic)
-    replies.queue = ['<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>',
-                     "Rome is warm.<|im_end|>"]
+    replies.queue = [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}</tool_call><|im_end|>',
+        "Rome is warm.<|im_end|>",
+    ]
     tools = [{"name": "get_weather", "description": "w", "input_schema": {"type": "object"}}]
     msgs = [{"role": "user", "content": "Weather in Rome?"}]
     m1 = await an.messages.create(model="policy", max_tokens=64, system="Be brief.", messages=msgs, tools=tools)
     assert m1.stop_reason == "tool_use" and m1.content[-1].input == {"city": "rome"}
-    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
-             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m1.content[-1].id,
-                                           "content": "warm"}]}]
-    async with an.messages.stream(model="policy", max_tokens=64, system="Be brief.", messages=msgs,
-                                  tools=tools) as st:
+    msgs += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m1.content[-1].id, "content": "warm"}]},
+    ]
+    async with an.messages.stream(model="policy", max_tokens=64, system="Be brief.", messages=msgs, tools=tools) as st:
         final = await st.get_final_message()
     assert final.content[0].text == "Rome is warm." and final.stop_reason == "end_turn"
     summary = (await http.get(f"/v1/sessions/{s2['session_id']}")).json()
@@ -186,8 +201,9 @@ async def test_pod_failure_moves_session_and_records_switch(env):
     with pytest.raises(openai.APIError, match="no healthy rollout pod"):
         async for _ in stream:
             pass
-    an = anthropic.AsyncAnthropic(base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic,
-                                  max_retries=0)
+    an = anthropic.AsyncAnthropic(
+        base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic, max_retries=0
+    )
     with pytest.raises(anthropic.APIStatusError, match="no healthy rollout pod"):
         async with an.messages.stream(model="policy", max_tokens=4, messages=[{"role": "user", "content": "z"}]) as st:
             await st.get_final_message()
@@ -204,12 +220,15 @@ async def test_errors_have_each_wires_shape(env):
     r = await http.post("/s/nope/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     r = await http.post("/s/nope/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 404 and r.json() == {"type": "error", "error": {
-        "type": "not_found_error", "message": r.json()["error"]["message"]}}
+    assert r.status_code == 404 and r.json() == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": r.json()["error"]["message"]},
+    }
     r = await http.post(f"/s/{sid}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = await http.post(f"/s/{sid}/v1/chat/completions",
-                        json={"messages": [{"role": "user", "content": "word " * 100}]})
+    r = await http.post(
+        f"/s/{sid}/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 100}]}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = await http.post(f"/s/{sid}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400
@@ -223,25 +242,16 @@ async def test_errors_have_each_wires_shape(env):
     r = await http.get("/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = await http.get(f"/s/{sid}/v1/messages")  # routing errors too come in the path's wire shape
-    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"] == "invalid_request_error"
+    assert (
+        r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"] == "invalid_request_error"
+    )
     assert r.json()["type"] == "error"
 
 
-async def test_session_turns_dispatched_ahead_of_the_router_as_the_router_would(env):
-    """Edge finds a session's POST routes by a dict lookup; the Router holds the same routes. Both must pick the
-    same endpoint with the same path params, and what the lookup does not take still gets the Router's answer."""
-    from starlette.routing import Match
-
+async def test_routing_errors_come_in_the_paths_wire_shape(env):
     app, _, _, http = env()
-    assert app.session_posts
-    for suffix, endpoint in app.session_posts.items():
-        scope = {"type": "http", "method": "POST", "path": f"/s/abc-1{suffix}", "root_path": ""}
-        matched = [(r, child) for r in app.router.routes for m, child in [r.matches(scope)] if m is Match.FULL]
-        assert len(matched) >= 1 and matched[0][0].endpoint is endpoint
-        assert matched[0][1]["path_params"] == {"sid": "abc-1"}
     sid = (await _open(http))["session_id"]
     body = {"messages": [{"role": "user", "content": "x"}]}
-    assert (await http.post(f"/s/{sid}/v1/chat/completions", json=body)).status_code == 200
     r = await http.post("/s//v1/chat/completions", json=body)  # no id: no route at all
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = await http.put(f"/s/{sid}/v1/chat/completions", json=body)
@@ -264,6 +274,7 @@ async def test_oversized_bodies_are_refused_before_they_are_held(env):
         for _ in range(n):
             yield b" " * 500
         yield b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}'
+
     r = await http.anthropic.post(f"/s/{sid}/v1/messages", content=chunks(10))
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     r = await http.anthropic.post(f"/s/{sid}/v1/messages", content=chunks(2))  # under it: read whole, served
@@ -280,9 +291,20 @@ async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_logs_nothi
 
     async def send(message):
         sent.append(message)
-    scope = {"type": "http", "method": "POST", "path": f"/s/{sid}/v1/chat/completions", "raw_path": b"",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "scheme": "http", "server": ("gw", 80), "client": ("127.0.0.1", 1), "http_version": "1.1"}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"/s/{sid}/v1/chat/completions",
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "scheme": "http",
+        "server": ("gw", 80),
+        "client": ("127.0.0.1", 1),
+        "http_version": "1.1",
+    }
     await app(scope, receive, send)
     assert sent == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
     assert pods.pods[PODS[0]].calls == []  # nothing was generated for it
@@ -297,16 +319,21 @@ async def test_unexpected_error_is_a_500_in_the_wire_shape(env):
 
     for pod in pods.pods.values():
         pod.script = broken
-    r = await http.post(f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    r = await http.post(
+        f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     assert "pod script exploded" in r.json()["error"]["message"]
-    r = await http.post(f"/s/{s['session_id']}/v1/messages", json={"max_tokens": 5, "messages": [
-        {"role": "user", "content": "x"}]})
+    r = await http.post(
+        f"/s/{s['session_id']}/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
     # the session is still usable once the pod behaves
     for pod in pods.pods.values():
         pod.script = replies
-    r = await http.post(f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    r = await http.post(
+        f"/s/{s['session_id']}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 200
 
 
@@ -322,8 +349,9 @@ async def test_api_keys_isolation_and_limits(env):
     an = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key="k1", http_client=http.anthropic)
     m = await an.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert m.usage.output_tokens > 0
-    bad = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key="k2", http_client=http.anthropic,
-                                   max_retries=0)
+    bad = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"], api_key="k2", http_client=http.anthropic, max_retries=0
+    )
     with pytest.raises(anthropic.NotFoundError):
         await bad.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert (await http.delete(f"/v1/sessions/{s['session_id']}", headers={"x-api-key": "k1"})).status_code == 200
@@ -336,18 +364,29 @@ async def test_episodes_batch_token_turns_and_ttl(env, model):
     for i in range(3):
         s = await _open(http, group_id="grp", sample_index=i)
         ids.append(s["session_id"])
-    first = await http.post(f"/v1/sessions/{ids[0]}/generate",
-                            json={"messages": [{"role": "user", "content": "hi"}],
-                                  "sampling_params": {"max_tokens": 4}})
+    first = await http.post(
+        f"/v1/sessions/{ids[0]}/generate",
+        json={"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"max_tokens": 4}},
+    )
     body = first.json()
     assert len(body["token_ids"]) == 4 and body["finish_reason"] == "length" and body["num_tokens"] > 4
-    nxt = (await http.post(f"/v1/sessions/{ids[0]}/generate", json={"append_text": "\nok", "append_token_ids": [7]}
-                           )).json()
+    nxt = (
+        await http.post(f"/v1/sessions/{ids[0]}/generate", json={"append_text": "\nok", "append_token_ids": [7]})
+    ).json()
     assert nxt["num_tokens"] == body["num_tokens"] + len(model.encode("\nok")) + 1 + len(nxt["token_ids"])
     await http.post(f"/v1/sessions/{ids[1]}/generate", json={"messages": [{"role": "user", "content": "yo"}]})
-    res = (await http.post("/v1/episodes", json={"episodes": [
-        {"session_id": ids[0], "reward": 1}, {"session_id": ids[1], "reward": 0, "score": 0.5},
-        {"session_id": "missing", "reward": 1}]})).json()
+    res = (
+        await http.post(
+            "/v1/episodes",
+            json={
+                "episodes": [
+                    {"session_id": ids[0], "reward": 1},
+                    {"session_id": ids[1], "reward": 0, "score": 0.5},
+                    {"session_id": "missing", "reward": 1},
+                ]
+            },
+        )
+    ).json()
     assert [r["status"] for r in res["results"]] == [200, 200, 404] and res["written"] == 2
     trajs = await _written(app)
     assert sorted(t.sample_index for t in trajs) == [0, 1] and {t.group_id for t in trajs} == {"grp"}
@@ -365,26 +404,34 @@ async def test_token_turn_with_max_tokens_zero_only_appends(env, model):
     """Molt appends the env's feedback even after the terminal turn: masked tokens, nothing generated."""
     app, pods, replies, http = env()
     sid = (await _open(http))["session_id"]
-    first = (await http.post(f"/v1/sessions/{sid}/generate", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                      "sampling_params": {"max_tokens": 3}})).json()
+    first = (
+        await http.post(
+            f"/v1/sessions/{sid}/generate",
+            json={"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"max_tokens": 3}},
+        )
+    ).json()
     calls = len(pods.pods[app.gateway.sessions[sid].pod].calls)
     feedback = model.encode("\nCorrect!")
-    last = (await http.post(f"/v1/sessions/{sid}/generate",
-                            json={"append_text": "\nCorrect!", "sampling_params": {"max_tokens": 0}})).json()
+    last = (
+        await http.post(
+            f"/v1/sessions/{sid}/generate", json={"append_text": "\nCorrect!", "sampling_params": {"max_tokens": 0}}
+        )
+    ).json()
     assert last["token_ids"] == [] and last["num_tokens"] == first["num_tokens"] + len(feedback)
     assert len(pods.pods[app.gateway.sessions[sid].pod].calls) == calls  # the pod was not asked
     await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
     [traj] = await _written(app)
     [seg] = traj.segments
-    assert seg.token_ids.tolist()[-len(feedback):] == feedback
+    assert seg.token_ids.tolist()[-len(feedback) :] == feedback
     assert seg.action_spans.tolist() == [[first["num_tokens"] - 3, first["num_tokens"]]]  # feedback masked
 
 
 async def test_sessionless_wires_and_models(env):
     app, pods, replies, http = env()
     oa = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="EMPTY", http_client=http)
-    r = await oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2,
-                                         logprobs=True)
+    r = await oa.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "x"}], n=2, logprobs=True
+    )
     assert len(r.choices) == 2 and len(r.choices[0].logprobs.content) == len(r.choices[0].logprobs.content)
     c = await oa.completions.create(model="policy", prompt="Once", max_tokens=3)
     assert c.choices[0].finish_reason == "length"
@@ -396,7 +443,11 @@ def test_cli_short_flags_and_loopback_rule():
     argv = expand_short_flags(["--model", "/m", "--port=9", "--rollout.urls", "http://a:1,http://b:2"])
     s = parse_settings(GatewaySettings, argv, environ={"MOLT_AUTH__API_KEYS": "x,y"})
     assert (s.model.path, s.server.port, s.rollout.urls, s.auth.api_keys) == (
-        "/m", 9, ["http://a:1", "http://b:2"], ["x", "y"])
+        "/m",
+        9,
+        ["http://a:1", "http://b:2"],
+        ["x", "y"],
+    )
     with pytest.raises(ValueError, match="without API keys"):
         GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}})
     GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}, "auth": {"api_keys": ["k"]}})
@@ -412,7 +463,7 @@ async def test_stop_strings_and_session_completions(env, model):
     sid = s["session_id"]
     # the recorded action is the prefix of the sampled tokens up to the one that completes "STOP"
     seg = app.gateway.sessions[sid].capture.segments[0]
-    (start, end), = seg.spans
+    ((start, end),) = seg.spans
     assert model.decode(seg.token_ids[start:end], skip_special=True).rstrip().endswith("STOP")
     assert "more text" not in model.decode(seg.token_ids[start:end], skip_special=True)
     assert "stop" not in _calls(pods)[0][1]  # never sent to the pod (it takes token ids only)

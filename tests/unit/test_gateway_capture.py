@@ -43,8 +43,10 @@ def test_multi_turn_is_one_segment_with_exact_tokens(model):
     # The generated <|im_end|> is the model's; the template's newline after it and the next turn are the delta.
     delta = model.encode("\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n")
     assert seg.token_ids == prompt1 + g1.token_ids + delta + g2.token_ids
-    assert seg.spans == [(len(prompt1), len(prompt1) + len(g1.token_ids)),
-                         (len(prompt1) + len(g1.token_ids) + len(delta), len(seg.token_ids))]
+    assert seg.spans == [
+        (len(prompt1), len(prompt1) + len(g1.token_ids)),
+        (len(prompt1) + len(g1.token_ids) + len(delta), len(seg.token_ids)),
+    ]
     assert seg.logprobs == g1.logprobs + g2.logprobs and seg.versions == [3] * (len(g1.token_ids) + len(g2.token_ids))
     # The whole stream decodes to the template's render of the full conversation.
     full = model.render(canonical_messages(m2 + [{"role": "assistant", "content": "6"}]), None, False)
@@ -58,8 +60,11 @@ def test_two_tool_results_in_one_turn_are_both_appended(model):
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     _, _, r1 = _turn(cap, model, m1, call + call + "<|im_end|>", tools)
     assert [c["function"]["name"] for c in r1["tool_calls"]] == ["add", "add"]
-    m2 = m1 + [r1, {"role": "tool", "tool_call_id": r1["tool_calls"][0]["id"], "content": "RESULT_ONE"},
-               {"role": "tool", "tool_call_id": r1["tool_calls"][1]["id"], "content": "RESULT_TWO"}]
+    m2 = m1 + [
+        r1,
+        {"role": "tool", "tool_call_id": r1["tool_calls"][0]["id"], "content": "RESULT_ONE"},
+        {"role": "tool", "tool_call_id": r1["tool_calls"][1]["id"], "content": "RESULT_TWO"},
+    ]
     p2, _, _ = _turn(cap, model, m2, "3 and 3<|im_end|>", tools)
     assert not p2.new_segment
     delta_text = model.decode(p2.delta_ids, skip_special=False)
@@ -83,13 +88,32 @@ def test_compaction_starts_a_second_segment(model):
 
 
 def test_tool_call_arguments_compare_as_json(model):
-    a = canonical_messages([{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1, "y": 2}'}}]}])[0]
-    b = canonical_messages([{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {"y": 2, "x": 1}}}]}])[0]
+    a = canonical_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1, "y": 2}'}}
+                ],
+            }
+        ]
+    )[0]
+    b = canonical_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {"y": 2, "x": 1}}}
+                ],
+            }
+        ]
+    )[0]
     assert same_message(a, b)
-    text, calls = parse_tool_calls('pre <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> <tool_call>junk'
-                                   '</tool_call>')
+    text, calls = parse_tool_calls(
+        'pre <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> <tool_call>junk</tool_call>'
+    )
     assert len(calls) == 1 and "junk" in text and calls[0]["function"]["arguments"] == '{"x": 1}'
 
 
@@ -119,19 +143,36 @@ def test_token_level_turns(model):
 def test_render_is_what_apply_chat_template_renders(model):
     # ChatModel.render calls the compiled template directly; it must match transformers' own entry point.
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {}}},
+            },
+        }
+    ]
     chats = [
         [{"role": "user", "content": "Hi"}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
-         {"role": "assistant", "content": "4"}, {"role": "user", "content": "3 + 3?"}],
-        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "3 + 3?"},
+        ],
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
     ]
     for messages in chats:
         for tl in (None, tools):
             for gp in (False, True):
-                want = model.tokenizer.apply_chat_template(messages, tools=tl, tokenize=False, add_generation_prompt=gp)
+                want = model.tokenizer.apply_chat_template(
+                    messages, tools=tl, tokenize=False, add_generation_prompt=gp
+                )
                 assert model.render(messages, tl, gp) == want
 
 
@@ -149,16 +190,156 @@ def test_first_turn_prompt_cache_is_keyed_by_the_request_and_hands_out_copies(mo
     assert plan.new_segment and plan.reason == "first" and plan.prompt_ids == model.encode(text)
 
 
-def test_request_key_ignores_key_order_and_keeps_nan_apart_from_null():
+def test_request_key_keeps_key_order_and_keeps_nan_apart_from_null():
     from services.gateway.chat import request_key
 
     m = [{"role": "user", "content": "One"}]
     schema = {"type": "object", "properties": {"a": {"type": "number", "maximum": None}}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     reordered = [{"function": {"parameters": dict(reversed(list(schema.items()))), "name": "f"}, "type": "function"}]
-    assert request_key(m, tools) == request_key(m, reordered)
+    # The template renders keys in the client's order: another order is another prompt.
+    assert request_key(m, tools) != request_key(m, reordered)
+    assert request_key(m, tools) == request_key(m, [dict(t) for t in tools])
     for odd in (float("nan"), float("inf")):
-        bad = [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "number", "maximum": odd}}}}}]
+        bad = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "number", "maximum": odd}}},
+                },
+            }
+        ]
         assert request_key(m, bad) != request_key(m, tools)
     assert request_key(m, None) != request_key([{"role": "user", "content": "Two"}], None)
+
+
+def test_prompt_cache_answers_each_key_order_with_its_own_rendering(model):
+    from services.gateway.chat import request_key
+
+    m = [{"role": "user", "content": "Weather?"}]
+    props = {"city": {"type": "string"}, "unit": {"type": "string"}}
+    tools_a = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": props}}}]
+    tools_b = [
+        {
+            "type": "function",
+            "function": {
+                "name": "w",
+                "parameters": {"properties": dict(reversed(list(props.items()))), "type": "object"},
+            },
+        }
+    ]
+    for tools in (tools_a, tools_b, tools_a):
+        text, ids = model.prompt(request_key(m, tools), m, tools)
+        assert text == model.render(m, tools, True) and ids == model.encode(text)
+    assert model.render(m, tools_a, True) != model.render(m, tools_b, True)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]
+
+
+def _echo_args(reply: dict, arguments: str) -> dict:
+    call = reply["tool_calls"][0]
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "generated, echoed",
+    [
+        # pydantic-ai re-serialises the arguments compactly
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', '{"city":"Paris"}'),
+        # a client that rebuilds the arguments object in another key order
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>',
+            '{"unit": "C", "city": "Paris"}',
+        ),
+        # echoed verbatim, but the model laid the call out other than the template does
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None),
+    ],
+)
+def test_an_echoed_tool_call_that_renders_differently_keeps_every_token(model, generated, echoed):
+    cap = Capture(max_length=1024)
+    p1, g1, r1 = _turn(cap, model, ASK, generated + "<|im_end|>", TOOLS)
+    echo = _echo_args(r1, echoed) if echoed is not None else r1
+    m2 = ASK + [echo, {"role": "tool", "tool_call_id": r1["tool_calls"][0]["id"], "content": "sunny"}]
+    p2, g2, _ = _turn(cap, model, m2, "It is sunny.<|im_end|>", TOOLS)
+    assert not p2.new_segment and p2.reason == "extend"
+    # The pod's tokens, then the template's newline after the generated <|im_end|> and the tool turn.
+    delta = model.encode("\n<|im_start|>tool\n<tool_response>sunny</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert p2.delta_ids == delta
+    assert cap.segments[0].token_ids == p1.prompt_ids + g1.token_ids + delta + g2.token_ids
+
+
+def test_a_length_stop_gets_the_whole_closing_as_its_tail(model):
+    cap = Capture(max_length=1024)
+    plan = cap.plan_chat(model, canonical_messages(ASK), None)
+    ids = model.encode("It is")
+    cap.commit(plan, Generation(ids, [-0.1] * len(ids), "length", 1, "p"), [])
+    reply = {"role": "assistant", "content": "It is"}
+    cap.chat = ChatState(canonical_messages(ASK), None, plan.full_render, reply, "It is")
+    p2 = cap.plan_chat(model, canonical_messages(ASK + [reply, {"role": "user", "content": "Go on."}]), None)
+    assert p2.delta_ids == model.encode("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("edit", ["drop_system", "drop_reply", "edit_user", "edit_arguments"])
+def test_a_history_that_really_diverges_starts_a_new_segment(model, edit):
+    cap = Capture(max_length=1024)
+    _, _, r1 = _turn(
+        cap,
+        model,
+        ASK,
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
+        TOOLS,
+    )
+    result = {"role": "tool", "tool_call_id": r1["tool_calls"][0]["id"], "content": "sunny"}
+    m2 = {
+        "drop_system": ASK[1:] + [r1, result],
+        "drop_reply": ASK + [result],
+        "edit_user": [ASK[0], {"role": "user", "content": "Weather in Rome?"}, r1, result],
+        "edit_arguments": ASK + [_echo_args(r1, '{"city": "Rome"}'), result],
+    }[edit]
+    p2 = cap.plan_chat(model, canonical_messages(m2), TOOLS)
+    assert p2.new_segment and p2.reason == "history_rewrite"
+    assert p2.prompt_ids == model.encode(model.render(canonical_messages(m2), TOOLS, True))
+
+
+def test_each_turns_routing_covers_the_segment_so_far_and_replaces_the_last(model):
+    import numpy as np
+
+    cap = Capture(max_length=1024)
+    m1 = [{"role": "user", "content": "Hi."}]
+    plan1 = cap.plan_chat(model, canonical_messages(m1), None)
+    g1 = _gen(model, "Hello.<|im_end|>")
+    t1 = len(plan1.prompt_ids) + len(g1.token_ids)
+    g1.routed_experts = np.full((t1 - 1, 2, 2), 1, np.int16)  # the last generated token has no row yet
+    cap.commit(plan1, g1, [])
+    seg = cap.segments[0]
+    assert seg.routed_experts.shape == (t1, 2, 2)
+    assert (seg.routed_experts[:-1] == 1).all() and (seg.routed_experts[-1] == -1).all()  # -1: live routing
+    cap.chat = ChatState(
+        canonical_messages(m1), None, plan1.full_render, {"role": "assistant", "content": "Hello."}, ""
+    )
+    cap.chat.generated_text = model.decode(g1.token_ids, skip_special=False)
+    m2 = m1 + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
+    plan2 = cap.plan_chat(model, canonical_messages(m2), None)
+    assert not plan2.new_segment
+    g2 = _gen(model, "Bye.<|im_end|>")
+    g2.routed_experts = np.full((len(plan2.prompt_ids) + len(g2.token_ids) + 3, 2, 2), 2, np.int16)
+    cap.commit(plan2, g2, [])
+    assert seg.routed_experts.shape == (len(seg.token_ids), 2, 2) and (seg.routed_experts == 2).all()  # cut to T
+    assert cap.trainable_segments()[0].routed_experts.shape == (len(seg.token_ids), 2, 2)

@@ -8,7 +8,6 @@ import asyncio
 import time
 
 from services.gateway import channel as ch
-from services.gateway.transport import HttpTransport
 
 
 class Transport:
@@ -23,7 +22,7 @@ class Transport:
 
 
 def _stream() -> tuple[ch._Stream, Transport]:
-    stream = ch._Stream(HttpTransport(4, 5.0, 1.0).channel("http://127.0.0.1:1"))
+    stream = ch._Stream(ch.PodChannel("http://127.0.0.1:1", 1.0, 5.0))
     transport = Transport()
     stream.connection_made(transport)
     transport.writes.clear()  # the request head

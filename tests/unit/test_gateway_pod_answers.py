@@ -34,3 +34,22 @@ def test_other_logprob_shapes_and_sums_past_the_float_range():
     assert _logprob_list([{"logprob": -0.5}, {"7": -1.0}, -2], [3, 7, 9]) == [-0.5, -1.0, -2.0]
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
         _logprob_list([-0.5], [1, 2])
+
+
+def test_routed_experts_arrive_as_int16_bytes_with_their_shape():
+    import base64
+
+    import numpy as np
+
+    from services.gateway.pods import _routed_experts
+
+    rows = np.array([[[0, 3], [1, 2]], [[2, 1], [-1, -1]]], dtype="<i2")  # 2 tokens, 2 layers, top-2
+    wire = {"dtype": "int16", "shape": [2, 2, 2], "data": base64.b64encode(rows.tobytes()).decode()}
+    np.testing.assert_array_equal(_routed_experts(wire), rows)
+    assert _routed_experts(None) is None
+    with pytest.raises(ValueError, match="int16"):
+        _routed_experts({**wire, "dtype": "int32"})
+    with pytest.raises(ValueError, match="shape"):
+        _routed_experts({**wire, "shape": [8]})
+    with pytest.raises(ValueError):  # 16 bytes are not 3 x 2 x 2 int16
+        _routed_experts({**wire, "shape": [3, 2, 2]})

@@ -36,10 +36,18 @@ def test_single_replica_ids_are_plain_and_never_forwarded():
     assert single.owner(Replicas(A, KEYS).new_session_id()) is None
 
 
-@pytest.mark.parametrize("path, sid", [
-    ("/s/abc/v1/chat/completions", "abc"), ("/s/abc.d.e/v1/messages", "abc.d.e"), ("/v1/sessions/x1", "x1"),
-    ("/v1/sessions/x1/finish", "x1"), ("/v1/sessions", None), ("/v1/episodes", None), ("/s//v1", None),
-])
+@pytest.mark.parametrize(
+    "path, sid",
+    [
+        ("/s/abc/v1/chat/completions", "abc"),
+        ("/s/abc.d.e/v1/messages", "abc.d.e"),
+        ("/v1/sessions/x1", "x1"),
+        ("/v1/sessions/x1/finish", "x1"),
+        ("/v1/sessions", None),
+        ("/v1/episodes", None),
+        ("/s//v1", None),
+    ],
+)
 def test_session_of_paths(path, sid):
     assert session_of(path) == sid
 
@@ -49,18 +57,23 @@ def test_public_url_needs_keys_and_a_url():
     with pytest.raises(ValueError, match="needs --auth.api_keys"):
         GatewaySettings.model_validate({**base, "replica": {"public_url": A}})
     with pytest.raises(ValueError, match="not an http"):
-        GatewaySettings.model_validate({**base, "replica": {"public_url": "10.0.0.7:8080"}, "auth": {"api_keys": KEYS}})
+        GatewaySettings.model_validate(
+            {**base, "replica": {"public_url": "10.0.0.7:8080"}, "auth": {"api_keys": KEYS}}
+        )
     ok = GatewaySettings.model_validate({**base, "replica": {"public_url": A + "/"}, "auth": {"api_keys": KEYS}})
     assert ok.replica.public_url == A
 
 
-@pytest.mark.parametrize("given, kept", [
-    ("http://fd00::7:8080", "http://[fd00::7]:8080"),  # the chart's http://$(POD_IP):PORT on an IPv6 cluster
-    ("http://2001:db8::1:80/gw", "http://[2001:db8::1]:80/gw"),
-    ("http://[fd00::7]:8080", "http://[fd00::7]:8080"),
-    ("http://10.0.0.7:8080", "http://10.0.0.7:8080"),
-    ("https://gw-0.gw.ns.svc:443", "https://gw-0.gw.ns.svc:443"),
-])
+@pytest.mark.parametrize(
+    "given, kept",
+    [
+        ("http://fd00::7:8080", "http://[fd00::7]:8080"),  # the chart's http://$(POD_IP):PORT on an IPv6 cluster
+        ("http://2001:db8::1:80/gw", "http://[2001:db8::1]:80/gw"),
+        ("http://[fd00::7]:8080", "http://[fd00::7]:8080"),
+        ("http://10.0.0.7:8080", "http://10.0.0.7:8080"),
+        ("https://gw-0.gw.ns.svc:443", "https://gw-0.gw.ns.svc:443"),
+    ],
+)
 def test_public_url_brackets_a_bare_ipv6_address(given, kept):
     base = {"model": {"path": "m"}, "server": {"host": "127.0.0.1"}, "auth": {"api_keys": KEYS}}
     url = GatewaySettings.model_validate({**base, "replica": {"public_url": given}}).replica.public_url
@@ -81,7 +94,9 @@ def test_server_timing_durations():
 
     header = "gateway;dur=0.412, pod;dur=12.500"
     assert _duration(header, "pod") == 12.5 and _duration(header, "gateway") == 0.412
-    assert _duration(header, "owner") is None and _duration("", "pod") is None and _duration("pod;dur=x", "pod") is None
+    assert (
+        _duration(header, "owner") is None and _duration("", "pod") is None and _duration("pod;dur=x", "pod") is None
+    )
 
 
 def test_target_relays_once_and_never_a_head():

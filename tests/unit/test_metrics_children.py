@@ -19,8 +19,12 @@ def test_child_is_the_labelled_series_and_is_kept():
 
 
 def test_loop_local_series_export_what_prometheus_client_does():
-    names = ["molt_gateway_requests_total", "molt_gateway_added_latency_seconds",
-             "molt_gateway_trajectories_written_total", "molt_gateway_trajectory_bytes_total"]
+    names = [
+        "molt_gateway_requests_total",
+        "molt_gateway_added_latency_seconds",
+        "molt_gateway_trajectories_written_total",
+        "molt_gateway_trajectory_bytes_total",
+    ]
     plain, local = Metrics(names), Metrics(names, loop_local=tuple(names))
     local["molt_gateway_trajectories_written_total"].inc(3)  # unlabelled: on the series itself; the other at 0
     plain["molt_gateway_trajectories_written_total"].inc(3)

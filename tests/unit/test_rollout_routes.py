@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from services.rollout.app import build_app
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import GenerateResult, Sample
-from services.rollout.stats import EngineStats
 from services.rollout.params import Limits, RolloutInputError, check_prompt, check_sampling
+from services.rollout.stats import EngineStats
 
 
 class FakeEngine:
@@ -50,15 +50,25 @@ def test_generate_shape(client):
     assert r.status_code == 200
     body = r.json()
     assert body["policy_version"] == 3 and body["prompt_token_count"] == 2
-    assert body["outputs"][1] == {"index": 1, "token_ids": [7, 7, 7], "logprobs": [-0.5] * 3,
-                                  "finish_reason": "length", "stop_reason": None, "policy_version": 3}
+    assert body["outputs"][1] == {
+        "index": 1,
+        "token_ids": [7, 7, 7],
+        "logprobs": [-0.5] * 3,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "policy_version": 3,
+    }
 
 
 def test_errors_use_the_openai_body(client):
     r = client.post("/v1/generate", json={"prompt_token_ids": [1], "sampling_params": {"max_tokens": 40}})
     assert r.status_code == 400
-    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
-                                 "param": "sampling_params.max_tokens", "code": "context_length_exceeded"}
+    assert r.json()["error"] == {
+        "message": r.json()["error"]["message"],
+        "type": "invalid_request_error",
+        "param": "sampling_params.max_tokens",
+        "code": "context_length_exceeded",
+    }
     assert client.post("/v1/generate", content=b"[1,").status_code == 400
     assert client.post("/v1/generate", json=[1, 2]).status_code == 400
     r = client.post("/v1/generate", json={"prompt_token_ids": [99]})
@@ -74,12 +84,22 @@ def test_probes_and_metrics(client):
     assert client.get("/v1/stats").json()["max_running"] == 5
     client.post("/v1/generate", json={"prompt_token_ids": [1], "sampling_params": {"max_tokens": 4}})
     text = client.get("/metrics").text
-    for line in ["molt_rollout_policy_version 3.0", "molt_rollout_running_requests 2.0",
-                 'molt_rollout_requests_total{status="ok"} 1.0', "molt_rollout_generated_tokens_total 4.0",
-                 'molt_rollout_request_aborts_total{reason="client_disconnect"} 1.0',
-                 "molt_rollout_weight_apply_seconds_count 1.0"]:
+    for line in [
+        "molt_rollout_policy_version 3.0",
+        "molt_rollout_running_requests 2.0",
+        'molt_rollout_requests_total{status="ok"} 1.0',
+        "molt_rollout_generated_tokens_total 4.0",
+        'molt_rollout_request_aborts_total{reason="client_disconnect"} 1.0',
+        "molt_rollout_weight_apply_seconds_count 1.0",
+    ]:
         assert line in text, line
 
 
 def test_input_error_is_a_value_error():
     assert issubclass(RolloutInputError, ValueError)
+
+
+def test_return_routed_experts_is_a_boolean(client):
+    body = {"prompt_token_ids": [1, 2], "return_routed_experts": "yes"}
+    r = client.post("/v1/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"

@@ -4,8 +4,17 @@ import msgpack
 import numpy as np
 import pytest
 
-from molt.schema import (SCHEMA_VERSION, Provenance, SchemaError, Segment, Trajectory, decode, decode_many, encode,
-                         encode_many)
+from molt.schema import (
+    SCHEMA_VERSION,
+    Provenance,
+    SchemaError,
+    Segment,
+    Trajectory,
+    decode,
+    decode_many,
+    encode,
+    encode_many,
+)
 
 
 def make_segment(t=10, spans=((3, 5), (7, 10)), experts=False) -> Segment:
@@ -21,12 +30,23 @@ def make_segment(t=10, spans=((3, 5), (7, 10)), experts=False) -> Segment:
 
 def make_traj(**kw) -> Trajectory:
     base = dict(
-        trajectory_id="t1", group_id="g1", sample_index=2,
+        trajectory_id="t1",
+        group_id="g1",
+        sample_index=2,
         segments=[make_segment(experts=True), make_segment(6, ((1, 3),))],
-        reward=1.5, score=0.5, info={"turns": 2.0, "len": 16},
+        reward=1.5,
+        score=0.5,
+        info={"turns": 2.0, "len": 16},
         status="truncated",
-        provenance=Provenance(model="m", weight_version=3, tokenizer_hash="th", chat_template_hash="ch",
-                              sampling_params={"temperature": 1.0, "n": 1}, env_name="math", env_version="1"),
+        provenance=Provenance(
+            model="m",
+            weight_version=3,
+            tokenizer_hash="th",
+            chat_template_hash="ch",
+            sampling_params={"temperature": 1.0, "n": 1},
+            env_name="math",
+            env_version="1",
+        ),
         events=[{"kind": "pod_switch", "segment": 0, "at_token": 7, "from": "a", "to": "b"}],
         created_at=123.5,
     )
@@ -37,8 +57,18 @@ def make_traj(**kw) -> Trajectory:
 def test_round_trip_every_field():
     traj = make_traj()
     back = decode(encode(traj))
-    for name in ("trajectory_id", "group_id", "sample_index", "reward", "score", "info", "status", "provenance",
-                 "events", "created_at"):
+    for name in (
+        "trajectory_id",
+        "group_id",
+        "sample_index",
+        "reward",
+        "score",
+        "info",
+        "status",
+        "provenance",
+        "events",
+        "created_at",
+    ):
         assert getattr(back, name) == getattr(traj, name), name
     assert len(back.segments) == 2
     for a, b in zip(traj.segments, back.segments):
@@ -66,32 +96,11 @@ def test_arrays_travel_as_bytes_not_lists():
     assert "routed_experts" not in obj["segments"][1]  # absent, not null
 
 
-def test_v1_records_still_decode():
-    """Records written before the v2 codec (short keys, arrays as {d, s, b}) are still read."""
-    traj = make_traj()
-
-    def arr(a, dtype):
-        a = np.ascontiguousarray(a, dtype)
-        return {"d": a.dtype.str, "s": list(a.shape), "b": a.tobytes()}
-
-    segs = []
-    for s in traj.segments:
-        seg = {"t": arr(s.token_ids, "<i4"), "a": arr(s.action_spans, "<i4"), "l": arr(s.logprobs, "<f4"),
-               "v": arr(s.versions, "<i4")}
-        if s.routed_experts is not None:
-            seg["r"] = arr(s.routed_experts, "<i2")
-        segs.append(seg)
-    p = traj.provenance
-    v1 = msgpack.packb({"schema": 1, "id": "t1", "group": "g1", "idx": 2, "segments": segs, "reward": 1.5,
-                        "score": 0.5, "info": {"turns": 2.0, "len": 16.0}, "status": "truncated",
-                        "prov": {"model": p.model, "weight_version": 3, "tokenizer_hash": "th",
-                                 "chat_template_hash": "ch", "sampling_params": p.sampling_params,
-                                 "env_name": "math", "env_version": "1"},
-                        "events": traj.events, "created_at": 123.5}, use_bin_type=True)
-    back = decode(v1)
-    assert (back.trajectory_id, back.sample_index, back.provenance, back.info) == ("t1", 2, p, traj.info)
-    np.testing.assert_array_equal(back.segments[0].routed_experts, traj.segments[0].routed_experts)
-    np.testing.assert_array_equal(back.segments[1].logprobs, traj.segments[1].logprobs)
+def test_other_schema_versions_are_rejected_by_name():
+    for version in (1, 3, None):
+        with pytest.raises(SchemaError, match=f"unsupported schema version {version!r}") as err:
+            decode(msgpack.packb({"schema": version, "id": "t1"}, use_bin_type=True))
+        assert err.value.field == "schema"
 
 
 def test_batch_codec_isolates_the_bad_record():

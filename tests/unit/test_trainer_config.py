@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from molt.config import parse_settings
-from services.trainer.config import (TrainerSettings, max_versions_ahead, needs_critic, needs_reference,
-                                     validate_settings)
+from services.trainer.config import (
+    TrainerSettings,
+    max_versions_ahead,
+    needs_critic,
+    needs_reference,
+    validate_settings,
+)
 
 BASE = ["--actor.model_name_or_path", "m", "--train.dispatch", "false"]
 
@@ -26,32 +31,53 @@ def test_molt_defaults():
     assert max_versions_ahead(s.train) == 1
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--algo.advantage.estimator", "grpo"], "--rollout.n_samples_per_prompt"),
-    (["--train.async_queue_size", "2"], "--algo.advantage.is_correction_level"),
-    (["--train.force_sync_mode", "--train.async_queue_size", "2", "--algo.advantage.is_correction_level", "token"],
-     "--train.force_sync_mode"),
-    (["--train.force_on_policy", "--train.max_epochs", "2"], "--train.force_on_policy"),
-    (["--train.routing_replay", "--train.partial_rollout_enable", "--algo.advantage.is_correction_level", "token"],
-     "--train.routing_replay"),
-    (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
-     "--algo.advantage.is_correction_mode"),
-    (["--algo.advantage.is_correction_level", "token", "--rollout.top_p", "0.9"], "--rollout.top_p"),
-    (["--actor.loss_mode", "gspo", "--actor.dual_clip", "3"], "--actor.dual_clip"),
-    (["--actor.dual_clip", "0.5"], "--actor.dual_clip"),
-    (["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "0.5"], "--actor.eps_clip_low_high"),
-    (["--algo.dynamic_filtering_enable"], "--algo.dynamic_filtering_enable"),
-    (["--algo.advantage.estimator", "on_policy_distill"], "--ref.model_name_or_path"),
-    (["--train.batch_size", "6", "--train.micro_batch_size", "4"], "--train.micro_batch_size"),
-    (["--fsdp.pp_size", "2"], "--fsdp.pp_size"),
-    (["--fsdp.cp_size", "2"], "--fsdp.cp_size"),
-    (["--actor.freezing_steps", "2"], "--actor.freezing_steps"),
-    (["--train.dispatch", "true"], "--data.prompt_dataset"),
-    (["--train.dispatch", "true", "--data.prompt_dataset", "p.jsonl"], "--envs.urls"),
-    (["--algo.advantage.estimator", "nope"], "--algo.advantage.estimator"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--algo.advantage.estimator", "grpo"], "--rollout.n_samples_per_prompt"),
+        (["--train.async_queue_size", "2"], "--algo.advantage.is_correction_level"),
+        (
+            [
+                "--train.force_sync_mode",
+                "--train.async_queue_size",
+                "2",
+                "--algo.advantage.is_correction_level",
+                "token",
+            ],
+            "--train.force_sync_mode",
+        ),
+        (["--train.force_on_policy", "--train.max_epochs", "2"], "--train.force_on_policy"),
+        (
+            [
+                "--train.routing_replay",
+                "--train.partial_rollout_enable",
+                "--algo.advantage.is_correction_level",
+                "token",
+            ],
+            "--train.routing_replay",
+        ),
+        (
+            ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+            "--algo.advantage.is_correction_mode",
+        ),
+        (["--algo.advantage.is_correction_level", "token", "--rollout.top_p", "0.9"], "--rollout.top_p"),
+        (["--actor.loss_mode", "gspo", "--actor.dual_clip", "3"], "--actor.dual_clip"),
+        (["--actor.dual_clip", "0.5"], "--actor.dual_clip"),
+        (["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "0.5"], "--actor.eps_clip_low_high"),
+        (["--algo.dynamic_filtering_enable"], "--algo.dynamic_filtering_enable"),
+        (["--algo.advantage.estimator", "on_policy_distill"], "--ref.model_name_or_path"),
+        (["--train.batch_size", "6", "--train.micro_batch_size", "4"], "--train.micro_batch_size"),
+        (["--fsdp.pp_size", "2"], "--fsdp.pp_size"),
+        (["--fsdp.cp_size", "2"], "--fsdp.cp_size"),
+        (["--actor.freezing_steps", "2"], "--actor.freezing_steps"),
+        (["--train.dispatch", "true"], "--data.prompt_dataset"),
+        (["--train.dispatch", "true", "--data.prompt_dataset", "p.jsonl"], "--envs.urls"),
+        (["--algo.advantage.estimator", "nope"], "--algo.advantage.estimator"),
+        (["--eval.dataset", "e.jsonl", "--eval.steps", "5"], "--eval.dataset .*--train.dispatch"),
+    ],
+)
 def test_invalid_combinations_name_the_flag(flags, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace(r"\.*", ".*")):
         validate_settings(_settings(*flags))
 
 
@@ -68,9 +94,19 @@ def test_field_errors_exit_with_the_flag(capsys):
 
 
 def test_valid_async_setup_and_gae():
-    s = _settings("--train.async_queue_size", "4", "--algo.advantage.is_correction_level", "geo",
-                  "--algo.advantage.is_correction_threshold", "0.99", "1.01", "--algo.advantage.estimator", "gae",
-                  "--algo.kl.init_coef", "0")
+    s = _settings(
+        "--train.async_queue_size",
+        "4",
+        "--algo.advantage.is_correction_level",
+        "geo",
+        "--algo.advantage.is_correction_threshold",
+        "0.99",
+        "1.01",
+        "--algo.advantage.estimator",
+        "gae",
+        "--algo.kl.init_coef",
+        "0",
+    )
     validate_settings(s)
     assert needs_critic(s) and not needs_reference(s) and max_versions_ahead(s.train) == 4
 
@@ -90,17 +126,61 @@ def test_plugins_register_custom_estimators(tmp_path):
         "@register_advantage_estimator('trainer_test_est', grouped=False)\n"
         "def est(batch):\n"
         "    adv = batch.broadcast(batch.rollout_rewards)\n"
-        "    return adv, adv\n")
+        "    return adv, adv\n"
+    )
     validate_settings(_settings("--train.plugins", str(plugin), "--algo.advantage.estimator", "trainer_test_est"))
     with pytest.raises(ValueError, match=r"--train\.plugins"):
         validate_settings(_settings("--train.plugins", "no_such_module_xyz"))
 
 
 def test_shared_model_path_and_comma_separated_urls():
-    s = parse_settings(TrainerSettings, ["--model.path", "/m", "--rollout.urls", "http://a:1,http://b:2",
-                                         "--envs.urls", "http://e:1", "http://e:2", "--data.prompt_dataset", "p.jsonl",
-                                         "--rollout.grpc_targets", "a:5,b:6"], environ={})
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--model.path",
+            "/m",
+            "--rollout.urls",
+            "http://a:1,http://b:2",
+            "--envs.urls",
+            "http://e:1",
+            "http://e:2",
+            "--data.prompt_dataset",
+            "p.jsonl",
+            "--rollout.grpc_targets",
+            "a:5,b:6",
+        ],
+        environ={},
+    )
     validate_settings(s)
     assert s.actor.model_name_or_path == "/m"
     assert s.rollout.urls == ["http://a:1", "http://b:2"] and s.rollout.grpc_targets == ["a:5", "b:6"]
     assert s.envs.urls == ["http://e:1", "http://e:2"]
+
+
+def test_molts_output_and_semantics_flags():
+    s = _settings(
+        "--fsdp.packing_samples",
+        "--train.pack_shared_prefix",
+        "false",
+        "--train.check_weight_update_equal",
+        "--rollout.vllm_generate_batch_size",
+        "8",
+        "--ckpt.save_hf",
+    )
+    validate_settings(s)
+    assert s.train.pack_shared_prefix and s.train.check_weight_update_equal  # packing_samples turns packing on
+    assert s.rollout.vllm_generate_batch_size == 8 and s.ckpt.save_hf and not s.ckpt.disable_final_save
+    import os
+
+    assert s.ckpt.final_dir() == os.path.abspath("./ckpt")  # Molt's default --ckpt.output_dir
+    assert _settings("--ckpt.output_dir", "/out").ckpt.final_dir() == "/out"
+
+
+def test_moe_aux_loss_is_divided_by_the_windows_micro_batches():
+    import torch
+
+    from services.trainer.learner import moe_aux_term
+
+    # Molt: coef * aux / num_microbatches; two micro-batches with aux 0.4 and 0.8, coef 0.01 -> 0.01 * mean 0.6
+    terms = [moe_aux_term(torch.tensor(a), 0.01, num_micro=2) for a in (0.4, 0.8)]
+    assert float(sum(terms)) == pytest.approx(0.006)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from molt.bus.memory import MemoryTrajectoryQueue
@@ -17,9 +19,21 @@ def _traj(tid: str, group: str, reward: float) -> Trajectory:
 
 
 def _controller(queue, *flags) -> Controller:
-    s = parse_settings(TrainerSettings, ["--actor.model_name_or_path", "m", "--train.dispatch", "false",
-                                         "--rollout.n_samples_per_prompt", "2", "--train.read_block_s", "0.01",
-                                         *flags], environ={})
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            "m",
+            "--train.dispatch",
+            "false",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--train.read_block_s",
+            "0.01",
+            *flags,
+        ],
+        environ={},
+    )
     return Controller(s, queue, trainer_metrics())
 
 
@@ -58,3 +72,110 @@ async def test_stop_request_ends_collection():
     await c.resume(None)
     c.stop_requested = True
     assert await c.next_batch(1) is None
+
+
+class _Prompts:
+    def __len__(self):
+        return 6
+
+    def get(self, position):
+        return f"prompt {position}"
+
+
+class _Dispatcher:
+    """Writes one rollout per requested sample straight to the queue (stands in for env workers)."""
+
+    def __init__(self, queue):
+        self.queue, self.calls = queue, []
+
+    async def run_group(self, prompt, group_id, samples):
+        self.calls.append((group_id, list(samples)))
+        await self.queue.put_many([_sample(f"{group_id}/{k}-new", group_id, k) for k in samples])
+        return list(samples)
+
+    async def close(self):
+        pass
+
+
+def _sample(tid, group, k):
+    return Trajectory(tid, group, k, [Segment([1, 2, 3], [[1, 3]], [-1.0, -1.0], np.zeros(2))], float(k))
+
+
+async def test_restart_adopts_open_groups_dispatches_only_missing_samples_and_acks_the_rest():
+    """Checkpoint: run r, 4 prompts dispatched, groups 2 and 3 not trained yet. The stream holds what the dead
+    trainer left: a full group 2, half of group 3, half of group 4 (dispatched after the checkpoint), a late
+    rollout of group 1 (trained before the checkpoint) and a group of another run."""
+    q = MemoryTrajectoryQueue()
+    await q.put_many(
+        [
+            _sample("a", "r-2", 0),
+            _sample("b", "r-2", 1),
+            _sample("c", "r-3", 0),
+            _sample("late", "r-1", 1),
+            _sample("old", "x-0", 0),
+        ]
+    )
+    await q.read("trainer-0", 10, block_s=0)  # delivered to the dead trainer, never acked
+    await q.put_many([_sample("d", "r-4", 1), _sample("twice", "r-2", 1)])  # undelivered
+    c = _controller(q, "--train.dispatch", "true", "--rollout.batch_size", "1")
+    c.own_groups = True
+    c.assembler = type(c.assembler)(2, by_sample=True)
+    c.dataset, c.dispatcher = _Prompts(), _Dispatcher(q)
+    await c.resume({"version": 2, "position": 4, "refills": 0, "unacked_ids": [], "run_tag": "r", "open": [2, 3]})
+    assert await q.consumed(["late", "old", "a"]) == [True, True, False]  # acked at once, untrained
+    c.start_dispatch()
+    trained = []
+    try:
+        for _ in range(3):
+            (group,) = await c.next_batch(1)
+            trained.append((group.group_id, sorted(group.trajectory_ids)))
+            await c.commit()
+            c.set_version(c.version + 1)
+            await asyncio.sleep(0.05)  # let dispatch run
+    finally:
+        await c.close()
+    assert trained == [("r-2", ["a", "b"]), ("r-3", ["c", "r-3/1-new"]), ("r-4", ["d", "r-4/0-new"])]
+    assert c.dispatcher.calls[:2] == [("r-3", [1]), ("r-4", [0])]  # group 2 was complete: not dispatched
+    assert c.client_state()["open"] == [5] and c.client_state()["position"] == 6
+    assert await q.consumed(["twice"]) == [True]  # a second rollout of sample 1: acked with its group, untrained
+
+
+async def test_reclaim_never_takes_the_consumers_own_entries():
+    clock = [0.0]
+    q = MemoryTrajectoryQueue(clock=lambda: clock[0])
+    await q.put_many([_traj("a1", "A", 0)])
+    await q.read("trainer-0", 10, block_s=0)
+    clock[0] = 1e6  # held far longer than --train.reclaim_idle_s (a batch waiting for its group)
+    assert await q.reclaim("trainer-0", min_idle_s=1, count=10) == []
+    assert [d.trajectory.trajectory_id for d in await q.reclaim("trainer-1", min_idle_s=1, count=10)] == ["a1"]
+
+
+class _LosingDispatcher(_Dispatcher):
+    """Reports every sample written, but the first write of sample 1 never reaches the stream (a Redis crash
+    that lost its last second of writes)."""
+
+    async def run_group(self, prompt, group_id, samples):
+        self.calls.append((group_id, list(samples)))
+        lost = len(self.calls) == 1
+        await self.queue.put_many(
+            [_sample(f"{group_id}/{k}-try{len(self.calls)}", group_id, k) for k in samples if not (lost and k == 1)]
+        )
+        return list(samples)
+
+
+async def test_a_group_whose_written_rollouts_never_arrive_is_dispatched_again():
+    q = MemoryTrajectoryQueue()
+    c = _controller(q, "--train.dispatch", "true", "--rollout.batch_size", "1", "--train.num_steps", "1")
+    c.own_groups = True
+    c.assembler = type(c.assembler)(2, by_sample=True)
+    c.dataset, c.dispatcher = _Prompts(), _LosingDispatcher(q)
+    c.group_stall_s = 0.1
+    await c.resume(None)
+    c.start_dispatch()
+    try:
+        (group,) = await asyncio.wait_for(c.next_batch(1), 10)
+    finally:
+        await c.close()
+    tag = c.run_tag
+    assert c.dispatcher.calls == [(f"{tag}-0", [0, 1]), (f"{tag}-0", [1])]
+    assert sorted(group.trajectory_ids) == [f"{tag}-0/0-try1", f"{tag}-0/1-try2"]

@@ -95,6 +95,7 @@ def test_staleness_histogram_bulk_observe_equals_observe():
         observe_many(a, value, count)
         for _ in range(count):
             b.observe(value)
+
     def samples(h):
         return [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
 
@@ -110,15 +111,22 @@ def test_dispatched_groups_release_in_dispatch_order():
     from services.trainer.groups import GroupAssembler
 
     def deliver(group: str, i: int) -> Delivery:
-        seg = Segment(token_ids=np.arange(4), action_spans=np.array([[2, 4]]), logprobs=np.full(2, -1.0),
-                      versions=np.zeros(2))
+        seg = Segment(
+            token_ids=np.arange(4), action_spans=np.array([[2, 4]]), logprobs=np.full(2, -1.0), versions=np.zeros(2)
+        )
         return Delivery(f"{group}-{i}", Trajectory(f"{group}-t{i}", group, i, [seg], 1.0))
 
     asm = GroupAssembler(n_samples_per_prompt=2)
     for g in ("g0", "g1", "g2"):
         asm.dispatched(g)
-    for d in (deliver("g1", 0), deliver("g1", 1), deliver("g2", 0), deliver("g2", 1), deliver("x", 0),
-              deliver("x", 1)):
+    for d in (
+        deliver("g1", 0),
+        deliver("g1", 1),
+        deliver("g2", 0),
+        deliver("g2", 1),
+        deliver("x", 0),
+        deliver("x", 1),
+    ):
         asm.add(d)
     # g1 and g2 are complete but g0 (older) is not: only the unregistered group "x" may go.
     assert [g.group_id for g in asm.pop_complete(8)] == ["x"]

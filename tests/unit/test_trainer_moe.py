@@ -17,8 +17,10 @@ def moe(tiny_qwen3_moe):
 
 def _live_routing(model, ids):
     seen = {}
-    hooks = [m.register_forward_hook(lambda mod, a, out, layer=layer: seen.__setitem__(layer, out[2].clone()))
-             for layer, _, m in find_routers(model)]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out, layer=layer: seen.__setitem__(layer, out[2].clone()))
+        for layer, _, m in find_routers(model)
+    ]
     logits = model(input_ids=ids).logits
     for h in hooks:
         h.remove()

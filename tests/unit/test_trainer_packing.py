@@ -12,9 +12,19 @@ from services.trainer.packing import common_prefix_len, pack, plan_group_chunks
 def _sample(tokens, group, actions_from):
     t = torch.tensor(tokens)
     mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
-    mask[actions_from - 1:] = True  # steps that predict tokens actions_from..
-    return Sample(f"t{tokens}", group, 0, 0.0, None, "p", t, mask, torch.zeros(len(tokens) - 1),
-                  torch.zeros(len(tokens) - 1, dtype=torch.long))
+    mask[actions_from - 1 :] = True  # steps that predict tokens actions_from..
+    return Sample(
+        f"t{tokens}",
+        group,
+        0,
+        0.0,
+        None,
+        "p",
+        t,
+        mask,
+        torch.zeros(len(tokens) - 1),
+        torch.zeros(len(tokens) - 1, dtype=torch.long),
+    )
 
 
 def test_common_prefix_len():
@@ -30,12 +40,14 @@ def test_group_shares_one_row():
     assert rows.input_ids.tolist() == [[5, 6, 7, 10, 11, 20]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
     m = rows.attention_mask[0, 0].int().tolist()
-    assert m == [[1, 0, 0, 0, 0, 0],
-                 [1, 1, 0, 0, 0, 0],
-                 [1, 1, 1, 0, 0, 0],
-                 [1, 1, 1, 1, 0, 0],
-                 [1, 1, 1, 1, 1, 0],
-                 [1, 1, 1, 0, 0, 1]]
+    assert m == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 0, 1],
+    ]
     # Sample 0 predicts tokens 3, 4 from row positions 2 (shared prefix end) and 3; sample 1 token 3 from 2.
     assert rows.flat_index.tolist() == [2, 3, 2]
     assert rows.targets.tolist() == [10, 11, 20]

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from molt._proto import weightsync_pb2 as pb
-from molt.weightsync.layout import (ALIGN, Hasher, checksum, iter_buckets, iter_chunks, plan_layout, validate_layout,
-                                    view_tensors)
+from molt.weightsync.layout import (
+    ALIGN,
+    Hasher,
+    checksum,
+    iter_buckets,
+    iter_chunks,
+    plan_layout,
+    validate_layout,
+    view_tensors,
+)
 from molt.weightsync.manifest import ManifestError, select_tensors, verify_manifest
 from molt.weightsync.pusher import make_chunks
 from molt.weightsync.wire import decode_chunk, encode_chunk, keep_malloc_hot, layout_from_begin, layout_to_begin
@@ -33,7 +41,7 @@ def _stream(layout, tensors, chunk_bytes):
     for bucket, offset, pieces, _ in iter_chunks(layout, tensors, chunk_bytes):
         assert bucket * layout.bucket_bytes + offset == pos
         for p in pieces:
-            mv[pos: pos + len(p)] = p
+            mv[pos : pos + len(p)] = p
             pos += len(p)
     return staging
 
@@ -73,7 +81,7 @@ def test_checksum_is_incremental():
     data = bytes(range(256)) * 1000
     h = Hasher("xxh3_64")
     for i in range(0, len(data), 777):
-        h.update(data[i: i + 777])
+        h.update(data[i : i + 777])
     assert h.digest() == checksum(data, "xxh3_64")
     h = Hasher("crc32")
     h.update(data[:5])
@@ -98,8 +106,7 @@ def test_make_chunks_checksums_match_buckets():
     state = _state()
     layout = plan_layout(state.items(), 512)
     buckets = [b.clone() for _, b in iter_buckets(layout, state)]
-    sums = [msg.checksum for msg in map(pb.Chunk.FromString, make_chunks(layout, state, "s", 200))
-            if msg.checksum]
+    sums = [msg.checksum for msg in map(pb.Chunk.FromString, make_chunks(layout, state, "s", 200)) if msg.checksum]
     assert sums == [checksum(memoryview(b.numpy())) for b in buckets]
 
 
@@ -118,8 +125,9 @@ def test_begin_message_roundtrip():
 def test_validate_layout_rejects_overlap_and_overrun():
     layout = plan_layout(_state().items(), 1024)
     e = layout.entries
-    bad = type(layout)((e[0], e[1].__class__(e[1].name, e[1].dtype, e[1].shape, 0, 0, e[1].nbytes)), 1024,
-                       layout.total_bytes)
+    bad = type(layout)(
+        (e[0], e[1].__class__(e[1].name, e[1].dtype, e[1].shape, 0, 0, e[1].nbytes)), 1024, layout.total_bytes
+    )
     with pytest.raises(ValueError, match="misplaced"):
         validate_layout(bad)
     with pytest.raises(ValueError, match="past total_bytes"):
@@ -154,14 +162,17 @@ def test_verify_manifest_accepts_cast_and_keep():
     verify_manifest(plan_layout(sent.items()).entries, ["model.layers.0.mlp.gate.weight"], expected)
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda s, e, k: s.pop("model.norm.weight"), "neither sent nor kept: model.norm.weight"),
-    (lambda s, e, k: e.pop("lm_head.weight"), "does not load: lm_head.weight.*tied"),
-    (lambda s, e, k: s.__setitem__("model.norm.weight", torch.ones(17)), r"shape mismatch for model.norm.weight"),
-    (lambda s, e, k: e.__setitem__("model.norm.weight", ((16,), "int8")), "dtype mismatch"),
-    (lambda s, e, k: k.append("nope"), "keep names the engine does not have: nope"),
-    (lambda s, e, k: k.append("model.norm.weight"), "both sent and kept"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda s, e, k: s.pop("model.norm.weight"), "neither sent nor kept: model.norm.weight"),
+        (lambda s, e, k: e.pop("lm_head.weight"), "does not load: lm_head.weight.*tied"),
+        (lambda s, e, k: s.__setitem__("model.norm.weight", torch.ones(17)), r"shape mismatch for model.norm.weight"),
+        (lambda s, e, k: e.__setitem__("model.norm.weight", ((16,), "int8")), "dtype mismatch"),
+        (lambda s, e, k: k.append("nope"), "keep names the engine does not have: nope"),
+        (lambda s, e, k: k.append("model.norm.weight"), "both sent and kept"),
+    ],
+)
 def test_verify_manifest_rejects(mutate, match):
     state, keep = dict(_state()), []
     expected = _expected(state)

@@ -58,8 +58,9 @@ def _state(seed: int):
 
 
 def _equal(engine, state, skip=()):
-    return all(torch.equal(engine.params[n], state[n].to(engine.params[n].dtype))
-               for n in engine.params if n not in skip)
+    return all(
+        torch.equal(engine.params[n], state[n].to(engine.params[n].dtype)) for n in engine.params if n not in skip
+    )
 
 
 def _check(engine_like_state, ids=(1, 5, 9)):
@@ -71,8 +72,9 @@ async def test_local_sync_tied_frozen_and_versions():
     engine = FakeEngine(_state(0))
     core = WeightSyncCore(engine)
     new = _state(1)
-    pusher = WeightPusher([LocalPodClient(core, "pod0")], frozen=["model.layers.0.mlp.gate.weight"],
-                          bucket_bytes=4096, chunk_bytes=1000)
+    pusher = WeightPusher(
+        [LocalPodClient(core, "pod0")], frozen=["model.layers.0.mlp.gate.weight"], bucket_bytes=4096, chunk_bytes=1000
+    )
     report = await pusher.push_async(new, version=1)
     assert engine.policy_version == 1 and report.pods["pod0"]["version"] == 1
     assert _equal(engine, new, skip={"model.layers.0.mlp.gate.weight"})
@@ -148,8 +150,10 @@ async def test_bad_checksum_and_shape_mismatch():
     with pytest.raises(PodError, match="INVALID_ARGUMENT.*shape mismatch for model.norm.weight"):
         await _begin(core, bad, 1)
     assert engine.policy_version == 0 and _equal(engine, old)
-    assert core.metrics.registry.get_sample_value(
-        "molt_weightsync_failures_total", {"side": "pod", "reason": "checksum"}) == 1
+    assert (
+        core.metrics.registry.get_sample_value("molt_weightsync_failures_total", {"side": "pod", "reason": "checksum"})
+        == 1
+    )
 
 
 @pytest.mark.parametrize("allow_rollback", [True, False])
@@ -170,7 +174,7 @@ async def test_check_refuses_and_rolls_back_to_previous_copy(allow_rollback):
         assert engine.policy_version == 1 and _equal(engine, v1)
     else:  # RolloutEngine's versions only move forward: said loudly, never silently
         assert "refused the rollback" in core.status()["last_error"] and engine.policy_version == 2
-    assert pusher.metrics.registry.get_sample_value("molt_weightsync_check_failures_total", {"pod": "p"}) == 1
+    assert pusher.metrics.registry.get_sample_value("molt_weightsync_check_failures_total", {"rollout_url": "p"}) == 1
 
 
 async def test_grpc_loopback_two_pods_and_status():
@@ -278,8 +282,9 @@ async def test_gloo_refused_begin_does_not_wedge_the_group():
     """The trainer and one pod in one process (two threads join a 2-rank gloo group over a TCPStore)."""
     engine = FakeEngine(_state(0))
     core = WeightSyncCore(engine)
-    pusher = WeightPusher([LocalPodClient(core, "p")], tie_word_embeddings=True, transport="gloo",
-                          bucket_bytes=4096, timeout_s=60)
+    pusher = WeightPusher(
+        [LocalPodClient(core, "p")], tie_word_embeddings=True, transport="gloo", bucket_bytes=4096, timeout_s=60
+    )
     try:
         await pusher.push_async(_state(1), version=1)
         assert engine.policy_version == 1 and _equal(engine, _state(1))

@@ -40,8 +40,11 @@ def _model_dir(tmp_path, tie: bool):
 
 
 def test_flags_and_missing_model(tmp_path, capsys):
-    s = push.parse_settings(push.PushSettings, ["--model", str(tmp_path), "--pods", "a:1,b:2", "c:3",
-                                                "--version", "7", "--transport", "gloo"], prog=push.PROG)
+    s = push.parse_settings(
+        push.PushSettings,
+        ["--model", str(tmp_path), "--pods", "a:1,b:2", "c:3", "--version", "7", "--transport", "gloo"],
+        prog=push.PROG,
+    )
     assert s.pods == ["a:1,b:2", "c:3"] and s.version == 7 and s.transport == "gloo"
     with pytest.raises(SystemExit):
         push.parse_settings(push.PushSettings, ["--modle", "x"], prog=push.PROG)

@@ -59,11 +59,19 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- .Values.gateway.apiKeys.existingSecret | default (include "molt.name" (dict "root" . "component" "api-keys")) -}}
 {{- end -}}
 
-{{/* MOLT_REDIS__URL for services that use the trajectory stream. */}}
+{{- define "molt.redisSecret" -}}
+{{- .Values.redis.auth.existingSecret | default (include "molt.name" (dict "root" . "component" "redis")) -}}
+{{- end -}}
+
+{{/* MOLT_REDIS__URL for services that use the trajectory stream. In-chart Redis requires a password:
+REDIS_PASSWORD comes from the Secret and Kubernetes expands $(REDIS_PASSWORD) into the URL. */}}
 {{- define "molt.redisEnv" -}}
 {{- if .Values.redis.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "molt.redisSecret" . }}, key: {{ .Values.redis.auth.existingSecretKey }}}
 - name: MOLT_REDIS__URL
-  value: {{ printf "redis://%s.%s:%d/0" (include "molt.name" (dict "root" . "component" "redis")) (include "molt.svcDomain" .) (int .Values.redis.port) | quote }}
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s.%s:%d/0" (include "molt.name" (dict "root" . "component" "redis")) (include "molt.svcDomain" .) (int .Values.redis.port) | quote }}
 {{- else if .Values.redis.external.existingSecret }}
 - name: MOLT_REDIS__URL
   valueFrom:
@@ -78,14 +86,86 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* Env shared by every Molt container: bind all interfaces, the chart-wide extras. */}}
+{{- define "molt.weightsSecret" -}}
+{{- .Values.weightSync.existingSecret | default (include "molt.name" (dict "root" . "component" "weights")) -}}
+{{- end -}}
+
+{{/* The weight-sync token rollout pods require and the trainer sends (gRPC and the HTTP reload). */}}
+{{- define "molt.weightsTokenEnv" -}}
+- name: MOLT_WEIGHTS_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "molt.weightsSecret" . }}, key: MOLT_WEIGHTS_TOKEN}
+{{- end -}}
+
+{{/* Where the optional weight-sync TLS Secret (weightSync.tlsSecret) is mounted. */}}
+{{- define "molt.weightsTlsDir" -}}/etc/molt/weights-tls{{- end -}}
+
+{{/* Env shared by every Molt container: bind all interfaces, caches under the writable /tmp (the
+root filesystem is read-only), the chart-wide extras. */}}
 {{- define "molt.commonEnv" -}}
 - name: MOLT_SERVER__HOST
   value: {{ .Values.listenAddress | quote }}
 - name: OMP_NUM_THREADS
   value: "1"
+- name: HOME
+  value: /tmp/home
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings of every pod: its ServiceAccount (no API token), non-root, seccomp (the chart-wide
+type, or a component's own seccompProfile object): molt.podSecurity (dict "root" $ "seccomp" $v.seccompProfile) */}}
+{{- define "molt.podSecurity" -}}
+{{- $root := .root -}}
+serviceAccountName: {{ include "molt.serviceAccount" $root }}
+automountServiceAccountToken: false
+securityContext:
+  runAsNonRoot: true
+  runAsUser: {{ $root.Values.securityContext.runAsUser }}
+  runAsGroup: {{ $root.Values.securityContext.runAsGroup }}
+  fsGroup: {{ $root.Values.securityContext.fsGroup }}
+  {{- if .seccomp }}
+  seccompProfile: {{- toYaml .seccomp | nindent 4 }}
+  {{- else }}
+  seccompProfile: {type: {{ $root.Values.securityContext.seccompProfile }}}
+  {{- end }}
+{{- end -}}
+
+{{/* Container-level: read-only root filesystem, no privilege escalation, no capabilities. */}}
+{{- define "molt.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{- define "molt.serviceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "molt.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The checkpoint volume: an existing claim or the chart's own PVC (never emptyDir: the model is kept). */}}
+{{- define "molt.checkpointClaim" -}}
+{{- .Values.trainer.checkpoints.existingClaim | default (include "molt.name" (dict "root" . "component" "checkpoints")) -}}
+{{- end -}}
+
+{{/* A PodDisruptionBudget: molt.pdb (dict "root" $ "component" "gateway") */}}
+{{- define "molt.pdb" -}}
+{{- if .root.Values.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "molt.name" . }}
+  labels: {{- include "molt.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ .root.Values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels: {{- include "molt.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end -}}
 
@@ -137,4 +217,10 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* Probe of the trainer: node 0 (global rank 0) answers PATH on the metrics port; other nodes have no
+HTTP server, and their torchrun agent (PID 1) being up is the check. */}}
+{{- define "molt.trainerProbe" -}}
+import os, urllib.request; os.environ["NODE_RANK"] != "0" or urllib.request.urlopen("http://localhost:{{ .port }}{{ .path }}", timeout=5)
 {{- end -}}

@@ -2,7 +2,7 @@
 
 ``FakePods`` (a ``PodTransport``) answers ``/v1/generate`` like a rollout pod, from a script, so unit
 tests can drive exact model outputs (tool calls, stop reasons) without a model. The launchers start real services as
-subprocesses and return their URL from the one line each service prints once it listens.
+subprocesses (``molt.serve.start_service``: the URL from the line each prints when it binds, then /readyz).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from molt.net import LineSplitter
+from molt.serve import start_service
 from services.gateway.transport import PodConnectionError, PodTransport
 
 Script = Callable[[list[int], dict], list[int]]
@@ -63,8 +65,14 @@ class FakePods(PodTransport):
             finish = "stop"
             if len(ids) > max_tokens:
                 ids, finish = ids[:max_tokens], "length"
-            outputs.append({"token_ids": ids, "logprobs": [fake_logprob(t, i) for i, t in enumerate(ids)],
-                            "finish_reason": finish, "policy_version": pod.version})
+            outputs.append(
+                {
+                    "token_ids": ids,
+                    "logprobs": [fake_logprob(t, i) for i, t in enumerate(ids)],
+                    "finish_reason": finish,
+                    "policy_version": pod.version,
+                }
+            )
         return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode(), time.perf_counter()
 
 
@@ -83,13 +91,14 @@ def read_trajectories(redis_url: str, stream: str) -> list:
             return found
         finally:
             await q.close()
+
     return asyncio.run(go())
 
 
 # ---- real processes
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ReplicaGroup:
@@ -109,8 +118,11 @@ class ReplicaGroup:
         from services.gateway.app import build_app
         from services.gateway.config import GatewaySettings
 
-        cfg: dict = {"model": {"path": str(self.model.path)}, "rollout": {"urls": [self.pod]},
-                     "redis": {"url": self.redis_url, "stream": self.stream}}
+        cfg: dict = {
+            "model": {"path": str(self.model.path)},
+            "rollout": {"urls": [self.pod]},
+            "redis": {"url": self.redis_url, "stream": self.stream},
+        }
         for name, values in sections.items():
             cfg[name] = {**cfg.get(name, {}), **values}
         pods = FakePods([self.pod], script)
@@ -135,81 +147,71 @@ class ReplicaGroup:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
 
-def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, log_path: Path) -> str:
-    """Read the process's merged output (mirrored to ``log_path``) until a line contains ``marker``."""
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    with open(log_path, "a") as log:
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"process exited with {proc.returncode} before {marker!r}; see {log_path}")
-                continue
-            log.write(line)
-            log.flush()
-            if marker in line:
-                return line.strip()
-    proc.kill()
-    raise TimeoutError(f"no {marker!r} within {timeout_s} s; see {log_path}")
-
-
-def _drain(proc: subprocess.Popen, log_path: Path) -> None:
-    """Keep copying output in the background so a chatty process never blocks on a full pipe."""
-    import threading
-
-    def run() -> None:
-        assert proc.stdout is not None
-        with open(log_path, "a") as log:
-            for line in proc.stdout:
-                log.write(line)
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def start_rollout_pods(model_dir: str | Path, log_paths: list[Path], max_model_len: int = 1024,
-                       extra: list[str] | None = None, timeout_s: float = 180.0,
-                       prefix: list[str] | None = None) -> list[tuple[subprocess.Popen, str]]:
+def start_rollout_pods(
+    model_dir: str | Path,
+    log_paths: list[Path],
+    max_model_len: int = 1024,
+    extra: list[str] | None = None,
+    timeout_s: float = 180.0,
+    prefix: list[str] | None = None,
+) -> list[tuple[subprocess.Popen, str]]:
     """Real rollout pods (tiny-model settings for CPU), started in parallel; ``prefix`` wraps the command."""
-    cmd = [*(prefix or []), sys.executable, "-m", "services.rollout", "--model.path", str(model_dir),
-           "--server.port", "0", "--vllm.dtype", "float32", "--vllm.enforce_eager",
-           "--vllm.max_model_len", str(max_model_len), "--vllm.kv_cache_memory_bytes", str(64 << 20),
-           "--server.log_level", "warning", *(extra or [])]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
-             for _ in log_paths]
-    out = []
-    try:
-        for proc, log_path in zip(procs, log_paths):
-            line = _wait_for_line(proc, "ROLLOUT_READY", timeout_s, log_path)
-            _drain(proc, log_path)
-            out.append((proc, line.split()[-1]))
-    except BaseException:
-        for proc in procs:
-            stop(proc)
-        raise
-    return out
+    cmd = [
+        *(prefix or []),
+        sys.executable,
+        "-m",
+        "services.rollout",
+        "--model.path",
+        str(model_dir),
+        "--server.port",
+        "0",
+        "--vllm.dtype",
+        "float32",
+        "--vllm.enforce_eager",
+        "--vllm.max_model_len",
+        str(max_model_len),
+        "--vllm.kv_cache_memory_bytes",
+        str(64 << 20),
+        "--server.log_level",
+        "warning",
+        *(extra or []),
+    ]
+    with ThreadPoolExecutor(len(log_paths)) as pool:  # in parallel: each loads its own engine
+        started = [
+            pool.submit(start_service, cmd, log_path=log_path, env=_env(), cwd=ROOT, timeout_s=timeout_s)
+            for log_path in log_paths
+        ]
+    failed = [f.exception() for f in started if f.exception() is not None]
+    if failed:
+        for f in started:
+            if f.exception() is None:
+                stop(f.result()[0])
+        raise failed[0]
+    return [f.result() for f in started]
 
 
 def start_rollout_pod(model_dir: str | Path, log_path: Path, **kwargs) -> tuple[subprocess.Popen, str]:
     return start_rollout_pods(model_dir, [log_path], **kwargs)[0]
 
 
-def start_gateway(args: list[str], log_path: Path, timeout_s: float = 60.0,
-                  prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [*(prefix or []), sys.executable, "-m", "services.gateway", "--server.port", "0",
-           "--server.log_level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            cwd=ROOT)
-    line = _wait_for_line(proc, "molt-gateway listening on", timeout_s, log_path)
-    _drain(proc, log_path)
-    return proc, line.split()[-1]
+def start_gateway(
+    args: list[str], log_path: Path, timeout_s: float = 60.0, prefix: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        *(prefix or []),
+        sys.executable,
+        "-m",
+        "services.gateway",
+        "--server.port",
+        "0",
+        "--server.log_level",
+        "warning",
+        *args,
+    ]
+    return start_service(cmd, log_path=log_path, env=_env(), cwd=ROOT, timeout_s=timeout_s)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
@@ -224,8 +226,19 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
 
 # ---- an instant pod, to measure the gateway alone (bench/gateway.py --instant-pod)
 
-_INSTANT = json.dumps({"policy_version": 0, "outputs": [{"token_ids": [100, 200, 300, 2],
-                       "logprobs": [-0.1, -0.2, -0.3, -0.4], "finish_reason": "stop", "policy_version": 0}]}).encode()
+_INSTANT = json.dumps(
+    {
+        "policy_version": 0,
+        "outputs": [
+            {
+                "token_ids": [100, 200, 300, 2],
+                "logprobs": [-0.1, -0.2, -0.3, -0.4],
+                "finish_reason": "stop",
+                "policy_version": 0,
+            }
+        ],
+    }
+).encode()
 
 
 async def _instant_pod(scope, receive, send) -> None:
@@ -239,18 +252,23 @@ async def _instant_pod(scope, receive, send) -> None:
             if done == "lifespan.shutdown.complete":
                 return
     if scope["path"] == "/v1/generate_stream":  # one answer line per call line, at once
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+        )
         lines = LineSplitter()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
-            answers = [b'{"id":%s,"status":200,%s\n' % (json.dumps(json.loads(line)["id"]).encode(), _INSTANT[1:])
-                       for line in lines.feed(msg.get("body", b"")) if b'"abort"' not in line[:10]]
+            answers = [
+                b'{"id":%s,"status":200,%s\n' % (json.dumps(json.loads(line)["id"]).encode(), _INSTANT[1:])
+                for line in lines.feed(msg.get("body", b""))
+                if b'"abort"' not in line[:10]
+            ]
             if answers or not msg.get("more_body"):
-                await send({"type": "http.response.body", "body": b"".join(answers),
-                            "more_body": bool(msg.get("more_body"))})
+                await send(
+                    {"type": "http.response.body", "body": b"".join(answers), "more_body": bool(msg.get("more_body"))}
+                )
             if not msg.get("more_body"):
                 return
     while (await receive()).get("more_body"):
@@ -261,21 +279,12 @@ async def _instant_pod(scope, receive, send) -> None:
 
 
 def start_instant_pod(log_path: Path, prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [*(prefix or []), sys.executable, "-m", "services.gateway.testing", "instant-pod"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
-    line = _wait_for_line(proc, "ROLLOUT_READY", 30, log_path)
-    _drain(proc, log_path)
-    return proc, line.split()[-1]
+    cmd = [*(prefix or []), sys.executable, "-m", "tests.gateway_testlib", "instant-pod"]
+    return start_service(cmd, log_path=log_path, env=_env(), cwd=ROOT, timeout_s=30)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["instant-pod"]:
-    import socket
+    from molt.config import ServerConfig
+    from molt.serve import serve
 
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)  # before announcing: a client that connects at once is queued, not refused
-    print(f"ROLLOUT_READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    uvicorn.Server(uvicorn.Config(_instant_pod, log_level="warning", access_log=False, loop="uvloop",
-                                  http="httptools")).run(sockets=[sock])
+    serve("instant-pod", _instant_pod, ServerConfig(log_level="warning"))

@@ -1,0 +1,117 @@
+"""Molt's in-process calling convention for ``StepEnvRunner``: a local engine and tokenizer instead of a gateway.
+
+Molt calls ``runner.execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)`` with
+``llm_engine.generate(token_ids, sampling_params, multi_modal_data=None, session_id=None)`` returning
+``(request_output, off_policy_len)``, and gets a ``Trajectory`` back (Molt's own unit tests and
+notebooks do this). ``execute_on_engine`` runs the same ``StepEnvRunner`` loop as the services do, with
+``EngineGateway`` standing in for the gateway's session API: it tokenizes appended text, clamps each
+turn's ``max_tokens`` to the remaining ``max_length`` budget, generates on the engine, and records the
+tokens, action ranges and (when ``sampling_params.logprobs`` is set, as Molt does with IS correction)
+the rollout logprobs into Molt's ``Trajectory`` (``molt.agents.base``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from molt.agents.base import Episode, Trajectory
+from molt.agents.base import _extract_generation_logprobs as extract_generation_logprobs
+from molt.agents.params import SamplingParams
+
+
+class EngineSession:
+    def __init__(self, gw: EngineGateway, traj: Trajectory) -> None:
+        self.gw, self.traj = gw, traj
+        self.id = uuid.uuid4().hex
+        self.finished: dict | None = None
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.gw.tokenizer(text=text, add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
+
+    async def generate(self, *, messages=None, append_text=None, append_token_ids=None, sampling_params=None):
+        t = self.traj
+        if messages is not None:
+            append_text = self.gw.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        new = (self._tokens(append_text) if append_text else []) + list(append_token_ids or [])
+        remaining = self.gw.max_length - len(t.observation_tokens) - len(new)
+        if remaining <= 0:
+            t.truncated = True
+            return {"token_ids": [], "finish_reason": "length", "num_tokens": len(t.observation_tokens)}
+        t.observation_tokens += new
+        if t.rollout_log_probs is not None:
+            t.rollout_log_probs += [0.0] * len(new)
+        if (sampling_params or {}).get("max_tokens") == 0:  # append only (the terminal turn's feedback)
+            return {"token_ids": [], "finish_reason": "stop", "num_tokens": len(t.observation_tokens)}
+        sp = copy.deepcopy(self.gw.params)  # the caller's object, with this turn's values
+        for k, v in (sampling_params or {}).items():
+            setattr(sp, k, v)
+        sp.max_tokens = min(sp.max_tokens or remaining, remaining)
+        output, _off_policy = await self.gw.engine.generate(
+            t.observation_tokens, sp, multi_modal_data=None, session_id=self.id
+        )
+        gen = output.outputs[0]
+        ids = list(gen.token_ids)
+        text = gen.text or (self.gw.tokenizer.decode(ids, skip_special_tokens=False) if ids else "")
+        if t.rollout_log_probs is not None:
+            t.rollout_log_probs += extract_generation_logprobs(ids, gen.logprobs)
+        t.action_ranges.append((len(t.observation_tokens), len(t.observation_tokens) + len(ids)))
+        t.observation_tokens += ids
+        return {
+            "token_ids": ids,
+            "text": text,
+            "finish_reason": gen.finish_reason or "stop",
+            "num_tokens": len(t.observation_tokens),
+        }
+
+    async def append(self, text: str) -> dict:
+        return await self.generate(append_text=text, sampling_params={"max_tokens": 0})
+
+    async def finish(self, reward, score=None, info=None) -> dict:
+        self.traj.reward, self.traj.scores = reward, score
+        self.finished = {"written": True}
+        return self.finished
+
+
+class EngineGateway:
+    """The subset of ``GatewayClient`` the step loop uses, over a local engine and tokenizer."""
+
+    url = ""
+
+    def __init__(self, params: Any, max_length: int, tokenizer, engine, traj: Trajectory) -> None:
+        self.params, self.max_length, self.tokenizer = params, max_length, tokenizer
+        self.engine, self.traj = engine, traj
+
+    @contextlib.asynccontextmanager
+    async def session(self, **fields) -> AsyncIterator[EngineSession]:
+        yield EngineSession(self, self.traj)
+
+    async def can_append(self) -> bool:
+        return True
+
+
+async def execute_on_engine(
+    run, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None, tools=None
+) -> Trajectory:
+    """Molt's ``StepEnvRunner.execute`` signature: ``run`` is the runner's gateway loop."""
+    params = copy.deepcopy(sampling_params)
+    traj = Trajectory(
+        prompt=prompt, label=label, rollout_log_probs=[] if getattr(params, "logprobs", None) is not None else None
+    )
+    gw = EngineGateway(params, max_length, hf_tokenizer, llm_engine, traj)
+    episode = Episode(
+        prompt=prompt,
+        group_id=uuid.uuid4().hex,
+        label=label,
+        max_length=max_length,
+        tools=tools,
+        sampling_params=SamplingParams.from_any(params).wire(),
+        images=images,
+    )
+    out = await run(episode, gw)
+    traj.truncated = traj.truncated or out.truncated
+    traj.extra_logs = dict(out.info)
+    return traj

@@ -1,0 +1,325 @@
+"""How every service serves, and how anything that starts one waits for it.
+
+``python -m services.X`` parses its settings, builds its ASGI app and calls ``serve``: bind (printing
+``molt-X listening on http://HOST:PORT``), serve with uvicorn (uvloop, httptools) behind the slow-client
+guard (molt/serve_guard.py), print ``molt-X ready http://HOST:PORT`` once the app's start-up has run (then
+``/readyz`` is the live answer), and on SIGTERM drain, then shut down gracefully and exit 0. A second
+SIGTERM, or SIGINT, stops at once.
+
+``wait_ready`` is the one way a supervisor (``molt up``), a test or a bench waits for a service: its
+``/readyz`` answering 200 (``start_service`` starts one on a kernel-chosen port and waits for it).
+``CPU_ENV`` is the one place the CPU defaults for child processes are set. ``preflight`` is the one place
+start-up checks what the config names outside the process (a port to bind, a model directory, a Redis): each
+service runs it right after parsing, before loading anything, and a problem ends it with one line that names
+the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from molt.config import ServerConfig
+from molt.net import listening_socket
+from molt.serve_guard import guard
+
+CPU_ENV = {
+    "OMP_NUM_THREADS": "1",  # one OpenMP thread per process: several services share a few cores
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # vLLM's engine in the pod's own process
+    "TOKENIZERS_PARALLELISM": "false",  # no tokenizer thread pools next to the event loop
+    "HF_HUB_OFFLINE": "1",  # models are local directories; never reach the Hub
+    "OMP_WAIT_POLICY": "PASSIVE",  # idle OpenMP threads sleep instead of spinning next to the event loop
+}
+"""Environment defaults for services started on a CPU machine (tests, benches, ``molt up``)."""
+
+Drain = Callable[[], Awaitable[None]]
+"""Runs on the first SIGTERM, before the graceful shutdown: returns once in-flight work may be cut."""
+
+
+def port_problem(host: str, port: int, flag: str = "--server.port") -> str | None:
+    """Why ``host:port`` cannot be bound now (None: it can; port 0 always can). Binds and closes at once, with
+    the same SO_REUSEADDR the service binds with, so only a live listener (or a bad address) is reported."""
+    if not port:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"{flag} {port}: {host}:{port} is already in use; pass a free port (0 lets the kernel pick one)"
+        return f"{flag} {port}: cannot bind {host}:{port} ({exc.strerror}); check --server.host"
+    finally:
+        sock.close()
+    return None
+
+
+def model_dir_problem(path: str | None, flag: str = "--model.path") -> str | None:
+    """Why ``path`` is not a local HF model directory (None: it is one)."""
+    fix = "pass a local HF model directory (build a tiny one with `python -m molt.models tiny --out DIR`)"
+    if not path:
+        return f"{flag} is required: {fix}"
+    if not Path(path).is_dir():
+        return f"{flag} {path}: no such directory; {fix}"
+    if not (Path(path) / "config.json").is_file():
+        return f"{flag} {path}: not a model directory (no config.json); {fix}"
+    return None
+
+
+REDIS_BACKOFF_S = (0.2, 5.0)  # first wait and cap between two PINGs while a Redis does not answer at start-up
+
+
+def redis_problem(
+    url: str | None, flag: str = "--redis.url", wait_s: float = 5.0, wait_flag: str | None = None
+) -> str | None:
+    """Why the Redis at ``url`` cannot be used (None: it answers PING; unset and ``memory://`` are not checked).
+    Retried with capped backoff for ``wait_s`` (``wait_flag`` sets it): in Kubernetes or compose the services
+    and their Redis start in any order. A refused password or a malformed URL is final at once."""
+    if not url or url.startswith("memory://"):
+        return None
+    import redis
+
+    from molt.config import mask_secrets
+
+    deadline = time.monotonic() + wait_s
+    delay, cap = REDIS_BACKOFF_S
+    while True:
+        try:
+            with redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=2.0) as client:
+                client.ping()
+            return None
+        except (redis.RedisError, ValueError, OSError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if time.monotonic() + delay > deadline or isinstance(exc, (redis.AuthenticationError, ValueError)):
+                waited = f" after {wait_s:g} s ({wait_flag})" if wait_flag and wait_s else ""
+                return (
+                    f"{flag} {mask_secrets(url)}: Redis does not answer{waited} ({why}); start Redis there or pass "
+                    "the URL of one that runs"
+                )
+            if delay == REDIS_BACKOFF_S[0]:  # once per start-up, on stdout: stderr holds only the error line
+                hint = f" ({wait_flag}; 0 fails at once)" if wait_flag else ""
+                print(f"{flag} {mask_secrets(url)}: waiting up to {wait_s:g} s{hint} for Redis ({why})", flush=True)
+            time.sleep(delay)
+            delay = min(delay * 2, cap)
+
+
+def preflight(
+    prog: str,
+    *,
+    ports: Iterable[tuple[str, str, int]] = (),
+    models: Iterable[tuple[str, str | None]] = (),
+    redis_url: str | None = None,
+    redis_wait_s: float = 5.0,
+) -> None:
+    """Start-up checks, before anything is loaded: each ``(flag, host, port)`` is free, each ``(flag, path)`` is a
+    model directory, ``redis_url`` (``--redis.url``) answers within ``redis_wait_s`` (``--redis.startup_wait_s``).
+    The first problem exits: one line, status 2."""
+    problems: tuple[Callable[[], str | None], ...] = (
+        *(lambda f=flag, h=host, p=port: port_problem(h, p, f) for flag, host, port in ports),
+        *(lambda f=flag, p=path: model_dir_problem(p, f) for flag, path in models),
+        lambda: redis_problem(redis_url, wait_s=redis_wait_s, wait_flag="--redis.startup_wait_s"),
+    )
+    for check in problems:
+        problem = check()
+        if problem:
+            print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+
+def cpu_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with ``CPU_ENV``'s defaults where unset."""
+    return {**CPU_ENV, **(os.environ if env is None else env)}
+
+
+def apply_cpu_env() -> None:
+    """``CPU_ENV``'s defaults into this process's environment where unset (before torch or vLLM is imported)."""
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def raise_fd_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit: each client connection is one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> uvicorn.Config:
+    """The uvicorn config every service serves with (the slow-client guard applied)."""
+    config = uvicorn.Config(
+        app,
+        log_level=server.log_level,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        timeout_keep_alive=server.keep_alive_s,  # type: ignore[arg-type]  # a float works (asyncio timer)
+        timeout_graceful_shutdown=max(1, round(graceful_s)),
+    )
+    guard(config, server.header_timeout_s, server.max_pending_connections)
+    return config
+
+
+async def serve_async(
+    service: str,
+    app: Any,
+    server: ServerConfig,
+    *,
+    drain: Drain | None = None,
+    graceful_s: float = 10.0,
+    signals: bool = True,
+) -> None:
+    """Bind, serve ``app`` and announce readiness; returns after shutdown. ``signals`` False leaves SIGTERM and
+    SIGINT to the caller (the trainer, whose loop thread serves while the main thread trains): it stops
+    the server by ``should_exit``."""
+    raise_fd_limit()
+    sock = listening_socket(service, server.host, server.port)
+    srv = uvicorn.Server(uvicorn_config(app, server, graceful_s))
+    task = asyncio.ensure_future(srv.serve(sockets=[sock]))
+    while not srv.started and not task.done():  # noqa: ASYNC110 - uvicorn offers a flag, not an event
+        await asyncio.sleep(0.02)
+    if srv.started:
+        announce_ready(service, sock)
+        if signals:
+            _on_signals(srv, drain)
+    await task
+
+
+def announce_ready(service: str, sock: socket.socket) -> None:
+    """The line a service prints once its app has started: ``molt-<service> ready http://HOST:PORT``."""
+    host, port = sock.getsockname()[:2]
+    print(f"molt-{service} ready http://{host}:{port}", flush=True)
+
+
+def serve(
+    service: str, app: Any, server: ServerConfig, *, drain: Drain | None = None, graceful_s: float = 10.0
+) -> None:
+    """``serve_async`` on uvloop, from a service's ``main``."""
+    import uvloop
+
+    uvloop.run(serve_async(service, app, server, drain=drain, graceful_s=graceful_s))
+
+
+def _on_signals(srv: uvicorn.Server, drain: Drain | None) -> None:
+    """SIGTERM: drain, then the graceful shutdown; again, or SIGINT: now. Installed once the server runs, so
+    they replace uvicorn's own (which would re-raise the signal after shutdown: a non-zero exit)."""
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    async def drain_then_exit() -> None:
+        try:
+            await drain()  # type: ignore[misc]  # installed only with a drain
+        finally:
+            srv.should_exit = True
+
+    def on_term() -> None:
+        if drain is not None and not draining:
+            draining.append(loop.create_task(drain_then_exit()))
+        elif srv.should_exit or draining:
+            srv.should_exit = srv.force_exit = True
+        else:
+            srv.should_exit = True
+
+    def on_int() -> None:
+        srv.force_exit = bool(srv.should_exit)
+        srv.should_exit = True
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_int)
+
+
+def wait_ready(url: str, timeout_s: float, alive: Callable[[], bool] | None = None, what: str = "service") -> None:
+    """Block until ``url``/readyz answers 200. ``alive`` (e.g. a process's ``poll() is None``) is checked
+    between tries: a service that exited raises at once. TimeoutError when it is not ready in time."""
+    deadline = time.monotonic() + timeout_s
+    ready_url = url.rstrip("/") + "/readyz"
+    while True:
+        if alive is not None and not alive():
+            raise RuntimeError(f"{what} exited before it was ready ({ready_url})")
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready at {ready_url} after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+_LISTENING = re.compile(r"^molt-\S+ listening on (http://\S+)")
+
+
+def start_service(
+    cmd: list[str],
+    *,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120.0,
+) -> tuple[subprocess.Popen, str]:
+    """Start a service (``cmd``: ``python -m services.X ... --server.port 0``), take its URL from the line it
+    prints when it binds, and ``wait_ready`` for it; (process, URL). Its output is copied to ``log_path``
+    (appended; discarded without one). The process is killed if it does not come up."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=cpu_env(env),
+        cwd=cwd,
+    )
+    log = open(log_path, "a") if log_path is not None else None
+    name = next((c for c in cmd if c.startswith("services.")), cmd[0])
+    try:
+        url = None
+        deadline = time.monotonic() + timeout_s
+        assert proc.stdout is not None
+        while url is None:
+            line = proc.stdout.readline()
+            if log is not None:
+                log.write(line)
+                log.flush()
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} before it listened; see {log_path}")
+            match = _LISTENING.match(line)
+            url = match.group(1) if match else None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not listen within {timeout_s:.0f} s; see {log_path}")
+        threading.Thread(target=_copy, args=(proc, log), daemon=True).start()  # a full pipe would block it
+        wait_ready(url, max(1.0, deadline - time.monotonic()), lambda: proc.poll() is None, name)
+        return proc, url
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _copy(proc: subprocess.Popen, log) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if log is not None:
+            log.write(line)
+            log.flush()
+    if log is not None:
+        log.close()

@@ -1,0 +1,331 @@
+"""`molt train-rl`: Molt's `python -m molt.cli.train_rl_ray` flag list, run on the local stack or emitted as
+Helm values.
+
+Each Molt flag is routed to the service that owns it: the trainer takes the learning flags (`--actor.*`,
+`--algo.*`, `--data.*`, `--train.*`, `--ckpt.*`, `--logger.*`, ...), the rollout pods the engine flags
+(`--vllm.enforce_eager`, ...), and a few flags wire the stack itself: `--actor.model_name_or_path` (every
+service's model), `--train.agent_path` (the env workers' agent module, Molt's way of naming it),
+`--vllm.num_engines` (rollout pods), `--rollout.num_runners` (env workers), `--data.max_len` (also the
+pods' context, which the gateway's session budget follows). Flags about Ray placement carry over where the
+services have the same knob and are otherwise accepted with the reason printed. A flag that needs
+hardware the target lacks (TP/CP/EP > 1, NCCL, flash-attention kernels, GPUs) is refused with a message
+that says why; unknown flags get a did-you-mean. ``route`` is pure: tests check every flag of Molt's
+launch scripts against it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Target = Literal["local", "helm"]
+
+# Rollout-pod engine flags with the same name and meaning on services.rollout.
+POD_FLAGS = {
+    "vllm.enforce_eager",
+    "vllm.enable_prefix_caching",
+    "vllm.gpu_memory_utilization",
+    "vllm.tensor_parallel_size",
+    "vllm.enable_expert_parallel",
+    "vllm.mtp_num_speculative_tokens",
+    "vllm.distributed_executor_backend",
+    "vllm.dtype",
+    "vllm.max_num_batched_tokens",
+}
+
+# Molt flags about Ray placement, and what each means for the services.
+PLACEMENT = {
+    "train.colocate_fsdp_models": "actor, reference and critic always share the trainer's ranks here",
+    "ref.num_nodes": "the reference model runs inside the trainer's ranks",
+    "ref.num_gpus_per_node": "the reference model runs inside the trainer's ranks",
+    "rollout.micro_batch_size": "Molt only checks it at start-up; rollout batching is the pods' own",
+    "vllm.sync_backend": "weights travel to the pods over gRPC (molt.weightsync), whatever the backend",
+    "ckpt.warm_resume_rollouts": "finished but untrained rollouts are kept in the Redis stream and trained after "
+    "a resume anyway",
+}
+
+# Molt flags the services do not offer (yet), with the reason; docs/trainer.md lists them too.
+MISSING = {
+    "actor.optim": "only AdamW is offered (Molt's muon is experimental)",
+    "actor.muon.lr": "only AdamW is offered (Molt's muon is experimental)",
+    "actor.muon.momentum": "only AdamW is offered (Molt's muon is experimental)",
+    "actor.muon.ns_steps": "only AdamW is offered (Molt's muon is experimental)",
+    "actor.muon.weight_decay": "only AdamW is offered (Molt's muon is experimental)",
+    "actor.freeze_visual_encoder": "vision-language training is not supported yet (text-only trajectories)",
+    "data.image_key": "vision-language training is not supported yet (text-only trajectories)",
+    "data.max_images_per_prompt": "vision-language training is not supported yet (text-only trajectories)",
+    "vllm.mm_encoder_attn_backend": "vision-language rollouts are not supported yet",
+    "vllm.attention_backend": "not passed to the rollout pods yet (vLLM picks its attention backend)",
+    "vllm.gdn_prefill_backend": "not passed to the rollout pods yet (vLLM picks the GDN prefill kernel)",
+    "vllm.mamba_ssm_cache_dtype": "not passed to the rollout pods yet (vLLM's default SSM cache dtype)",
+    "vllm.data_parallel_size": "scale rollout with more pods (--vllm.num_engines) instead",
+    "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
+    "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
+}
+# Values these flags take when they ask for nothing (accepted even where the feature is missing).
+NEUTRAL = {
+    "vllm.data_parallel_size": "1",
+    "vllm.pipeline_parallel_size": "1",
+    "data.max_images_per_prompt": "0",
+    "actor.optim": "adam",
+}
+
+WIRING = {"actor.model_name_or_path", "train.agent_path", "vllm.num_engines", "rollout.num_runners"}
+GPU_ATTENTION = {"flash_attention_2", "flash_attention_3", "te", "tilelang"}
+
+
+@dataclass
+class Routed:
+    model: str | None = None
+    agent_path: str | None = None
+    num_pods: int = 1
+    num_envs: int = 1
+    trainer: list[str] = field(default_factory=list)
+    rollout: list[str] = field(default_factory=list)
+    gateway: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What placement flags mean here (printed before the run)."""
+    raw: dict[str, list[str]] = field(default_factory=dict)
+
+
+def split_flags(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``--a.b 1 2 --c`` -> [("a.b", ["1", "2"]), ("c", [])]; ``--x=v`` works too."""
+    out: list[tuple[str, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--") and len(tok) > 2:
+            name, eq, value = tok[2:].partition("=")
+            out.append((name, [value] if eq else []))
+        elif not out:
+            raise ValueError(
+                f"molt train-rl: {tok!r} is not a --flag; flags look like --actor.model_name_or_path PATH"
+            )
+        else:
+            out[-1][1].append(tok)
+    return out
+
+
+def trainer_flag_names() -> set[str]:
+    from pydantic import BaseModel
+
+    from services.trainer.config import TrainerSettings
+
+    def walk(model, prefix: str) -> set[str]:
+        names = set()
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                names |= walk(ann, f"{prefix}{name}.")
+            else:
+                names.add(prefix + name)
+        return names
+
+    return walk(TrainerSettings, "")
+
+
+def _int(name: str, values: list[str]) -> int:
+    try:
+        return int(values[0])
+    except (IndexError, ValueError):
+        raise ValueError(f"--{name} takes one integer, got {' '.join(values) or 'nothing'}") from None
+
+
+def _true(values: list[str]) -> bool:
+    return not values or values[0].lower() in ("1", "true", "yes", "on")
+
+
+def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | None:
+    """Why this flag's value cannot run on ``target`` (None: it can)."""
+    v = values[0] if values else ""
+    if name in ("fsdp.tp_size", "fsdp.cp_size", "fsdp.ep_size") and v not in ("", "1"):
+        if name == "fsdp.cp_size":
+            return "context parallelism needs sequence-sharded inputs, which the trainer does not do yet"
+        if target == "local" and gpus == 0:
+            return f"{name.split('.')[1][:2].upper()} > 1 shards the model over GPUs; this machine has none"
+    if name == "vllm.tensor_parallel_size" and target == "local" and v not in ("", "1") and gpus < int(v):
+        return f"tensor-parallel rollout needs {v} GPUs per pod; this machine has {gpus}"
+    if name == "vllm.enable_expert_parallel" and target == "local" and _true(values) and gpus == 0:
+        return "expert-parallel rollout shards experts over GPUs; this machine has none"
+    if name == "vllm.sync_backend" and v == "nccl" and target == "local" and gpus == 0:
+        return "NCCL needs GPUs (this machine has none); weights travel over gRPC here: drop the flag"
+    if name == "fsdp.attn_implementation" and v in GPU_ATTENTION and target == "local" and gpus == 0:
+        return f"{v} kernels need a GPU; use sdpa (the CPU default) or drop the flag"
+    gpu_count = name in ("actor.num_gpus_per_node", "ref.num_gpus_per_node")
+    if gpu_count and target == "local" and _int(name, values) > gpus:
+        return f"asks for {v} GPUs per node; this machine has {gpus} (the local trainer then runs on CPU: drop it)"
+    if name in ("actor.num_nodes", "ref.num_nodes") and target == "local" and _int(name, values) > 1:
+        return "the local stack runs on one machine; use --emit helm-values for a multi-node run"
+    if name in MISSING and not (name in NEUTRAL and v == NEUTRAL[name]):
+        return MISSING[name]
+    return None
+
+
+def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
+    """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
+    known = trainer_flag_names()
+    every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING
+    every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
+    r = Routed()
+    errors: list[str] = []
+    for name, values in split_flags(argv):
+        r.raw[name] = values
+        why = _refuse(name, values, target, gpus)
+        if why:
+            errors.append(f"--{name} {' '.join(values)}: {why}".replace("  ", " "))
+            continue
+        if name == "actor.model_name_or_path":
+            r.model = values[0] if values else None
+            r.trainer += ["--" + name, *values]
+        elif name == "train.agent_path":
+            if len(values) != 1 or not values[0].endswith(".py"):
+                errors.append(f"--train.agent_path takes one .py file, got {' '.join(values) or 'nothing'}")
+                continue
+            r.agent_path = values[0]
+        elif name == "vllm.num_engines":
+            r.num_pods = _int(name, values)
+        elif name == "rollout.num_runners":
+            r.num_envs = _int(name, values)
+        elif name in POD_FLAGS:
+            r.rollout += ["--" + name, *values]
+        elif name in PLACEMENT:
+            r.notes.append(f"--{name}: {PLACEMENT[name]}")
+        elif name in ("actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node"):
+            r.notes.append(f"--{name}: {'trainer placement (Helm: trainer.nodes / gpusPerNode)'}")
+        elif name in MISSING:  # a neutral value of a missing feature
+            r.notes.append(f"--{name} {' '.join(values)}: nothing to do ({MISSING[name]})")
+        elif name in known:
+            r.trainer += ["--" + name, *values]
+            if name == "data.max_len":  # the gateway's session budget follows the pods' context (molt.stack.up)
+                r.rollout += ["--vllm.max_model_len", *values]
+            if name == "train.routing_replay" and _true(values):  # the trajectories must carry the pods' routing
+                r.gateway += ["--rollout.return_routed_experts"]
+        else:
+            match = difflib.get_close_matches(name, sorted(every), n=1, cutoff=0.6)
+            errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match[0]}?" if match else ""))
+    if not r.model:
+        errors.append("--actor.model_name_or_path is required: a local HF model directory")
+    if not r.agent_path:
+        errors.append("--train.agent_path is required: the agent module (.py exporting AgentRunner)")
+    if errors:
+        raise ValueError("molt train-rl:\n  " + "\n  ".join(errors))
+    return r
+
+
+# Trainer flags the chart sets itself from values (storage and model live in the cluster, not at the paths of
+# the machine that ran `molt train-rl`); their values go to the chart's keys instead.
+CHART_OWNED = {
+    "actor.model_name_or_path",
+    "data.prompt_dataset",
+    "ckpt.path",
+    "ckpt.output_dir",
+    "ckpt.save_steps",
+    "ckpt.max_num",
+    "ckpt.load_enable",
+    "ckpt.save_hf",
+}
+
+
+def helm_values(r: Routed) -> dict:
+    """The same run as values for deploy/k8s/molt (model and dataset paths as the cluster's pods will see them)."""
+    trainer_nodes = int(r.raw.get("actor.num_nodes", ["1"])[0])
+    gpus = int(r.raw.get("actor.num_gpus_per_node", ["8"])[0])
+    tp = int(r.raw.get("vllm.tensor_parallel_size", ["1"])[0])
+    extra = [a for name, values in split_flags(r.trainer) if name not in CHART_OWNED for a in ("--" + name, *values)]
+    checkpoints: dict = {}
+    if "ckpt.save_steps" in r.raw:
+        checkpoints["saveSteps"] = int(r.raw["ckpt.save_steps"][0])
+    if "ckpt.max_num" in r.raw:
+        checkpoints["maxNum"] = int(r.raw["ckpt.max_num"][0])
+    if "ckpt.save_hf" in r.raw:
+        checkpoints["saveHF"] = _true(r.raw["ckpt.save_hf"])
+    values: dict = {
+        "model": {"path": r.model},
+        "rollout": {"replicas": r.num_pods, "gpusPerPod": tp, "extraArgs": r.rollout},
+        "gateway": {
+            "extraArgs": r.gateway
+            + (["--session.max_length", r.raw["data.max_len"][0]] if "data.max_len" in r.raw else [])
+        },
+        "envs": {
+            "replicas": r.num_envs,
+            "agents": {"agent": r.agent_path},
+            "extraEnv": [{"name": "MODEL_PATH", "value": r.model}],
+        },
+        "trainer": {
+            "nodes": trainer_nodes,
+            "gpusPerNode": gpus,
+            "agent": "agent",
+            "promptDataset": (r.raw.get("data.prompt_dataset") or [""])[0],
+            "extraArgs": extra,
+        },
+    }
+    if checkpoints:
+        values["trainer"]["checkpoints"] = checkpoints
+    return values
+
+
+def write_helm_values(r: Routed, path: Path) -> None:
+    # JSON is YAML too, and quotes every string: a bare 1e-6 would reach Helm (YAML 1.2) as a number.
+    path.write_text(
+        "# molt train-rl --emit helm-values: the run's flags as values of deploy/k8s/molt\n"
+        + json.dumps(helm_values(r), indent=2)
+        + "\n"
+    )
+
+
+def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress: bool, gpus: int = 0):
+    from molt.stack.up import StackPlan
+
+    assert r.model and r.agent_path  # route() refuses a run without them
+    model = Path(r.model).expanduser().resolve()
+    agent = Path(r.agent_path).expanduser().resolve()
+    if not (model / "config.json").exists():
+        raise ValueError(f"--actor.model_name_or_path {r.model}: no config.json there (a local HF model directory)")
+    if not agent.is_file():
+        raise ValueError(f"--train.agent_path {r.agent_path}: no such file")
+    # Molt's launch scripts export MODEL_PATH and its example agents read it (tool parsers, tokenizers).
+    env = {"MODEL_PATH": os.environ.get("MODEL_PATH", str(model))}
+    for key in ("MAX_AGENT_TURNS", "VLLM_TOOL_PARSER_CLS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    rollout = list(r.rollout)
+    if not gpus:
+        # On CPU the pods need an explicit KV-cache size (vLLM sizes it from GPU memory otherwise), and vLLM
+        # downcasts "auto" to bf16: fp32 keeps the pods' logprobs equal to the fp32 trainer's.
+        if "vllm.kv_cache_memory_bytes" not in r.raw:
+            rollout = ["--vllm.kv_cache_memory_bytes", str(256 << 20), *rollout]
+        if "vllm.dtype" not in r.raw:
+            rollout = ["--vllm.dtype", "float32", *rollout]
+    return StackPlan(
+        name="train-rl",
+        model=model,
+        agents={"agent": agent},
+        agent="agent",
+        trainer=r.trainer,
+        rollout=rollout,
+        gateway=r.gateway,
+        num_pods=r.num_pods,
+        num_envs=r.num_envs,
+        env=env,
+        run_dir=run_dir,
+        redis_url=redis_url,
+        progress=progress,
+    )
+
+
+def describe(r: Routed) -> str:
+    return json.dumps(
+        {
+            "model": r.model,
+            "agent": r.agent_path,
+            "pods": r.num_pods,
+            "env_workers": r.num_envs,
+            "trainer": r.trainer,
+            "rollout": r.rollout,
+            "gateway": r.gateway,
+            "notes": r.notes,
+        },
+        indent=2,
+    )

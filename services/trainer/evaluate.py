@@ -1,0 +1,92 @@
+"""``--eval.*``: Molt's evaluation, every ``--eval.steps`` train steps on ``--eval.dataset``.
+
+Every prompt of the eval set runs ``--eval.n_samples_per_prompt`` episodes on the env workers with the eval
+sampling params (``--eval.temperature``, ``--eval.top_p``, ``--eval.max_new_tokens``; unset: the rollout's).
+Eval episodes are graded as usual but their gateway sessions are aborted, not finished, so nothing reaches
+the trajectory stream or the loss. Metrics carry Molt's names, per ``datasource`` column (default
+"default"): ``eval_<ds>_pass<n>`` (mean over prompts of the best reward), ``eval_<ds>_pass1`` (mean over
+prompts of the mean reward), ``eval_<ds>_truncated_rate``, and over all: ``eval_truncated_rate``,
+``eval_num_samples``, ``eval_failed`` (episodes that raised or timed out; left out of the means).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from services.trainer.dispatch import EpisodeDispatcher, PromptDataset
+
+
+class Evaluator:
+    def __init__(self, settings, dispatcher: EpisodeDispatcher) -> None:
+        e, d, r = settings.eval, settings.data, settings.rollout
+        self.cfg = e
+        self.dataset = PromptDataset(
+            e.dataset,
+            d.input_key,
+            d.label_key,
+            chat=d.apply_chat_template,
+            max_samples=d.max_samples,
+            seed=0,
+            tools_key=d.tools_key,
+            flag="--eval.dataset",
+            split=e.split,
+        )
+        self.dispatcher = dispatcher
+        self.agent = settings.envs.agent
+        self.max_len = d.max_len
+        self.n = e.n_samples_per_prompt or r.n_samples_per_prompt
+        self.sampling = {
+            "temperature": e.temperature if e.temperature is not None else r.temperature,
+            "top_p": e.top_p if e.top_p is not None else r.top_p,
+        }
+        max_new = e.max_new_tokens or r.max_new_tokens
+        if max_new:
+            self.sampling["max_tokens"] = max_new
+
+    def due(self, step: int) -> bool:
+        return self.cfg.steps > 0 and step > 0 and step % self.cfg.steps == 0
+
+    async def run(self, step: int) -> dict[str, float]:
+        bodies = []
+        for row in self.dataset.rows:
+            for k in range(self.n):
+                body = {
+                    "agent": self.agent,
+                    "prompt": row.prompt,
+                    "label": row.label,
+                    "eval": True,
+                    "group_id": f"eval-{step}-{row.index}",
+                    "sample_index": k,
+                    "sampling_params": self.sampling,
+                    "max_length": self.max_len,
+                }
+                if row.tools:
+                    body["tools"] = row.tools
+                bodies.append((row, body))
+        results = await asyncio.gather(*(self.dispatcher.run_episode(b) for _, b in bodies))
+        return eval_metrics([(row.datasource, row.index, res) for (row, _), res in zip(bodies, results)], self.n)
+
+
+def eval_metrics(outcomes: list[tuple[str, int, dict]], n: int) -> dict[str, float]:
+    """``outcomes``: (datasource, prompt index, worker result) per episode."""
+    rewards: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    truncated: dict[str, list[bool]] = defaultdict(list)
+    failed = 0
+    for ds, index, res in outcomes:
+        if res.get("status") != "ok":
+            failed += 1
+            continue
+        rewards[ds][index].append(float(res.get("reward", 0.0)))
+        truncated[ds].append(bool(res.get("truncated")))
+    out: dict[str, float] = {}
+    for ds, by_prompt in rewards.items():
+        out[f"eval_{ds}_pass1"] = sum(sum(v) / len(v) for v in by_prompt.values()) / len(by_prompt)
+        if n > 1:
+            out[f"eval_{ds}_pass{n}"] = sum(max(v) for v in by_prompt.values()) / len(by_prompt)
+        out[f"eval_{ds}_truncated_rate"] = sum(truncated[ds]) / len(truncated[ds])
+    done = [t for ts in truncated.values() for t in ts]
+    out["eval_truncated_rate"] = sum(done) / len(done) if done else 0.0
+    out["eval_num_samples"] = float(len(done))
+    out["eval_failed"] = float(failed)
+    return out

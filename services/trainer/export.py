@@ -1,0 +1,116 @@
+"""HF model directory export: the trained weights as a directory ``from_pretrained`` loads.
+
+``save_hf`` gathers the full (unsharded) state dict (a collective: every rank calls it), and rank 0
+writes ``model.safetensors`` in the source model's dtype next to the source's config, generation
+config and tokenizer files. The result is what a rollout pod (``--model DIR``), ``transformers`` and
+the RL trainer (``--actor.model_name_or_path DIR``) load. Tied input/output embeddings are written
+once, as HF writes them. The directory is written as ``.<name>.tmp`` and renamed, so a reader never
+sees half a model (into an existing folder, each file is renamed into place).
+
+The RL trainer writes one at the end of a run to ``--ckpt.output_dir`` unless ``--ckpt.disable_final_save``
+(Molt's final save), and with ``--ckpt.save_hf`` one per checkpoint under ``<ckpt.path>/_hf/<tag>``.
+Every resumable checkpoint also carries the model's config and tokenizer files (``hf_files/``), so
+``export_checkpoint`` (``molt export CKPT OUT``) turns any checkpoint into a model directory offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.trainer.model import full_state_dict
+
+log = logging.getLogger("molt.trainer")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, tokenizer=None) -> Path | None:
+    """Collective. Rank 0 writes the HF directory and returns its path; other ranks return None.
+
+    ``tokenizer``: the one trained with (e.g. with an overridden chat template); default the source's."""
+    state = full_state_dict(model)
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    out = write_hf_dir(state, source_dir, out_dir, tokenizer)
+    dist.barrier()
+    return out
+
+
+def write_hf_dir(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write a full, HF-named ``state`` as a model directory with ``source_dir``'s other files (one process)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    config = AutoConfig.from_pretrained(source_dir)
+    dtype = _DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    try:
+        GenerationConfig.from_pretrained(source_dir).save_pretrained(tmp)
+    except OSError:  # the source has no generation_config.json
+        pass
+    (tokenizer or AutoTokenizer.from_pretrained(source_dir)).save_pretrained(tmp)
+    if not out.exists():
+        os.replace(tmp, out)
+    else:  # an existing folder (Molt's ./ckpt also holds the checkpoints): replace the model's files one by one
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    log.info("HF model written to %s", out)
+    return out
+
+
+HF_FILES = "hf_files"
+
+
+def copy_model_files(source_dir: str | Path, out: Path) -> None:
+    """``source_dir``'s config, generation config and tokenizer (with its chat template), no weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    AutoConfig.from_pretrained(source_dir).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source_dir).save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(source_dir).save_pretrained(out)
+    except OSError:
+        pass
+
+
+def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
+    """The actor of one checkpoint (a ``global_step<N>`` folder) as a model directory.
+
+    One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
+    config (``hf_files/``)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(step_dir)
+    files = path / HF_FILES
+    if not (files / "config.json").exists():
+        raise ValueError(
+            f"{path}: the checkpoint has no {HF_FILES}/ (saved by an older trainer), so the model's "
+            "architecture is unknown"
+        )
+    config = AutoConfig.from_pretrained(files)
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(config).state_dict()
+    state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in shapes.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    dcp.load({"actor": state}, checkpoint_id=str(path / "model_optim"))
+    return write_hf_dir(state, files, out)

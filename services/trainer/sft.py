@@ -1,0 +1,344 @@
+"""Supervised fine-tuning on the trainer's FSDP2 stack: ``torchrun --nproc_per_node N -m services.trainer.sft``.
+
+Same pieces as the RL learner: ``model.load_causal_lm`` (NeMo AutoModel on GPU, FSDP2 over gloo on
+CPU), ``learner.build_optimizer`` / ``optimizer_step`` (AdamW, HF scheduler, clipping),
+``checkpoint.save/load`` (DCP shards, atomic tags, resharding resume) and ``export.save_hf``.
+
+Every rank tokenises the whole dataset (``sft_data``) and derives the same order: a permutation per
+epoch seeded by ``--train.seed`` + epoch. Step k of an epoch takes the next ``--train.batch_size``
+samples; rank r takes every dp-th of them, in micro-batches of ``--train.micro_batch_size``
+(padded, or packed into one row under ``--fsdp.packing_samples``). The loss is the token mean of the
+cross-entropy over the window's response tokens on all ranks: each micro-batch backpropagates
+``sum(CE) * dp / N_window`` and FSDP averages gradients over dp, so 1 and N processes take the same
+step. Gradient sync waits for the window's last micro-batch. Epoch tails shorter than a batch are
+dropped, as in Molt.
+
+A checkpoint's client state is the number of optimizer steps taken: the order is a pure function of
+seed and epoch, so a resumed run continues with exactly the windows the killed run had not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from services.trainer import checkpoint
+from services.trainer.export import save_hf
+from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
+from services.trainer.model import DistInfo, init_distributed, load_causal_lm
+from services.trainer.packing import select_hidden
+from services.trainer.sft_config import SftSettings, validate_sft
+from services.trainer.sft_data import Example, Tokenized, collate, read_sft_rows
+
+log = logging.getLogger("molt.trainer")
+PROG = "python -m services.trainer.sft"
+
+
+def load_tokenizer(s: SftSettings):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(s.model.model_name_or_path, use_fast=not s.data.disable_fast_tokenizer)
+    override = s.data.tokenizer_chat_template
+    if override:
+        tok.chat_template = Path(override).read_text() if os.path.exists(override) else override
+    return tok
+
+
+def load_examples(
+    s: SftSettings, tok, spec: str, split: str, flag: str, probs: str | None = None, max_samples: int | None = None
+) -> list[Example]:
+    d = s.data
+    rows = read_sft_rows(spec, probs, split, max_samples or d.max_samples, s.train.seed, flag)
+    examples, report = Tokenized(tok, d.max_len, d.input_key, d.output_key, d.train_on_last_turn_only).build(
+        rows, flag
+    )
+    log.info("%s", report.summary(flag))
+    return examples
+
+
+class SftLearner:
+    """The policy, its optimizer and scheduler; ``checkpoint.save/load`` read these attributes."""
+
+    def __init__(self, s: SftSettings, info: DistInfo, total_steps: int) -> None:
+        self.s, self.info = s, info
+        self.dp = info.world_size // s.fsdp.tp_size
+        assert s.model.model_name_or_path is not None  # SftSettings refuses a run without it
+        self.hf_source: str = s.model.model_name_or_path
+        self.actor = load_causal_lm(
+            self.hf_source, s.fsdp, info, gradient_checkpoint=s.model.gradient_checkpoint == "full"
+        )
+        self.optim, self.sched = build_optimizer(
+            [p for p in self.actor.parameters() if p.requires_grad], s, total_steps
+        )
+        self.global_step = 0
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(sum of CE over supervised tokens, their count, MoE aux loss or None).
+
+        Only the positions that predict a supervised token go through the LM head (``select_hidden``):
+        prompt and padding positions never pay for the vocabulary projection and its softmax."""
+        batch = {k: v.to(self.info.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        width = labels.shape[1]
+        target = labels[:, 1:]
+        rows, cols = (target != -100).nonzero(as_tuple=True)
+        flat = rows * width + cols  # position t predicts token t + 1
+        # At least one position goes through the head, so every parameter is in the graph (FSDP2 reduces all).
+        index = flat if flat.numel() else torch.zeros(1, dtype=torch.long, device=flat.device)
+        kwargs = {"output_router_logits": True} if self.s.model.aux_loss_coef > 0 else {}
+        with select_hidden(self.actor.get_output_embeddings(), index):  # type: ignore[operator]  # nn.Module.__getattr__ types the HF model's methods as Tensor | Module
+            out = self.actor(**batch, use_cache=False, **kwargs)
+        logits = out.logits[0, : flat.numel()].float()
+        ce = torch.nn.functional.cross_entropy(logits, target[rows, cols], reduction="sum")
+        if not flat.numel():
+            ce = 0.0 * out.logits.sum()
+        return ce, torch.tensor(flat.numel()), getattr(out, "aux_loss", None)
+
+    def train_step(self, micro: list[dict], n_window: int, n_micro_global: int) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches of a window of ``n_window`` supervised tokens."""
+        ce_sum, tokens, aux_sum = 0.0, 0, 0.0
+        for j, batch in enumerate(micro):
+            set_grad_sync(self.actor, j == len(micro) - 1)
+            ce, _, aux = self._forward(batch)
+            loss = ce * self.dp / max(n_window, 1)
+            if aux is not None:
+                loss = loss + self.s.model.aux_loss_coef * aux * self.dp / n_micro_global
+                aux_sum += float(aux.detach())
+            loss.backward()
+            ce_sum += float(ce.detach())
+            tokens += int(
+                batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum()
+            )
+        grad_norm = optimizer_step(self.actor, self.optim, self.sched, self.s.max_norm)
+        self.global_step += 1
+        vec = torch.tensor([ce_sum, float(tokens), aux_sum], dtype=torch.float64)
+        dist.all_reduce(vec)
+        out = {
+            "loss": vec[0].item() / max(n_window, 1),
+            "grad_norm": grad_norm,
+            "lr": self.sched.get_last_lr()[0],
+            "tokens": vec[1].item(),
+            "response_tokens": float(n_window),
+        }
+        if self.s.model.aux_loss_coef > 0:
+            out["aux_loss"] = vec[2].item() / n_micro_global  # mean over the window's micro-batches
+        return out
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[dict | None]) -> float:
+        """Token-mean CE over every rank's batches (None: a padding forward, so all ranks run as many)."""
+        self.actor.eval()
+        ce_sum, tokens = 0.0, 0
+        try:
+            for batch in batches:
+                ce, n, _ = self._forward(batch if batch is not None else _dummy_batch())
+                if batch is not None:
+                    ce_sum, tokens = ce_sum + float(ce), tokens + int(n)
+        finally:
+            self.actor.train()
+        vec = torch.tensor([ce_sum, float(tokens)], dtype=torch.float64)
+        dist.all_reduce(vec)
+        return vec[0].item() / max(vec[1].item(), 1.0)
+
+
+def _dummy_batch() -> dict:
+    return {
+        "input_ids": torch.zeros((1, 2), dtype=torch.long),
+        "labels": torch.full((1, 2), -100),
+        "attention_mask": torch.ones((1, 2), dtype=torch.long),
+    }
+
+
+def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng(seed + epoch).permutation(num)
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class Sinks:
+    """--logger.steps_jsonl, W&B (--logger.wandb.key) or TensorBoard (--logger.tensorboard_dir); rank 0 only."""
+
+    def __init__(self, s: SftSettings, on: bool) -> None:
+        lg = s.logger
+        # Open for the whole run (one line per step); close() ends it.
+        self.jsonl = open(lg.steps_jsonl, "a") if (on and lg.steps_jsonl) else None
+        self.wandb = self.tb = None
+        if not on:
+            return
+        if lg.wandb.key:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ValueError(
+                    "--logger.wandb.key: the wandb package is not installed (pip install wandb), or drop the flag"
+                ) from exc
+            if not wandb.api.api_key:
+                wandb.login(key=lg.wandb.key)
+            wandb.init(
+                entity=lg.wandb.org,
+                project=lg.wandb.project,
+                group=lg.wandb.group,
+                name=lg.wandb.run_name,
+                config=s.model_dump(mode="json"),
+                reinit=True,
+            )
+            self.wandb = wandb
+        elif lg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ValueError(
+                    "--logger.tensorboard_dir: the tensorboard package is not installed (pip install "
+                    "tensorboard), or drop the flag"
+                ) from exc
+            assert lg.wandb.run_name is not None  # main() names the run before the sinks open
+            self.tb = SummaryWriter(log_dir=os.path.join(lg.tensorboard_dir, lg.wandb.run_name))
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.flush()
+        if self.wandb:
+            self.wandb.log({f"{kind}/{k}": v for k, v in {**values, "global_step": step}.items()})
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.wandb:
+            self.wandb.finish()
+        if self.tb:
+            self.tb.close()
+
+
+def train(s: SftSettings, info: DistInfo) -> dict:
+    if s.train.full_determinism_enable:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    tok = load_tokenizer(s)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    assert s.data.dataset is not None  # SftSettings refuses a run without it
+    data = load_examples(s, tok, s.data.dataset, s.data.dataset_split, "--data.dataset", s.data.dataset_probs)
+    evals = load_examples(s, tok, s.eval.dataset, s.eval.split, "--eval.dataset") if s.eval.dataset else None
+    t = s.train
+    dp = info.world_size // s.fsdp.tp_size
+    if t.batch_size % (t.micro_batch_size * dp):
+        raise ValueError(
+            f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size "
+            f"{t.micro_batch_size} x {dp} data-parallel ranks"
+        )
+    per_epoch = len(data) // t.batch_size
+    if per_epoch == 0:
+        raise ValueError(
+            f"{len(data)} usable samples are fewer than --train.batch_size {t.batch_size}: lower it or add data"
+        )
+    total = t.max_epochs * per_epoch
+    if t.num_steps:
+        total = min(total, t.num_steps)
+    packed = s.fsdp.packing_samples
+    pad_to = s.data.max_len if s.data.pad_to_max_len else None
+    learner = SftLearner(s, info, total)
+    if s.ckpt.load_enable:
+        checkpoint.load(s.ckpt.path, learner)
+    dcp_max = s.ckpt.dcp_max_num if s.ckpt.dcp_max_num is not None else s.ckpt.max_num
+    eval_every = s.eval.steps if s.eval.steps > 0 else per_epoch
+    eval_batches: list[dict | None] | None = None
+    if evals:
+        mine = evals[info.rank // s.fsdp.tp_size :: dp]
+        count = math.ceil(math.ceil(len(evals) / dp) / t.micro_batch_size)
+        eval_batches = [collate(c, pad_id, packed=packed, pad_to=pad_to) for c in chunks(mine, t.micro_batch_size)]
+        eval_batches += [None] * (count - len(eval_batches))
+    sinks = Sinks(s, info.is_main)
+    rank_dp = info.rank // s.fsdp.tp_size
+    last: dict = {}
+    try:
+        while learner.global_step < total:
+            step = learner.global_step
+            epoch, k = divmod(step, per_epoch)
+            window = epoch_order(len(data), t.seed, epoch)[k * t.batch_size : (k + 1) * t.batch_size]
+            n_window = sum(int(data[i].loss_mask[1:].sum()) for i in window)
+            start = time.monotonic()
+            # Length order inside the window: micro-batches of like lengths pad less, ranks stay balanced by the
+            # stride, and the step's gradient is the same (a sum over the window's tokens, whatever the grouping).
+            by_len = sorted(window, key=lambda i: data[i].num_tokens)
+            mine = [data[i] for i in by_len[rank_dp::dp]]
+            micro = [collate(c, pad_id, packed=packed, pad_to=pad_to) for c in chunks(mine, t.micro_batch_size)]
+            metrics = learner.train_step(micro, n_window, t.batch_size // t.micro_batch_size)
+            metrics["seconds"] = time.monotonic() - start
+            metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["seconds"], 1e-9)
+            metrics["epoch"] = epoch
+            step = learner.global_step
+            last = metrics
+            if step % s.logger.logging_steps == 0:
+                sinks.write("train", step, metrics)
+                if info.is_main:
+                    log.info(
+                        "step %d/%d loss %.4f grad_norm %.3f lr %.3g %.0f tok/s",
+                        step,
+                        total,
+                        metrics["loss"],
+                        metrics["grad_norm"],
+                        metrics["lr"],
+                        metrics["tokens_per_s"],
+                    )
+            if eval_batches is not None and step % eval_every == 0:
+                last["eval_loss"] = learner.eval_loss(eval_batches)
+                sinks.write("eval", step, {"eval_loss": last["eval_loss"]})
+                if info.is_main:
+                    log.info("step %d eval_loss %.4f", step, last["eval_loss"])
+            if s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0:
+                checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=dcp_max)
+                if s.ckpt.save_hf:
+                    hf_root = Path(s.ckpt.path) / "_hf"
+                    save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)
+                    if info.is_main:
+                        checkpoint.prune(hf_root, s.ckpt.max_num, keep=f"global_step{step}")
+        if not s.ckpt.disable_final_save:
+            save_hf(learner.actor, learner.hf_source, s.ckpt.output_dir, tok)
+    finally:
+        sinks.close()
+    return {"steps": learner.global_step, **{k: v for k, v in last.items() if k in ("loss", "eval_loss")}}
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    from molt.config import parse_settings
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    s = parse_settings(SftSettings, sys.argv[1:] if argv is None else argv, prog=prog)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=s.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
+    if not s.logger.wandb.run_name:
+        s.logger.wandb.run_name = time.strftime("sft_%m%dT%H:%M")
+    import torch.cuda
+
+    try:
+        validate_sft(s, on_gpu=torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu")
+    except ValueError as exc:
+        sys.exit(f"{prog}: error: {exc}")
+    info = init_distributed()
+    try:
+        summary = train(s, info)
+    except ValueError as exc:
+        sys.exit(f"{prog}: error: {exc}")
+    if info.is_main:
+        log.info("done: %s", summary)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

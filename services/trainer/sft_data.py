@@ -1,0 +1,260 @@
+"""SFT data: rows -> chat conversations -> token ids and a loss mask over the response tokens.
+
+Rows are read with ``molt.data.read_rows`` (datasets directories, parquet, JSONL). A row becomes a
+conversation as in Molt: ``--data.input_key`` holds the prompt (a string = one user turn, or a list
+of messages that may already contain the assistant turns), ``--data.output_key`` the response (a
+string, one message dict or a list of messages). The conversation is rendered with the chat template
+and tokenised once, up front.
+
+Which tokens are the response is found in the rendered ids, not by per-template rules: probing the
+template with throwaway chats yields the token run that opens an assistant reply (the generation
+prompt, e.g. ``<|im_start|>assistant\\n``) and the token that closes it (``<|im_end|>``). Every token
+after an opener up to and including its closer is supervised: the reply text and the stop token the
+model must learn to emit. ``--data.train_on_last_turn_only`` keeps only the last such run.
+
+Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
+assistant turn, an empty response, or a sample whose response starts past ``--data.max_len`` (nothing
+left to supervise after the cut). Samples longer than ``max_len`` are cut there and counted as truncated.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from molt.data import read_rows
+
+log = logging.getLogger("molt.trainer")
+
+
+@dataclass(frozen=True)
+class ReplyMarkers:
+    opener: tuple[int, ...]
+    """Token ids right before an assistant reply."""
+    closer: int
+    """Token id that ends a reply."""
+    supervise_closer: bool
+    """True when the closer is the model's own stop token (train it); False when it only opens the next turn."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _common_suffix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def reply_markers(tokenizer) -> ReplyMarkers:
+    """Probe the chat template with throwaway chats for the reply opener and closer (module docstring)."""
+
+    def ids(messages, gen=False):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    user = [{"role": "user", "content": "x"}]
+    a = user + [{"role": "assistant", "content": "aaa"}]
+    b = user + [{"role": "assistant", "content": "bbb"}]
+    base = ids(user)
+    gen = ids(user, gen=True)[len(base) :]
+    # A reasoning template may add a scaffold to the last turn's generation prompt only: keep the part
+    # a mid-conversation reply also starts with.
+    mid = ids(a + [{"role": "user", "content": "z"}])[len(base) :]
+    opener = gen[: _common_prefix(gen, mid)] or gen
+    if not opener:
+        raise ValueError(
+            "the chat template has no assistant generation prompt; SFT cannot locate the replies "
+            "(set --data.tokenizer_chat_template)"
+        )
+    ia, ib = ids(a), ids(b)
+    tail = ia[len(ia) - _common_suffix(ia, ib) :]
+    if tail:
+        return ReplyMarkers(tuple(opener), tail[0], True)
+    nxt = ids(a + [{"role": "user", "content": "z"}])
+    return ReplyMarkers(tuple(opener), nxt[len(ia)], False)
+
+
+def response_mask(token_ids: list[int], markers: ReplyMarkers, last_turn_only: bool = False) -> np.ndarray:
+    """True at every supervised token: after each reply opener, up to and including its closer."""
+    mask = np.zeros(len(token_ids), dtype=bool)
+    op, width = list(markers.opener), len(markers.opener)
+    runs = []
+    i = 0
+    while i <= len(token_ids) - width:
+        if token_ids[i : i + width] != op:
+            i += 1
+            continue
+        start = j = i + width
+        while j < len(token_ids) and token_ids[j] != markers.closer:
+            j += 1
+        end = min(j + 1, len(token_ids)) if markers.supervise_closer else j
+        runs.append((start, end))
+        i = max(j, start)
+    for start, end in runs[-1:] if last_turn_only else runs:
+        mask[start:end] = True
+    return mask
+
+
+def to_messages(row: dict, input_key: str, output_key: str | None) -> tuple[list[dict] | None, str]:
+    """The row's conversation, or (None, reason) for a bad row."""
+    if input_key not in row or row[input_key] is None:
+        return None, f"missing {input_key!r}"
+    prompt = row[input_key]
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if output_key is not None:
+        reply = row.get(output_key)
+        if reply is None:
+            return None, f"missing {output_key!r}"
+        if isinstance(reply, list):
+            messages += reply
+        elif isinstance(reply, dict):
+            messages.append(reply)
+        else:
+            messages.append({"role": "assistant", "content": reply})
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return None, "malformed messages"
+        if not isinstance(m.get("content"), str) and not (m.get("role") == "assistant" and m.get("tool_calls")):
+            return None, "malformed messages"
+    replies = [m for m in messages if m["role"] == "assistant"]
+    if not replies:
+        return None, "no assistant turn"
+    if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in replies):
+        return None, "empty response"
+    return messages, ""
+
+
+@dataclass
+class Example:
+    input_ids: np.ndarray
+    """[T] int64 token ids."""
+    loss_mask: np.ndarray
+    """[T] bool: token t is a supervised target (predicted from tokens < t)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class DataReport:
+    rows: int = 0
+    used: int = 0
+    truncated: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    """Bad rows by reason."""
+
+    def summary(self, flag: str) -> str:
+        bad = ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) or "none"
+        return (
+            f"{flag}: {self.rows} rows, {self.used} used, {self.truncated} truncated to --data.max_len, dropped: {bad}"
+        )
+
+
+class Tokenized:
+    """Chat-template rendering + tokenisation + loss mask, for one tokenizer and one set of flags."""
+
+    def __init__(
+        self, tokenizer, max_len: int, input_key: str, output_key: str | None, last_turn_only: bool = False
+    ) -> None:
+        self.tok, self.max_len = tokenizer, max_len
+        self.input_key, self.output_key, self.last_turn_only = input_key, output_key, last_turn_only
+        self.markers = reply_markers(tokenizer)
+
+    def example(self, row: dict) -> tuple[Example | None, str, bool]:
+        """(example, "", truncated) or (None, reason, False)."""
+        from jinja2 import TemplateError
+
+        messages, why = to_messages(row, self.input_key, self.output_key)
+        if messages is None:
+            return None, why, False
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        except TemplateError as exc:
+            return None, f"chat template error ({exc.message})", False
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        mask = response_mask(ids, self.markers, self.last_turn_only)
+        if not mask.any():
+            return None, "no response tokens", False
+        truncated = len(ids) > self.max_len
+        ids, mask = ids[: self.max_len], mask[: self.max_len]
+        if not mask[1:].any():  # token 0 is never a target (nothing predicts it)
+            return None, "response past --data.max_len", False
+        return Example(np.asarray(ids, dtype=np.int64), mask), "", truncated
+
+    def build(self, rows: list[dict], flag: str) -> tuple[list[Example], DataReport]:
+        report = DataReport(rows=len(rows))
+        out = []
+        for row in rows:
+            ex, why, truncated = self.example(row)
+            if ex is None:
+                report.dropped[why] += 1
+                continue
+            report.truncated += truncated
+            out.append(ex)
+        report.used = len(out)
+        if not out:
+            raise ValueError(
+                f"{report.summary(flag)}: no usable row (check --data.input_key/--data.output_key "
+                "against the dataset's columns)"
+            )
+        return out, report
+
+
+def read_sft_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:
+    """Rows of one or several comma-separated datasets; with ``probs``, mixed by weight (Molt's blending)."""
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    parts = [read_rows(p, split=split, flag=flag) for p in paths]
+    if probs is None or len(parts) == 1:
+        return [r for part in parts for r in part][:max_samples]
+    weights = [float(p) for p in probs.split(",")]
+    total = sum(weights)
+    rng = random.Random(seed)
+    out = []
+    for part, w in zip(parts, weights):
+        want = min(len(part), round(max_samples * w / total))
+        out += rng.sample(part, want) if want < len(part) else part
+    rng.shuffle(out)
+    return out[:max_samples]
+
+
+def collate(examples: list[Example], pad_id: int, *, packed: bool = False, pad_to: int | None = None) -> dict:
+    """A model batch with ``labels`` (-100 where not supervised), padded right or packed into one row."""
+    if packed:
+        ids = np.concatenate([e.input_ids for e in examples])
+        labels = np.concatenate([np.where(e.loss_mask, e.input_ids, -100) for e in examples])
+        pos = np.concatenate([np.arange(e.num_tokens) for e in examples])
+        # The first token of each sample is never a target (it would be predicted across the boundary).
+        starts = np.cumsum([0] + [e.num_tokens for e in examples[:-1]])
+        labels[starts] = -100
+        n = max(len(ids), pad_to or 0)
+        pad = n - len(ids)
+        # Padding continues the position count, so it reads as part of the last sample (its labels are -100).
+        pos = np.concatenate([pos, np.arange(pos[-1] + 1, pos[-1] + 1 + pad)])
+        return {
+            "input_ids": torch.tensor(np.pad(ids, (0, pad), constant_values=pad_id))[None],
+            "labels": torch.tensor(np.pad(labels, (0, pad), constant_values=-100))[None],
+            "position_ids": torch.tensor(pos)[None],
+        }
+    n = max(max(e.num_tokens for e in examples), pad_to or 0)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), n), -100, dtype=torch.long)
+    attn = torch.zeros((len(examples), n), dtype=torch.long)
+    for i, e in enumerate(examples):
+        t = e.num_tokens
+        ids[i, :t] = torch.from_numpy(e.input_ids)
+        labels[i, :t] = torch.from_numpy(np.where(e.loss_mask, e.input_ids, -100))
+        attn[i, :t] = 1
+    labels[:, 0] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": attn}

@@ -1,0 +1,97 @@
+"""Where a train step's metrics go: ``--logger.steps_jsonl``, TensorBoard and W&B, as Molt logs them.
+
+Molt's backends: TensorBoard iff ``--logger.tensorboard_dir`` (log dir ``<dir>/<run_name>``, scalars
+``train/<key>``), W&B iff ``--logger.wandb.key`` (``train/<key>`` against ``train/global_step``;
+``--logger.wandb.mode offline`` writes the run locally and needs no key), every
+``--logger.logging_steps`` steps. The keys are Molt's (``policy_loss``, ``actor_grad_norm``,
+``reward``, ``vllm_kl``, ...) plus the mean of every numeric ``Result.info`` key of the step's
+trajectories under its own name, as Molt averages per-sample info into the step's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+
+def info_means(trajectories) -> dict[str, float]:
+    """Mean of each ``info`` key over the trajectories that carry it."""
+    sums: dict[str, list[float]] = {}
+    for t in trajectories:
+        for k, v in (t.info or {}).items():
+            sums.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
+def default_run_name() -> str:
+    return time.strftime("rl_%m%dT%H:%M")
+
+
+class StepLog:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.run_name = cfg.wandb.run_name or default_run_name()
+        self.tb = None
+        self.wandb = None
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=os.path.join(cfg.tensorboard_dir, self.run_name))
+        if cfg.wandb.key or cfg.wandb.mode == "offline":
+            import wandb
+
+            if cfg.wandb.key and cfg.wandb.mode != "offline":
+                wandb.login(key=cfg.wandb.key)
+            self.wandb = wandb.init(
+                entity=cfg.wandb.org,
+                project=cfg.wandb.project,
+                group=cfg.wandb.group,
+                name=self.run_name,
+                mode=cfg.wandb.mode,
+                dir=cfg.wandb.dir,
+                config=None,
+                reinit="finish_previous",
+            )
+            self.wandb.define_metric("train/global_step")
+            self.wandb.define_metric("train/*", step_metric="train/global_step", step_sync=True)
+            self.wandb.define_metric("eval/global_step")
+            self.wandb.define_metric("eval/*", step_metric="eval/global_step", step_sync=True)
+
+    def log(self, step: int, line: dict[str, Any]) -> None:
+        if self.cfg.steps_jsonl:
+            with open(self.cfg.steps_jsonl, "a") as f:
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if step % self.cfg.logging_steps:
+            return
+        scalars = {
+            k: float(v)
+            for k, v in line.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "pid")
+        }
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({"train/global_step": step, **{f"train/{k}": v for k, v in scalars.items()}})
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if self.cfg.eval_jsonl:
+            with open(self.cfg.eval_jsonl, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"eval/{k}", v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({"eval/global_step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

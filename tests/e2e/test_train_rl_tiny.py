@@ -1,0 +1,159 @@
+"""`molt train-rl` with a Molt-shaped flag list on the tiny model, end to end, and what the run leaves.
+
+Molt's own agent module (tests/fixtures/molt_examples/agents/math.py, unchanged), a `datasets.save_to_disk`
+prompt directory, Molt's data / estimator / IS / checkpoint / logger flags. Checked from the run:
+- the trainer's step log carries Molt's metric names and the agent's tensor-valued info (math_exact);
+- --eval.* evaluates the eval set at step 2 without training on it (eval.jsonl, eval_<datasource>_pass<n>);
+- TensorBoard event files under --logger.tensorboard_dir;
+- --train.check_weight_update_equal: the pod accepted every push after its probe check;
+- a checkpoint every --ckpt.save_steps and the final policy in --ckpt.output_dir as an HF model directory
+  that transformers and a rollout pod load, equal to `molt export` of the last checkpoint.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[2]
+MATH = ROOT / "tests" / "fixtures" / "molt_examples" / "agents" / "math.py"
+
+
+def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3, tmp_path):
+    import datasets
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = [
+        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": {"ground_truth": str(2 * a)}}
+        for a in range(8)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    run = tmp_path / "run"
+    flags = [
+        "--actor.model_name_or_path",
+        str(tiny_qwen3),
+        "--train.agent_path",
+        str(MATH),
+        "--data.prompt_dataset",
+        str(tmp_path / "data"),
+        "--data.input_key",
+        "prompt",
+        "--data.label_key",
+        "reward_model",
+        "--data.apply_chat_template",
+        "--data.max_samples",
+        "4",
+        "--data.max_len",
+        "128",
+        "--rollout.batch_size",
+        "2",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--rollout.max_new_tokens",
+        "12",
+        "--rollout.vllm_generate_batch_size",
+        "2",
+        "--train.batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--actor.adam.lr",
+        "1e-3",
+        "--actor.entropy_coef",
+        "0.01",  # random weights earn no reward: entropy still moves the policy
+        "--algo.advantage.estimator",
+        "grpo",
+        "--algo.kl.init_coef",
+        "0",
+        "--algo.advantage.is_correction_level",
+        "geo",
+        "--algo.advantage.is_correction_threshold",
+        "0.5",
+        "2.0",
+        "--vllm.num_engines",
+        "1",
+        "--vllm.enforce_eager",
+        "--train.colocate_fsdp_models",
+        "--ckpt.path",
+        str(run / "ckpt"),
+        "--ckpt.save_steps",
+        "1",
+        "--ckpt.output_dir",
+        str(run / "hf"),
+        "--logger.tensorboard_dir",
+        str(run / "tb"),
+        "--logger.wandb.run_name",
+        "tiny",
+        "--eval.dataset",
+        str(tmp_path / "data"),
+        "--eval.steps",
+        "2",
+        "--eval.n_samples_per_prompt",
+        "2",
+        "--eval.temperature",
+        "0.5",
+        "--train.check_weight_update_equal",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]  # 4 prompts / 2 per step: the dataset ends the run
+    for s in steps:
+        assert {"policy_loss", "actor_grad_norm", "vllm_kl", "is_filter_ratio", "math_exact"} <= set(s), sorted(s)
+        assert s["samples"] == 8 and 0.0 <= s["math_exact"] <= 1.0
+    assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
+    # every push passed the pod's probe check (--train.check_weight_update_equal): the pod is at version 2
+    assert json.loads((run / "summary.json").read_text())["pod_policy_versions"] == [2]
+    (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]  # --eval.steps 2: at step 2
+    assert ev["step"] == 2 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2  # 4 prompts (max_samples) x 2
+    assert {"eval_default_pass1", "eval_default_pass2", "eval_truncated_rate"} <= set(ev)
+    assert sorted(p.name for p in (run / "ckpt").glob("global_step*")) == ["global_step1", "global_step2"]
+
+    hf = run / "hf"
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert tok.chat_template and (hf / "config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    trained, initial = load_file(str(hf / "model.safetensors")), load_file(str(tiny_qwen3 / "model.safetensors"))
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # the policy moved
+    assert model.config.vocab_size >= len(tok)
+
+    out = tmp_path / "exported"
+    proc = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "export", str(run / "ckpt"), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+
+    # a rollout pod serves the exported policy
+    import httpx
+
+    from services.rollout.app import build_app
+    from tests.integration.envs_testlib import Served
+    from tests.integration.rollout_testlib import tiny_settings
+
+    pod = Served(build_app(tiny_settings(out)), "pod")
+    try:
+        r = httpx.post(
+            f"{pod.url}/v1/generate",
+            json={"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0}},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        pod.stop()

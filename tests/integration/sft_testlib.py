@@ -1,0 +1,55 @@
+"""Shared helpers of the SFT integration tests (no tests here): a reversal task and a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.integration.trainer_testlib import ROOT, env
+
+LETTERS = ["a", "b", "c", "d", "e", "f", "g", "h"]
+
+
+def reversal_rows(n: int, seed: int) -> list[dict]:
+    """'reverse: a c b' -> 'reversed: b c a': a random model cannot do it, a few hundred SFT steps teach it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        w = [rng.choice(LETTERS) for _ in range(rng.randint(3, 5))]
+        out.append({"prompt": "reverse: " + " ".join(w), "response": "reversed: " + " ".join(reversed(w))})
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_cmd(nproc: int = 1, molt_cli: bool = False) -> list[str]:
+    module = ["-m", "molt.cli", "train-sft"] if molt_cli else ["-m", "services.trainer.sft"]
+    if nproc == 1:
+        return [sys.executable, *module]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", *module]
+
+
+def run_sft(flags: list[str], nproc: int = 1, molt_cli: bool = False, timeout: float = 180, check: bool = True):
+    proc = subprocess.run(
+        sft_cmd(nproc, molt_cli) + flags,
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"sft exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,312 @@
+"""Constrained generation through the gateway with the real SDKs, a real pod (vLLM, tiny model) and Redis.
+
+``response_format``, ``tool_choice`` (OpenAI and Anthropic), ``parallel_tool_calls``, ``logit_bias`` and
+``top_logprobs`` reach the pod's sampler. The tiny model is random-init, so the assertions are on the
+constraint (the JSON parses and matches its schema, the call is there and names the tool), never on content;
+and the captured trajectory holds exactly the tokens the pod sampled under the constraint.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import anthropic
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import redis
+
+from services.gateway.chat import ChatModel
+from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["paris", "rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": CITY}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+# The random model is fond of whitespace, which JSON allows anywhere between tokens: pushed down, its objects
+# close within a few dozen tokens. (Whitespace never decides whether the constraint holds.)
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3, redis_url, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("gw")
+    stream = f"molt:test:gateway-constrained:{uuid.uuid4().hex[:8]}"
+    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
+    gw = None
+    try:
+        gw, url = start_gateway(
+            [
+                "--model",
+                str(tiny_qwen3),
+                "--rollout.urls",
+                pod_url,
+                "--redis.url",
+                redis_url,
+                "--redis.stream",
+                stream,
+                "--session.max_length",
+                "1024",
+            ],
+            logs / "gateway.log",
+        )
+        model = ChatModel(tiny_qwen3)
+        yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": model}
+    finally:
+        if gw is not None:
+            stop(gw)
+        stop(pod)
+        r = redis.Redis.from_url(redis_url)
+        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+        r.close()
+
+
+def _session(stack) -> dict:
+    r = httpx.post(stack["url"] + "/v1/sessions", json={})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _segment(stack, sid: str):
+    r = httpx.post(f"{stack['url']}/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    assert r.status_code == 200, r.text
+    [traj] = [t for t in read_trajectories(stack["redis"], stack["stream"]) if t.trajectory_id == sid]
+    [seg] = traj.segments
+    return seg
+
+
+def _whitespace_bias(model: ChatModel) -> dict[str, int]:
+    return {str(t): -100 for t in range(len(model.tokenizer)) if model.decode([t], skip_special=False).isspace()}
+
+
+def test_a_json_schema_reply_matches_its_schema_and_is_captured_as_sampled(stack):
+    s = _session(stack)
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": ANSWER, "strict": True}}
+    r = client.chat.completions.create(
+        model="policy",
+        messages=ASK,
+        response_format=fmt,
+        max_tokens=MAX_TOKENS,
+        seed=1,
+        logprobs=True,
+        logit_bias=_whitespace_bias(stack["model"]),
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+    seg = _segment(stack, s["session_id"])
+    [(start, end)] = seg.action_spans.tolist()
+    assert stack["model"].decode(seg.token_ids[start:end].tolist(), skip_special=True) == r.choices[0].message.content
+    pod_lps = np.array([c.logprob for c in r.choices[0].logprobs.content], dtype=np.float32)
+    np.testing.assert_array_equal(seg.logprobs, pod_lps)
+
+
+def test_a_json_object_reply_parses_as_an_object(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    r = client.chat.completions.create(
+        model="policy",
+        messages=ASK,
+        response_format={"type": "json_object"},
+        max_tokens=MAX_TOKENS,
+        seed=2,
+        logit_bias=_whitespace_bias(stack["model"]),
+    )
+    choice = r.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # the random model may still be inside the object: what it wrote so far opens one
+        assert choice.message.content.startswith("{")
+
+
+def test_tool_choice_required_yields_a_call_that_matches_its_tool(stack):
+    s = _session(stack)
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+    r = client.chat.completions.create(
+        model="policy", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, seed=3
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    [call] = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+    # The next turn sends the call back: the template renders it as the tokens sampled, one segment.
+    history = [*ASK, choice.message.model_dump(exclude_none=True)]
+    history.append({"role": "tool", "tool_call_id": call.id, "content": "SUNNY"})
+    client.chat.completions.create(model="policy", messages=history, tools=TOOLS, max_tokens=4, seed=3)
+    seg = _segment(stack, s["session_id"])
+    assert len(seg.action_spans) == 2
+
+
+def test_a_named_tool_choice_yields_that_tool(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    for seed in (4, 5):
+        r = client.chat.completions.create(
+            model="policy",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
+        [call] = r.choices[0].message.tool_calls
+        assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+
+
+def test_tool_choice_none_yields_no_call_and_keeps_the_tools_in_the_prompt(stack):
+    s = _session(stack)
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+    # Pushing the call opener up makes the unconstrained model open a call at once; "none" must still refuse it.
+    opener = stack["model"].encode("<tool_call>")
+    bias = {str(t): 30 for t in opener}
+    r = client.chat.completions.create(
+        model="policy", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24, seed=6, logit_bias=bias
+    )
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason != "tool_calls"
+    seg = _segment(stack, s["session_id"])
+    [(start, end)] = seg.action_spans.tolist()
+    ids = seg.token_ids.tolist()
+    assert "<tool_call>" not in stack["model"].decode(ids[start:end], skip_special=False)
+    assert "get_weather" in stack["model"].decode(ids[:start], skip_special=False)
+
+
+def test_no_parallel_tool_calls_yields_at_most_one_call(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    opener = stack["model"].encode("<tool_call>")
+    r = client.chat.completions.create(
+        model="policy",
+        messages=ASK,
+        tools=TOOLS,
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        seed=7,
+        logit_bias={str(t): 30 for t in opener},  # open a call at once (the model would rarely on its own)
+    )
+    assert len(r.choices[0].message.tool_calls or []) == 1
+
+
+def test_top_logprobs_returns_that_many_alternatives_per_token(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    r = client.chat.completions.create(
+        model="policy", messages=ASK, max_tokens=6, seed=8, logprobs=True, top_logprobs=4
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        alts = [a.logprob for a in tok.top_logprobs]
+        assert len(alts) == 4 and alts == sorted(alts, reverse=True)
+        assert tok.logprob <= alts[0] + 1e-6  # the sampled token is at best the most likely one
+
+
+def test_logit_bias_changes_the_output(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    [token] = stack["model"].encode("yes")
+    r = client.chat.completions.create(
+        model="policy", messages=ASK, max_tokens=5, seed=9, logprobs=True, logit_bias={str(token): 100}
+    )
+    assert [stack["model"].encode(c.token)[0] for c in r.choices[0].logprobs.content] == [token] * 5
+
+
+def test_anthropic_tool_choice_any_tool_and_none(stack):
+    client = anthropic.Anthropic(base_url=stack["url"], api_key="EMPTY")
+    tools = [{"name": t["function"]["name"], "input_schema": CITY} for t in TOOLS]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    m = client.messages.create(
+        model="policy", max_tokens=MAX_TOKENS, messages=ask, tools=tools, tool_choice={"type": "any"}
+    )
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name in ("get_weather", "get_time")
+    jsonschema.validate(use.input, CITY)
+    m = client.messages.create(
+        model="policy",
+        max_tokens=MAX_TOKENS,
+        messages=ask,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    )
+    assert [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
+    m = client.messages.create(model="policy", max_tokens=12, messages=ask, tools=tools, tool_choice={"type": "none"})
+    assert not [b for b in m.content if b.type == "tool_use"] and m.stop_reason != "tool_use"
+
+
+def test_a_schema_the_pod_cannot_compile_is_a_400_that_says_why(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="policy",
+            messages=ASK,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}},
+            max_tokens=4,
+        )
+    assert "grammar" in str(err.value).lower()
+
+
+def test_completions_logprobs_return_that_many_alternatives_and_the_token(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    r = client.completions.create(model="policy", prompt="Once upon", max_tokens=5, seed=10, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == logprob and len(top) in (3, 4)  # the token itself, when it is not among the top 3
+
+
+def test_the_responses_wire_constrains_as_chat_does(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(
+        model="policy",
+        input="Weather in Paris?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=MAX_TOKENS,
+    )
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    r = client.responses.create(
+        model="policy",
+        input="Verdict?",
+        text={"format": {"type": "json_schema", "name": "verdict", "schema": ANSWER, "strict": True}},
+        max_output_tokens=MAX_TOKENS,
+    )
+    if r.status == "completed":
+        jsonschema.validate(json.loads(r.output_text), ANSWER)
+    else:
+        assert r.output_text.startswith("{")
+
+
+def test_a_streamed_forced_call_arrives_as_a_tool_call(stack):
+    s = _session(stack)
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+    stream = client.chat.completions.create(
+        model="policy",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=MAX_TOKENS,
+        seed=11,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [t.function.name for t in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # the call's text is not content
+    jsonschema.validate(json.loads(calls[0].function.arguments), CITY)

@@ -1,0 +1,91 @@
+"""Molt's four example agent modules, unchanged (tests/fixtures/molt_examples), through services.envs on the
+real stack: a rollout pod (vLLM, tiny Qwen3), the gateway, Redis. One trajectory each, read back from the
+stream with the numeric info Molt's modules put in Result.info as torch tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from envs_testlib import Served, StreamReader
+
+pytestmark = [pytest.mark.redis, pytest.mark.vllm, pytest.mark.timeout(300)]
+
+MOLT_EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples" / "agents"
+# Random tiny weights rarely stop on their own: stop ids end each turn after a few tokens.
+SP = {"temperature": 1.0, "max_tokens": 12, "stop_token_ids": list(range(300, 1024)), "seed": 5}
+INFO_KEYS = {
+    "math": {"math_exact", "missing_answer"},
+    "chat_minimal": {"math_exact"},
+    "geo3k": {"geo3k_tool_call_total", "geo3k_correct", "turn_index"},
+    "chat_geo3k": {"geo3k_tool_call_total", "geo3k_correct", "turn_index"},
+}
+
+
+async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis_url, monkeypatch):
+    from rollout_testlib import tiny_settings
+
+    from services.envs.app import build_app as build_worker
+    from services.envs.config import EnvsSettings
+    from services.gateway.app import build_app as build_gateway
+    from services.gateway.config import GatewaySettings
+    from services.rollout.app import build_app as build_rollout
+
+    monkeypatch.setenv("MODEL_PATH", str(tiny_qwen3))  # the geo3k modules' tool parser reads the tokenizer
+    stream = f"molt:test:molt-examples:{uuid.uuid4().hex[:8]}"
+    served: list[Served] = []
+    reader = StreamReader(redis_url, stream)
+    try:
+        pod = tiny_settings(tiny_qwen3)
+        pod.vllm.max_model_len = 1024  # chat_geo3k sends its tool schema: the rendered prompt is ~360 tokens
+        served.append(Served(build_rollout(pod), "rollout-pod"))
+        served.append(
+            Served(
+                build_gateway(
+                    GatewaySettings.model_validate(
+                        {
+                            "model": {"path": str(tiny_qwen3)},
+                            "rollout": {"urls": [served[0].url]},
+                            "redis": {"url": redis_url, "stream": stream},
+                            "session": {"max_length": 1024, "max_tokens": 12},
+                        }
+                    )
+                ),
+                "gateway",
+            )
+        )
+        agents = [f"{name}={MOLT_EXAMPLES / name}.py" for name in INFO_KEYS]
+        worker = Served(build_worker(EnvsSettings(agent=agents, gateway={"url": served[1].url})), "env-worker")
+        served.append(worker)
+        async with httpx.AsyncClient(timeout=120) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{worker.url}/v1/episodes:run",
+                        json={
+                            "agent": name,
+                            "prompt": "What is 6*7?",
+                            "label": {"ground_truth": "42"},
+                            "group_id": f"g-{name}",
+                            "sampling_params": SP,
+                        },
+                    )
+                    for name in INFO_KEYS
+                )
+            )
+        bodies = {name: r.json() for name, r in zip(INFO_KEYS, answers)}
+        for name, body in bodies.items():
+            assert body["status"] == "ok" and body["written"], (name, body)
+        trajs = await reader.get({b["trajectory_id"] for b in bodies.values()}, timeout_s=30)
+        for name, body in bodies.items():
+            traj = trajs[body["trajectory_id"]]
+            assert traj.provenance.env_name == name and traj.reward == body["reward"] == 0.0  # random weights
+            assert set(traj.info) == INFO_KEYS[name], (name, traj.info)  # tensors reduced to floats
+            assert sum(seg.num_action_tokens for seg in traj.segments) >= 1
+    finally:
+        await reader.close()
+        for s in reversed(served):
+            s.stop()

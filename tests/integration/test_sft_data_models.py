@@ -1,0 +1,97 @@
+"""SFT data on real tokenizers and models: the loss mask per chat template in use, bad-row accounting,
+and sample packing computing the same loss as padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.sft_data import Tokenized, collate
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "The answer is 6."},
+]
+
+
+@pytest.fixture(params=["tiny_qwen3", "smollm2"])
+def tokenizer(request):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+
+
+def _split(tok, ex):
+    """(decoded supervised tokens, decoded other tokens)."""
+    ids = ex.input_ids.tolist()
+    return (
+        tok.decode([t for t, m in zip(ids, ex.loss_mask) if m]),
+        tok.decode([t for t, m in zip(ids, ex.loss_mask) if not m]),
+    )
+
+
+def test_mask_is_exactly_the_response_and_its_stop_token(tokenizer):
+    tk = Tokenized(tokenizer, 512, "prompt", "response")
+    ex, why, _ = tk.example({"prompt": "reverse: a b c", "response": "reversed: c b a"})
+    assert why == ""
+    sup, rest = _split(tokenizer, ex)
+    assert sup == "reversed: c b a<|im_end|>"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "reverse: a b c"}, {"role": "assistant", "content": "reversed: c b a"}],
+        tokenize=False,
+    )
+    assert rest == text.replace("reversed: c b a<|im_end|>", "")
+
+
+def test_mask_covers_every_assistant_turn_or_only_the_last(tokenizer):
+    sup, _ = _split(tokenizer, Tokenized(tokenizer, 512, "messages", None).example({"messages": CHAT})[0])
+    assert sup == "4<|im_end|>The answer is 6.<|im_end|>"
+    last = Tokenized(tokenizer, 512, "messages", None, last_turn_only=True).example({"messages": CHAT})[0]
+    assert _split(tokenizer, last)[0] == "The answer is 6.<|im_end|>"
+
+
+def test_bad_rows_are_counted_and_dropped_and_long_ones_cut(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    rows = [
+        {"prompt": "hi", "response": "yo"},
+        {"prompt": "hi"},
+        {"prompt": "hi", "response": ""},
+        {"prompt": "word " * 40, "response": "late"},
+        {"prompt": "hi", "response": "long " * 40},
+    ]
+    examples, report = Tokenized(tok, 24, "prompt", "response").build(rows, "--data.dataset")
+    assert (report.rows, report.used, report.truncated) == (5, 2, 1)
+    assert dict(report.dropped) == {"missing 'response'": 1, "empty response": 1, "response past --data.max_len": 1}
+    assert max(e.num_tokens for e in examples) == 24
+    with pytest.raises(ValueError, match="no usable row"):
+        Tokenized(tok, 24, "question", "answer").build(rows, "--data.dataset")
+
+
+def test_packed_rows_give_the_padded_loss(tiny_qwen3):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="sdpa")
+    rows = [{"prompt": f"reverse: {' '.join('abcdefg'[:n])}", "response": "ok " * n} for n in (2, 5, 3, 7)]
+    examples, _ = Tokenized(tok, 64, "prompt", "response").build(rows, "--data.dataset")
+
+    def loss(batch):
+        labels = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+
+    with torch.no_grad():
+        padded, packed = loss(collate(examples, 0)), loss(collate(examples, 0, packed=True, pad_to=80))
+        alone = sum(loss(collate([e], 0)) for e in examples)
+    assert float(packed) == pytest.approx(float(padded), abs=1e-4)
+    assert float(packed) == pytest.approx(float(alone), abs=1e-4)
+    assert math.isfinite(float(packed))

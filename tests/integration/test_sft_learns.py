@@ -1,0 +1,159 @@
+"""SFT teaches the tiny random model a task it cannot do (answer with the reversed prompt), and a rollout pod
+serving the exported directory does it; on SmolLM2 a few steps lower the held-out loss."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.rollout_testlib import ServerThread, tiny_settings
+from tests.integration.sft_testlib import lines, reversal_rows, run_sft, write_jsonl
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _prompt_ids(tok, prompt: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _base_answers(model_dir, tok, rows) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for r in rows:
+        ids = torch.tensor([_prompt_ids(tok, r["prompt"])])
+        gen = model.generate(
+            ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>")
+        )
+        out.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True).strip())
+    return out
+
+
+@pytest.mark.slow
+def test_sft_teaches_reversal_and_a_pod_serving_the_export_answers(tiny_qwen3, tmp_path):
+    from transformers import AutoTokenizer
+
+    from services.rollout.app import build_app
+
+    train = reversal_rows(4096, seed=1)
+    seen = {r["prompt"] for r in train}
+    held_out = [r for r in reversal_rows(200, seed=7) if r["prompt"] not in seen][:40]
+    write_jsonl(tmp_path / "train.jsonl", train)
+    write_jsonl(tmp_path / "eval.jsonl", held_out)
+    out = tmp_path / "hf"
+    run_sft(
+        [
+            "--model.model_name_or_path",
+            str(tiny_qwen3),
+            "--data.dataset",
+            str(tmp_path / "train.jsonl"),
+            "--data.input_key",
+            "prompt",
+            "--data.output_key",
+            "response",
+            "--data.max_len",
+            "64",
+            "--eval.dataset",
+            str(tmp_path / "eval.jsonl"),
+            "--train.batch_size",
+            "32",
+            "--train.micro_batch_size",
+            "32",
+            "--train.max_epochs",
+            "3",
+            "--adam.lr",
+            "3e-3",
+            "--lr_scheduler",
+            "cosine_with_min_lr",
+            "--model.gradient_checkpoint",
+            "none",
+            "--fsdp.packing_samples",
+            "--ckpt.output_dir",
+            str(out),
+            "--logger.steps_jsonl",
+            str(tmp_path / "steps.jsonl"),
+        ],
+        timeout=400,
+    )
+    tok = AutoTokenizer.from_pretrained(out)
+    assert not any(a == r["response"] for a, r in zip(_base_answers(tiny_qwen3, tok, held_out), held_out))
+
+    with ServerThread(build_app(tiny_settings(out))) as url:
+        correct = 0
+        for r in held_out:
+            body = {
+                "prompt_token_ids": _prompt_ids(tok, r["prompt"]),
+                "sampling_params": {"max_tokens": 16, "temperature": 0.0},
+            }
+            res = httpx.post(f"{url}/v1/generate", json=body, timeout=60)
+            assert res.status_code == 200, res.text
+            answer = tok.decode(res.json()["outputs"][0]["token_ids"], skip_special_tokens=True).strip()
+            correct += answer == r["response"]
+    assert correct / len(held_out) >= 0.8, f"{correct}/{len(held_out)} reversed"
+
+
+def _heldout_loss(model_dir, rows) -> float:
+    """Token-mean response loss of the untrained model, computed as the trainer's eval does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.trainer.sft_data import Tokenized, collate
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples, _ = Tokenized(tok, 64, "prompt", "response").build(rows, "--eval.dataset")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = collate(examples, tok.pad_token_id)
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return float(ce) / int((labels[:, 1:] != -100).sum())
+
+
+@pytest.mark.slow
+def test_smollm2_heldout_loss_falls(smollm2, tmp_path):
+    held_out = reversal_rows(16, seed=7)
+    write_jsonl(tmp_path / "train.jsonl", reversal_rows(48, seed=1))
+    write_jsonl(tmp_path / "eval.jsonl", held_out)
+    before = _heldout_loss(smollm2, held_out)
+    run_sft(
+        [
+            "--model.model_name_or_path",
+            str(smollm2),
+            "--data.dataset",
+            str(tmp_path / "train.jsonl"),
+            "--data.input_key",
+            "prompt",
+            "--data.output_key",
+            "response",
+            "--data.max_len",
+            "64",
+            "--eval.dataset",
+            str(tmp_path / "eval.jsonl"),
+            "--eval.steps",
+            "6",
+            "--train.batch_size",
+            "8",
+            "--train.micro_batch_size",
+            "8",
+            "--train.max_epochs",
+            "1",
+            "--adam.lr",
+            "1e-4",
+            "--model.gradient_checkpoint",
+            "none",
+            "--fsdp.packing_samples",
+            "--ckpt.disable_final_save",
+            "--ckpt.path",
+            str(tmp_path / "state"),
+            "--logger.steps_jsonl",
+            str(tmp_path / "steps.jsonl"),
+        ],
+        timeout=400,
+    )
+    after = [x["eval_loss"] for x in lines(tmp_path / "steps.jsonl") if "eval_loss" in x]
+    assert len(after) == 1 and after[0] < 0.8 * before, (before, after)

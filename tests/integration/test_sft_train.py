@@ -1,0 +1,228 @@
+"""SFT through the real CLIs: 2 gloo processes equal 1, kill + resume continues the same curve, the HF
+export loads in transformers and in the RL trainer, bad input is a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.sft_testlib import ROOT, lines, reversal_rows, run_sft, sft_cmd, write_jsonl
+from tests.integration.trainer_testlib import delete_stream, env, put, run_trainer, synthetic_groups
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _flags(model, data, tmp, tag, *extra):
+    return [
+        "--model.model_name_or_path",
+        str(model),
+        "--data.dataset",
+        str(data / "train.jsonl"),
+        "--data.input_key",
+        "prompt",
+        "--data.output_key",
+        "response",
+        "--data.max_len",
+        "64",
+        "--eval.dataset",
+        str(data / "eval.jsonl"),
+        "--eval.steps",
+        "1",
+        "--train.batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "2",
+        "--train.max_epochs",
+        "1",
+        "--adam.lr",
+        "1e-3",
+        "--max_norm",
+        "100",
+        "--model.gradient_checkpoint",
+        "full",
+        "--ckpt.path",
+        str(tmp / tag / "state"),
+        "--ckpt.output_dir",
+        str(tmp / tag / "hf"),
+        "--ckpt.save_steps",
+        "2",
+        "--logger.logging_steps",
+        "1",
+        "--logger.steps_jsonl",
+        str(tmp / f"{tag}.jsonl"),
+        "--logger.wandb.project",
+        "p",
+        "--logger.wandb.run_name",
+        "r",
+        "--fsdp.param_dtype",
+        "bf16",
+        "--fsdp.tp_size",
+        "1",
+        "--fsdp.ep_size",
+        "1",
+        "--fsdp.cp_size",
+        "1",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def data(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "train.jsonl", reversal_rows(48, seed=1))  # 6 steps of 8
+    write_jsonl(d / "eval.jsonl", reversal_rows(6, seed=2))
+    return d
+
+
+def _curve(path):
+    train = {x["step"]: x for x in lines(path) if "loss" in x}
+    evals = {x["step"]: x["eval_loss"] for x in lines(path) if "eval_loss" in x}
+    return train, evals
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_and_the_export_loads_everywhere(tiny_qwen3, data, tmp_path, redis_url, stream_name):
+    # lr 1e-4: Adam's first steps move a weight by ~lr whatever its gradient's size, so float noise in a
+    # near-zero gradient shows at the scale of lr; at 1e-4 that stays under the 1e-5 bound.
+    steps = ["--train.num_steps", "2", "--fsdp.packing_samples", "--adam.lr", "1e-4"]
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "one", *steps))
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "two", *steps), nproc=2, molt_cli=True)
+    assert "rank1" in proc.stderr
+    assert "--data.dataset: 48 rows, 48 used, 0 truncated to --data.max_len, dropped: none" in proc.stderr
+    (one, one_eval), (two, two_eval) = _curve(tmp_path / "one.jsonl"), _curve(tmp_path / "two.jsonl")
+    assert sorted(one) == sorted(two) == [1, 2] and sorted(one_eval) == [1, 2]
+    for k in (1, 2):
+        assert one[k]["loss"] == pytest.approx(two[k]["loss"], abs=1e-5)
+        assert one[k]["grad_norm"] == pytest.approx(two[k]["grad_norm"], rel=1e-4)
+        assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
+    assert (tmp_path / "one" / "state" / "global_step2" / "extra_state.pt").exists()
+    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
+    base = load_file(str(tiny_qwen3 / "model.safetensors"))
+    assert w1.keys() == w2.keys() == base.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+    assert max(float((w1[n] - base[n]).abs().max()) for n in w1) > 1e-4
+
+    # transformers loads the export: the same weights, the same tokenizer and chat template
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
+    assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], w2["model.embed_tokens.weight"])
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "two" / "hf").chat_template
+        == AutoTokenizer.from_pretrained(tiny_qwen3).chat_template
+    )
+
+    # the RL trainer trains on from it (one step on synthetic trajectories)
+    put(redis_url, stream_name, synthetic_groups(2, 2, seed=4))
+    try:
+        run_trainer(
+            [
+                "--actor.model_name_or_path",
+                str(tmp_path / "two" / "hf"),
+                "--train.dispatch",
+                "false",
+                "--redis.url",
+                redis_url,
+                "--redis.stream",
+                stream_name,
+                "--algo.advantage.estimator",
+                "grpo",
+                "--algo.kl.init_coef",
+                "0",
+                "--rollout.n_samples_per_prompt",
+                "2",
+                "--rollout.batch_size",
+                "2",
+                "--train.batch_size",
+                "4",
+                "--train.num_steps",
+                "1",
+                "--logger.steps_jsonl",
+                str(tmp_path / "rl.jsonl"),
+            ]
+        )
+    finally:
+        delete_stream(redis_url, stream_name)
+    assert len(lines(tmp_path / "rl.jsonl")) == 1
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_continues_the_same_curve(tiny_qwen3, data, tmp_path):
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "whole", "--ckpt.save_hf", "--ckpt.max_num", "2"))
+    whole, whole_eval = _curve(tmp_path / "whole.jsonl")
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6]
+    # --ckpt.max_num 2 keeps the newest two checkpoints and HF snapshots
+    assert sorted(p.name for p in (tmp_path / "whole" / "state").glob("global_step*")) == [
+        "global_step4",
+        "global_step6",
+    ]
+    snapshots = tmp_path / "whole" / "state" / "_hf"
+    assert sorted(p.name for p in snapshots.iterdir()) == ["global_step4", "global_step6"]
+    assert torch.equal(
+        load_file(str(snapshots / "global_step6" / "model.safetensors"))["model.norm.weight"],
+        load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))["model.norm.weight"],
+    )
+
+    flags = _flags(tiny_qwen3, data, tmp_path, "cut")
+    proc = subprocess.Popen(
+        sft_cmd() + flags, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while 3 not in _curve(tmp_path / "cut.jsonl")[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 3"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert not (tmp_path / "cut" / "hf").exists()
+    saved = sorted(p.name for p in (tmp_path / "cut" / "state").glob("global_step*"))
+    assert saved in (["global_step2"], ["global_step2", "global_step4"])  # killed at step 3 or just after 4
+    proc = run_sft(flags + ["--ckpt.load_enable"])
+    assert f"(step {saved[-1][11:]})" in proc.stderr
+    cut, cut_eval = _curve(tmp_path / "cut.jsonl")  # later lines of a re-run step replace the killed run's
+    assert sorted(cut) == [1, 2, 3, 4, 5, 6]
+    for k in cut:
+        assert cut[k]["loss"] == pytest.approx(whole[k]["loss"], abs=1e-5), k
+        assert cut_eval[k] == pytest.approx(whole_eval[k], abs=1e-5), k
+    w1 = load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+
+
+@pytest.mark.slow
+def test_moe_aux_loss_is_trained(tiny_qwen3_moe, data, tmp_path):
+    run_sft(
+        _flags(
+            tiny_qwen3_moe,
+            data,
+            tmp_path,
+            "moe",
+            "--train.num_steps",
+            "1",
+            "--model.aux_loss_coef",
+            "0.01",
+            "--ckpt.disable_final_save",
+        )
+    )
+    step = _curve(tmp_path / "moe.jsonl")[0][1]
+    assert step["aux_loss"] > 0 and step["loss"] > 0
+
+
+def test_bad_input_is_a_clear_error(tiny_qwen3, data, tmp_path):
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "x", "--data.input_key", "question"), check=False)
+    assert proc.returncode != 0
+    assert "--data.dataset: 48 rows, 0 used" in proc.stderr and "48 missing 'question'" in proc.stderr
+    assert "no usable row" in proc.stderr
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "x", "--fsdp.tp_size", "2"), check=False)
+    assert proc.returncode != 0 and "need GPUs" in proc.stderr

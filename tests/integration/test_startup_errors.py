@@ -1,0 +1,178 @@
+"""Start-up mistakes a newcomer makes get one line naming the flag and the fix, before anything loads.
+
+Each service is started as a real process (``python -m services.X``, as the README shows) with a busy port, a
+missing model directory or a Redis nobody runs; ``molt up`` with a dead ``--redis-url`` stops before it starts
+anything. ``--dry-run`` goes through the same validation as start-up, so a config start-up rejects is rejected
+by the dry run with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from molt.bus.embedded import EmbeddedRedis
+from molt.net import free_port
+from molt.serve import cpu_env
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT = f"math={ROOT / 'examples' / 'agents' / 'math.py'}"
+
+
+def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=cpu_env({**os.environ, **(env or {})}),
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def error_line(proc: subprocess.CompletedProcess, prog: str) -> str:
+    """The process failed with exactly one line on stderr, ``<prog>: error: ...``, and never listened."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert " listening on " not in proc.stdout, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), proc.stderr
+    return lines[0]
+
+
+def valid_flags(service: str, model: Path, redis_url: str) -> list[str]:
+    """A config each service accepts (it would start with it)."""
+    return {
+        "rollout": ["--model", str(model)],
+        "gateway": ["--model", str(model), "--redis.url", redis_url],
+        "envs": ["--agent", AGENT, "--gateway.url", "http://127.0.0.1:9"],
+        "trainer": ["--model.path", str(model), "--redis.url", redis_url, "--train.dispatch", "false"],
+    }[service]
+
+
+@pytest.mark.parametrize("service", ["rollout", "gateway", "envs", "trainer"])
+def test_a_busy_port_is_one_line_naming_the_flag(service, tiny_qwen3, redis_url):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run([f"services.{service}", *valid_flags(service, tiny_qwen3, redis_url), "--port", str(port)])
+    line = error_line(proc, f"python -m services.{service}")
+    assert f"--server.port {port}: 127.0.0.1:{port} is already in use; pass a free port" in line
+
+
+def test_a_busy_weight_sync_port_names_its_flag(tiny_qwen3):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run(["services.rollout", "--model", str(tiny_qwen3), "--grpc.port", str(port)])
+    assert f"--grpc.port {port}: 127.0.0.1:{port} is already in use" in error_line(proc, "python -m services.rollout")
+
+
+@pytest.mark.parametrize("service", ["rollout", "gateway", "trainer"])
+def test_a_missing_model_dir_is_one_line_naming_the_flag(service, tmp_path, redis_url):
+    missing = tmp_path / "no-such-model"
+    proc = run([f"services.{service}", *valid_flags(service, missing, redis_url)])
+    line = error_line(proc, f"python -m services.{service}")
+    flag = "--actor.model_name_or_path" if service == "trainer" else "--model.path"
+    assert f"{flag} {missing}: no such directory; pass a local HF model directory" in line
+    assert "python -m molt.models tiny" in line
+
+
+@pytest.mark.parametrize("service", ["gateway", "trainer"])
+def test_an_unreachable_redis_is_one_line_naming_the_flag(service, tiny_qwen3):
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run([f"services.{service}", *valid_flags(service, tiny_qwen3, dead), "--redis.startup_wait_s", "1"])
+    line = error_line(proc, f"python -m services.{service}")
+    assert f"--redis.url {dead}: Redis does not answer after 1 s (--redis.startup_wait_s)" in line
+    assert "start Redis there" in line
+    assert f"--redis.url {dead}: waiting up to 1 s (--redis.startup_wait_s; 0 fails at once)" in proc.stdout
+
+
+@pytest.mark.parametrize("service", ["gateway", "trainer"])
+def test_a_service_started_before_its_redis_waits_for_it(service, tiny_qwen3, tmp_path):
+    """Kubernetes starts pods in any order: a Redis that comes up within --redis.startup_wait_s is waited for."""
+    redis_server = EmbeddedRedis()
+    flags = [*valid_flags(service, tiny_qwen3, redis_server.url), "--redis.startup_wait_s", "120", "--port", "0"]
+    log_path = tmp_path / "service.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{service}", *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=cpu_env({**os.environ, "PYTHONPATH": str(ROOT)}),
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting up to 120 s" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        redis_server.start()
+        listening = re.compile(r" listening on (http://\S+)")
+        deadline = time.monotonic() + 120
+        while not (found := listening.search(log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        assert httpx.get(found.group(1) + "/healthz", timeout=10).status_code == 200
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        redis_server.stop()
+
+
+def test_molt_up_with_a_dead_redis_starts_nothing(tmp_path):
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    run_dir = tmp_path / "run"
+    proc = run(["molt.cli", "up", "--redis-url", dead, "--run-dir", str(run_dir), "--no-progress"])
+    line = error_line(proc, "molt")
+    assert "--redis-url redis://:***@127.0.0.1:" in line and "Redis does not answer" in line
+    assert "hunter2" not in proc.stderr
+    assert not run_dir.exists()  # no model built, no log written, no process started
+
+
+REJECTED = {  # a config each service's start-up rejects, and a piece of the message that names the flag
+    "rollout": (["--model", "{model}", "--host", "0.0.0.0"], "MOLT_WEIGHTS_TOKEN"),
+    "gateway": (["--redis.url", "{redis}"], "no model: pass --model.path DIR"),
+    "envs": (["--gateway.url", "http://127.0.0.1:9"], "no agent to serve: pass --agent NAME=PATH"),
+    "trainer": (
+        [
+            "--model.path",
+            "{model}",
+            "--redis.url",
+            "{redis}",
+            "--train.dispatch",
+            "false",
+            "--algo.advantage.is_correction_level",
+            "seq",
+            "--algo.advantage.is_correction_mode",
+            "clip",
+        ],
+        "--algo.advantage.is_correction_level seq supports only --algo.advantage.is_correction_mode mask",
+    ),
+}
+
+
+@pytest.mark.parametrize("service", sorted(REJECTED))
+def test_dry_run_rejects_what_start_up_rejects_with_the_same_message(service, tiny_qwen3, redis_url):
+    flags, expected = REJECTED[service]
+    args = [f.format(model=tiny_qwen3, redis=redis_url) for f in flags]
+    env = {"MOLT_WEIGHTS_TOKEN": ""}  # the rollout case: no token on a public address
+    started = run([f"services.{service}", *args], env)
+    dry = run([f"services.{service}", *args, "--dry-run"], env)
+    line = error_line(started, f"python -m services.{service}")
+    assert expected in line
+    assert error_line(dry, f"python -m services.{service}") == line
+    assert dry.returncode == started.returncode == 2
+    assert dry.stdout == ""  # no config printed

@@ -1,0 +1,78 @@
+"""molt.data.read_rows: the formats Molt's launch scripts pass, read to the same rows."""
+
+import json
+
+import datasets
+import pytest
+
+from molt.data import read_rows
+
+ROWS = [{"prompt": f"q{i}", "label": str(i)} for i in range(5)]
+
+
+def test_every_format_reads_to_the_same_rows(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "hf"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "hfdict"))
+    (tmp_path / "pq").mkdir()
+    ds.select(range(3)).to_parquet(str(tmp_path / "pq" / "a.parquet"))
+    ds.select(range(3, 5)).to_parquet(str(tmp_path / "pq" / "b.parquet"))
+    (tmp_path / "arr.json").write_text(json.dumps(ROWS))
+    for path in ("p.jsonl", "hf", "hfdict", "pq", "arr.json"):
+        assert read_rows(tmp_path / path) == ROWS, path
+
+
+def test_max_samples_stops_early(tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
+    assert read_rows(tmp_path / "p.jsonl", max_samples=2) == ROWS[:2]
+
+
+def test_bad_inputs_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--eval.dataset .*no such file"):
+        read_rows(tmp_path / "missing", flag="--eval.dataset")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no dataset in it"):
+        read_rows(tmp_path / "empty")
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not a JSON line"):
+        read_rows(tmp_path / "bad.jsonl")
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="no 'train' split"):
+        read_rows(tmp_path / "d")
+
+
+def test_prompt_dataset_reads_a_saved_dataset_with_molts_keys(tmp_path):
+    from services.trainer.dispatch import PromptDataset
+
+    tools = [{"type": "function", "function": {"name": "python_executor", "parameters": {}}}]
+    rows = [
+        {"question": f"q{i}", "reward_model": {"ground_truth": str(i)}, "tools": json.dumps(tools) if i else None}
+        for i in range(4)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    ds = PromptDataset(
+        str(tmp_path / "hf"), "question", "reward_model", chat=True, max_samples=3, seed=0, tools_key="tools"
+    )
+    assert len(ds) == 3  # --data.max_samples
+    by_text = {p.prompt[0]["content"]: p for p in (ds.get(i) for i in range(3))}
+    assert by_text["q1"].prompt == [{"role": "user", "content": "q1"}]  # --data.apply_chat_template
+    assert by_text["q1"].label == {"ground_truth": "1"} and by_text["q1"].tools == tools
+    assert by_text["q0"].tools is None
+    with pytest.raises(ValueError, match="--data.prompt_dataset .*row 0 has no 'input'"):
+        PromptDataset(str(tmp_path / "hf"), "input", None, chat=False, max_samples=9, seed=0)
+
+
+def test_prompt_dataset_walks_every_row_once_per_episode_in_a_seeded_order(tmp_path):
+    from services.trainer.dispatch import PromptDataset
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"input": f"p{i}"}) + "\n" for i in range(5)))
+    ds = PromptDataset(str(path), "input", None, chat=False, max_samples=9, seed=3)
+    first, second = [ds.row(p) for p in range(5)], [ds.row(p) for p in range(5, 10)]
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3, 4]
+    assert first != list(range(5))  # shuffled: position p is not row p (readers of a run must map it)
+    assert [ds.get(p).prompt for p in range(10)] == [f"p{r}" for r in first + second]
+    again = PromptDataset(str(path), "input", None, chat=False, max_samples=9, seed=3)
+    assert [again.row(p) for p in reversed(range(10))] == list(reversed(first + second))

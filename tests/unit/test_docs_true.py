@@ -1,0 +1,126 @@
+"""Docs are promises: every dotted flag that README.md or docs/ names is a flag some entry point accepts, or one
+`molt train-rl` knows by name (wiring, placement, or missing with its reason)."""
+
+import pathlib
+import re
+
+from molt.config import iter_fields
+from molt.stack import train_rl
+from services.envs.config import EnvsSettings
+from services.gateway.config import GatewaySettings
+from services.rollout.config import RolloutSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.sft_config import SftSettings
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FLAG = re.compile(r"--[a-z][a-z0-9_]*(?:\.[a-z0-9_]+)+\*?")  # a trailing * names a family of flags
+
+
+def known_flags() -> set[str]:
+    settings = (EnvsSettings, GatewaySettings, RolloutSettings, TrainerSettings, SftSettings)
+    named = {*train_rl.WIRING, *train_rl.PLACEMENT, *train_rl.MISSING, *train_rl.POD_FLAGS}
+    return {"--" + dotted for s in settings for dotted, _, _ in iter_fields(s)} | {"--" + n for n in named}
+
+
+def documented_flags() -> list[tuple[str, str, str]]:
+    """(file, flag, the line it is on) for every dotted flag in README.md and docs/*.md."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in path.read_text().splitlines():
+            out += [(path.name, flag, line) for flag in FLAG.findall(line)]
+    return out
+
+
+def test_every_documented_flag_exists():
+    known = known_flags()
+    groups = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
+
+    def exists(flag: str) -> bool:
+        if flag.endswith("*"):
+            return any(k.startswith(flag[:-1]) for k in known)
+        return flag in known or flag in groups
+
+    missing = [(f, flag) for f, flag, line in documented_flags() if not exists(flag) and "did you mean" not in line]
+    assert not missing, f"documented flags that no service accepts: {missing}"
+
+
+def _section_paths(title: str) -> set[str]:
+    """Every URL path docs/contracts.md names in the section whose heading starts with ``title``."""
+    text = (ROOT / "docs" / "contracts.md").read_text()
+    body = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    return {
+        p.rstrip(".,;:")
+        for p in re.findall(r"(?<![\w.])/(?:s/\{id\}/)?(?:v1/[\w/{}:.-]*|healthz|readyz|metrics)", body)
+    }
+
+
+def _served(app, path: str) -> bool:
+    from starlette.routing import Match
+
+    concrete = path.replace("{id}", "abc")
+    for route in app.routes:
+        for method in ("GET", "POST", "DELETE", "PUT"):
+            scope = {"type": "http", "path": concrete, "method": method, "root_path": ""}
+            if route.matches(scope)[0] != Match.NONE:
+                return True
+    return False
+
+
+def _unserved(app, title: str) -> list[str]:
+    paths = _section_paths(title)
+    assert paths, f"docs/contracts.md: no paths found under {title!r}"
+    return sorted(p for p in paths if not _served(app, p))
+
+
+def test_every_rollout_endpoint_in_contracts_is_served():
+    from services.rollout.app import build_app
+    from tests.unit.test_rollout_routes import FakeEngine
+
+    app = build_app(RolloutSettings.model_validate({"model": {"path": "/fake"}}), engine=FakeEngine())
+    assert _unserved(app, "Rollout pod") == []
+
+
+def test_every_gateway_endpoint_in_contracts_is_served(tiny_qwen3):
+    from molt.bus.memory import MemoryTrajectoryQueue
+    from services.gateway.app import build_app
+    from services.gateway.chat import ChatModel
+    from tests.gateway_testlib import FakePods
+
+    pods = ["http://pod-a"]
+    settings = GatewaySettings.model_validate({"model": {"path": str(tiny_qwen3)}, "rollout": {"urls": pods}})
+    app = build_app(
+        settings,
+        transport=FakePods(pods, lambda prompt, sp: []),
+        model=ChatModel(tiny_qwen3),
+        queue=MemoryTrajectoryQueue(),
+    )
+    assert _unserved(app, "Gateway") == []
+
+
+def test_every_env_worker_endpoint_in_contracts_is_served():
+    from services.envs.app import build_app
+
+    settings = EnvsSettings.model_validate(
+        {"gateway": {"url": "http://gateway"}, "agent": [f"math={ROOT / 'examples' / 'agents' / 'math.py'}"]}
+    )
+    assert _unserved(build_app(settings), "Env worker") == []
+
+
+def test_readme_data_path_table_names_code_that_exists():
+    """Each `Class.method` in README's data-path table is defined in the file named before it in its row."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("Each arrow of the diagram, and the code that does it:", 1)[1].strip().split("\n\n", 1)[0]
+    checked = 0
+    for row in table.splitlines()[2:]:
+        current = None
+        for token in re.findall(r"`([^`]+)`", row.split("|")[2]):
+            if token.endswith(".py"):
+                current = ROOT / token if "/" in token else current.parent / token
+                assert current.exists(), f"README names {token}, which does not exist"
+            elif re.fullmatch(r"[A-Z]\w+\.\w+", token):
+                cls, meth = token.split(".")
+                assert current is not None
+                source = current.read_text()
+                assert f"class {cls}" in source and re.search(rf"def {meth}\b", source), f"{token} not in {current}"
+                checked += 1
+    assert checked >= 8

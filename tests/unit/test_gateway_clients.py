@@ -1,0 +1,169 @@
+"""Agent libraries as their users run them, against the gateway app in-process (fake pods, memory queue):
+whatever a library does to the history it echoes, the trajectory holds the pod's tokens plus the template's
+exact deltas in one segment."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings
+from tests.gateway_testlib import FakePods
+
+PODS = ["http://pod-a:1"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3) -> ChatModel:
+    return ChatModel(tiny_qwen3)
+
+
+@pytest.fixture
+def gw(model):
+    queue: list[str] = []
+    settings = GatewaySettings.model_validate(
+        {
+            "model": {"path": str(model.path)},
+            "rollout": {"urls": PODS},
+            "redis": {"url": "memory://", "stream": "test"},
+        }
+    )
+    pods = FakePods(PODS, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"))
+    app = build_app(settings, transport=pods, model=model)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    return app, pods, queue, http
+
+
+async def _session(http) -> dict:
+    r = await http.post("/v1/sessions", json={})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def _one_segment(app, http, sid: str, pods: FakePods, model: ChatModel, generated: list[str]) -> list[int]:
+    """Finish ``sid``; its single segment must be the last prompt the pod saw plus the last generation, and every
+    generation must sit in it verbatim, each followed by the template's newline after <|im_end|>."""
+    r = await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    assert r.json()["segments"] == 1, r.json()
+    [d] = await app.gateway.queue.read("t", 10, block_s=0)
+    [seg] = d.trajectory.segments
+    ids = seg.token_ids.tolist()
+    calls = [c for p in pods.pods.values() for c in p.calls]
+    assert ids == calls[-1][0] + model.encode(generated[-1])
+    for (start, end), text in zip(seg.action_spans.tolist(), generated):
+        assert ids[start:end] == model.encode(text)
+    for _, end in seg.action_spans.tolist()[:-1]:
+        assert model.decode(ids[end - 1 : end + 1], skip_special=False) == "<|im_end|>\n"
+    return ids
+
+
+async def test_pydantic_ai_tool_loop_with_reserialised_arguments_is_token_exact(gw, model):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    app, pods, queue, http = gw
+    s = await _session(http)
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    agent = Agent(
+        OpenAIChatModel("policy", provider=OpenAIProvider(openai_client=client)), system_prompt="Use the tool."
+    )
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        return f"{city}: sunny"
+
+    generated = [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
+        "Sunny in Paris.<|im_end|>",
+    ]
+    queue.extend(generated)
+    result = await agent.run("Weather in Paris?")
+    assert result.output == "Sunny in Paris."
+    # pydantic-ai sends the call back as '{"city":"Paris"}': compact, unlike what the model wrote.
+    second_prompt = [c for p in pods.pods.values() for c in p.calls][1][0]
+    assert '"arguments": {"city":"Paris"}' not in model.decode(second_prompt, skip_special=False)
+    await _one_segment(app, http, s["session_id"], pods, model, generated)
+
+
+async def test_anthropic_tool_use_echo_of_compact_model_json_is_token_exact(gw, model):
+    app, pods, queue, http = gw
+    s = await _session(http)
+    an = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"],
+        api_key="EMPTY",
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw"),
+    )
+    # The model writes compact JSON; the SDK's tool_use input comes back as an object the wire re-serialises.
+    generated = [
+        '<tool_call>{"name":"get_weather","arguments":{"unit":"C","city":"Rome"}}</tool_call><|im_end|>',
+        "Warm.<|im_end|>",
+    ]
+    queue.extend(generated)
+    tools = [{"name": "get_weather", "description": "w", "input_schema": {"type": "object"}}]
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    m1 = await an.messages.create(model="policy", max_tokens=64, messages=msgs, tools=tools)
+    use = m1.content[-1]
+    msgs += [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": {"city": "Rome", "unit": "C"}}],
+        },  # keys reordered
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "warm"}]},
+    ]
+    m2 = await an.messages.create(model="policy", max_tokens=64, messages=msgs, tools=tools)
+    assert m2.content[0].text == "Warm."
+    await _one_segment(app, http, s["session_id"], pods, model, generated)
+
+
+async def test_anthropic_stop_reason_follows_the_spec(gw, model):
+    app, _pods, queue, http = gw
+    s = await _session(http)
+    an = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"],
+        api_key="EMPTY",
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw"),
+    )
+    msgs = [{"role": "user", "content": "Count."}]
+    queue.extend(["one two END three<|im_end|>", "one two END three<|im_end|>", "one<|im_end|>", "a b c d e f"])
+    m = await an.messages.create(model="policy", max_tokens=64, messages=msgs, stop_sequences=["END", "XYZ"])
+    assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "END", "one two ")
+    async with an.messages.stream(
+        model="policy",
+        max_tokens=64,
+        messages=msgs + [{"role": "assistant", "content": "one two "}, {"role": "user", "content": "Again."}],
+        stop_sequences=["END"],
+    ) as st:
+        final = await st.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+    s2 = await _session(http)
+    an2 = an.with_options(base_url=s2["anthropic_base_url"])
+    m = await an2.messages.create(model="policy", max_tokens=64, messages=msgs, stop_sequences=["END"])
+    assert (m.stop_reason, m.stop_sequence) == ("end_turn", None)
+    m = await an2.messages.create(
+        model="policy",
+        max_tokens=2,
+        messages=msgs + [{"role": "assistant", "content": m.content[0].text}, {"role": "user", "content": "More."}],
+    )
+    assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None)
+
+
+async def test_completions_echo_puts_the_prompt_before_the_text(gw, model):
+    _app, _pods, queue, http = gw
+    s = await _session(http)
+    oa = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    queue.extend([" upon a time", " there was"])
+    c = await oa.completions.create(model="policy", prompt="Once", max_tokens=8, echo=True)
+    assert c.choices[0].text == "Once upon a time"
+    stream = await oa.completions.create(
+        model="policy", prompt="Once upon a time and", max_tokens=8, echo=True, stream=True
+    )
+    assert "".join([ch.choices[0].text async for ch in stream]) == "Once upon a time and there was"
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.completions.create(model="policy", prompt="x", max_tokens=8, echo=True, logprobs=1)
+    assert err.value.body["param"] == "echo"

@@ -1,0 +1,113 @@
+"""Image parts on the gateway's wires (services/gateway/chat.py, anthropic_wire.py) and the text-only refusal."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+import pytest
+
+from services.gateway.anthropic_wire import parse_messages
+from services.gateway.capture import Capture
+from services.gateway.chat import canonical_messages, message_images
+from services.gateway.errors import GatewayError
+
+PNG = b"\x89PNG\r\n\x1a\n fake bytes, checked by the pod"
+B64 = base64.b64encode(PNG).decode()
+SHA = hashlib.sha256(PNG).hexdigest()
+
+
+def _error(fn) -> GatewayError:
+    with pytest.raises(GatewayError) as err:
+        fn()
+    assert err.value.status == 400
+    return err.value
+
+
+def test_openai_image_url_parts_become_ordered_image_parts():
+    [msg] = canonical_messages(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "text", "text": "b"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{B64}"}},
+                    {"type": "text", "text": "c"},
+                ],
+            }
+        ]
+    )
+    assert msg["content"] == [
+        {"type": "text", "text": "ab"},
+        {"type": "image", "sha256": SHA, "data": B64},
+        {"type": "text", "text": "c"},
+    ]
+    assert message_images([msg]) == [msg["content"][1]]
+    [plain] = canonical_messages([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+    assert plain["content"] == "x"  # text-only content stays a string: text sessions are unchanged
+
+
+def test_anthropic_base64_image_blocks():
+    req = parse_messages(
+        {
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": B64}},
+                        {"type": "text", "text": "what?"},
+                    ],
+                }
+            ],
+        }
+    )
+    assert req.messages == [
+        {"role": "user", "content": [{"type": "image", "sha256": SHA, "data": B64}, {"type": "text", "text": "what?"}]}
+    ]
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("https://example.com/a.png", "not fetched"),
+        ("http://example.com/a.png", "not fetched"),
+        ("data:image/bmp;base64," + B64, "unsupported image media type"),
+        ("data:image/png," + B64, "base64 data URL"),
+        ("data:image/png;base64,@@", "not valid base64"),
+        ("data:image/png;base64,", "empty"),
+        (None, "expected"),
+    ],
+)
+def test_bad_image_urls(url, problem):
+    err = _error(
+        lambda: canonical_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    )
+    assert problem in str(err) and err.param == "messages[0].content[0].image_url"
+
+
+def test_anthropic_url_source_is_refused():
+    err = _error(
+        lambda: parse_messages(
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
+                    }
+                ],
+            }
+        )
+    )
+    assert "image source type 'url'" in str(err)
+
+
+def test_images_to_a_text_only_model_are_refused(chat_model):
+    assert chat_model.image_token_id is None
+    messages = canonical_messages(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{B64}"}}]}]
+    )
+    err = _error(lambda: Capture(max_length=64).plan_chat(chat_model, messages, None))
+    assert err.code == "images_unsupported" and "text-only" in str(err)

@@ -1,0 +1,158 @@
+"""Reasoning split: with a template that has think blocks, a reply's <think>...</think> comes back as
+``reasoning_content`` (OpenAI) or a ``thinking`` block (Anthropic), and the capture stays token-exact whether
+the client sends it back or drops it (in-process app, fake pods, the real SDKs)."""
+
+from __future__ import annotations
+
+import shutil
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings
+from tests.gateway_testlib import FakePods
+
+PODS = ["http://pod-a:1"]
+THINK = "<think>\nThe user wants a number.\n</think>\n\nFour.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
+    """tiny_qwen3 with a template that renders an assistant's reasoning_content as a think block (as Qwen3's)."""
+    path = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_qwen3, path)
+    tpl = (path / "chat_template.jinja").read_text()
+    old = "'<|im_start|>assistant' + nl + (message.content or '')"
+    assert old in tpl
+    (path / "chat_template.jinja").write_text(
+        tpl.replace(
+            old,
+            (
+                "'<|im_start|>assistant' + nl + ('<think>' + nl + message.reasoning_content + nl + '</think>' "
+                "+ nl + nl "
+                "if message.reasoning_content else '') + (message.content or '')"
+            ),
+        )
+    )
+    m = ChatModel(path)
+    assert m.thinks
+    return m
+
+
+@pytest.fixture
+def gw(model):
+    queue: list[str] = []
+    settings = GatewaySettings.model_validate(
+        {
+            "model": {"path": str(model.path)},
+            "rollout": {"urls": PODS},
+            "redis": {"url": "memory://", "stream": "test"},
+        }
+    )
+    pods = FakePods(PODS, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"))
+    app = build_app(settings, transport=pods, model=model)
+    return app, pods, queue, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+async def _exact(app, http, pods, model, sid: str) -> None:
+    """One segment: the pod's tokens of both turns, the template's newline after the first <|im_end|>."""
+    assert (await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})).json()["segments"] == 1
+    [d] = [x for x in await app.gateway.queue.read("t", 10, block_s=0) if x.trajectory.trajectory_id == sid]
+    [seg] = d.trajectory.segments
+    ids = seg.token_ids.tolist()
+    (s1, e1), (s2, e2) = seg.action_spans.tolist()
+    assert (
+        ids[s1:e1] == model.encode(THINK)
+        and ids == [c for p in pods.pods.values() for c in p.calls][-1][0] + ids[s2:e2]
+    )
+    assert model.decode(ids[e1 - 1 : e1 + 1], skip_special=False) == "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("send_back", [True, False])
+async def test_openai_reasoning_content_and_exact_capture(gw, model, send_back):
+    app, pods, queue, http = gw
+    s = (await http.post("/v1/sessions", json={})).json()
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    queue.extend([THINK, "Six.<|im_end|>"])
+    msgs = [{"role": "user", "content": "2 + 2?"}]
+    r = await client.chat.completions.create(model="policy", messages=msgs)
+    msg = r.choices[0].message.model_dump(exclude_none=True)
+    assert msg["content"] == "Four." and msg["reasoning_content"] == "The user wants a number."
+    if not send_back:
+        msg.pop("reasoning_content")
+    await client.chat.completions.create(model="policy", messages=msgs + [msg, {"role": "user", "content": "3+3?"}])
+    await _exact(app, http, pods, model, s["session_id"])
+
+
+async def test_openai_stream_sends_the_reasoning_apart(gw, model):
+    _app, _pods, queue, http = gw
+    s = (await http.post("/v1/sessions", json={})).json()
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    queue.append(THINK)
+    chunks = [
+        c
+        async for c in await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "2 + 2?"}], stream=True
+        )
+    ]
+    deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user wants a number."
+    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+
+
+@pytest.mark.parametrize("send_back", [True, False])
+async def test_anthropic_thinking_block_and_exact_capture(gw, model, send_back):
+    app, pods, queue, http = gw
+    s = (await http.post("/v1/sessions", json={})).json()
+    an = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"],
+        api_key="EMPTY",
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw"),
+    )
+    queue.extend([THINK, "Six.<|im_end|>"])
+    msgs = [{"role": "user", "content": "2 + 2?"}]
+    m = await an.messages.create(model="policy", max_tokens=64, messages=msgs)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == "The user wants a number."
+    blocks = [b.model_dump(exclude_none=True) for b in m.content if send_back or b.type == "text"]
+    async with an.messages.stream(
+        model="policy",
+        max_tokens=64,
+        messages=msgs + [{"role": "assistant", "content": blocks}, {"role": "user", "content": "3 + 3?"}],
+    ) as st:
+        final = await st.get_final_message()
+    assert final.content[-1].text == "Six."
+    await _exact(app, http, pods, model, s["session_id"])
+
+
+async def test_anthropic_stream_starts_with_the_thinking_block(gw, model):
+    app, _pods, queue, http = gw
+    s = (await http.post("/v1/sessions", json={})).json()
+    an = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"],
+        api_key="EMPTY",
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw"),
+    )
+    queue.append(THINK)
+    async with an.messages.stream(model="policy", max_tokens=64, messages=[{"role": "user", "content": "2+2?"}]) as st:
+        final = await st.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        ("thinking", "The user wants a number."),
+        ("text", "Four."),
+    ]
+
+
+async def test_text_feed_holds_the_think_block_and_keeps_it_apart(model):
+    from services.gateway.streaming import TextFeed
+
+    feed = TextFeed(model, None)
+    shown = []
+    for tok in model.encode(THINK):  # one engine step per token
+        feed.ids.append(tok)
+        shown.append(feed._safe())
+    assert "".join(shown) == "Four." and feed.reasoning == "The user wants a number."
+    assert all("think" not in p for p in shown)

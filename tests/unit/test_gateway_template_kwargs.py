@@ -1,0 +1,98 @@
+"""``chat_template_kwargs`` and Anthropic ``thinking``: variables of every render of a request, through a
+template with Qwen3's ``enable_thinking`` switch (in-process app, fake pods, the real openai SDK)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.app import build_app
+from services.gateway.chat import ChatModel
+from services.gateway.config import GatewaySettings
+from tests.gateway_testlib import FakePods
+
+PODS = ["http://pod-a:1"]
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+ASK = [{"role": "user", "content": "2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
+    """tiny_qwen3 whose generation prompt holds an empty think block when enable_thinking is false (Qwen3's)."""
+    path = tmp_path_factory.mktemp("switch") / "model"
+    shutil.copytree(tiny_qwen3, path)
+    tpl = (path / "chat_template.jinja").read_text()
+    old = "{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
+    assert tpl.endswith(old)
+    switch = (
+        "{%- if enable_thinking is defined and enable_thinking is false -%}"
+        "{{ '<think>' + nl + nl + '</think>' + nl + nl }}{%- endif -%}"
+    )
+    (path / "chat_template.jinja").write_text(tpl[: -len("{%- endif -%}")] + switch + "{%- endif -%}")
+    m = ChatModel(path)
+    assert m.template_variables == {"enable_thinking"}
+    return m
+
+
+@pytest.fixture
+def gw(model):
+    settings = GatewaySettings.model_validate(
+        {"model": {"path": str(model.path)}, "rollout": {"urls": PODS}, "redis": {"url": "memory://", "stream": "t"}}
+    )
+    pods = FakePods(PODS, lambda prompt, sp: model.encode("Four.<|im_end|>"))
+    app = build_app(settings, transport=pods, model=model)
+    return app, pods, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+def _prompts(model: ChatModel, pods: FakePods) -> list[str]:
+    return [model.decode(prompt, skip_special=False) for prompt, _ in pods.pods[PODS[0]].calls]
+
+
+async def test_chat_template_kwargs_reach_the_render_and_key_the_prompt_cache(gw, model):
+    _app, pods, http = gw
+    client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="EMPTY", http_client=http)
+    for kwargs in (None, {"enable_thinking": False}, None):  # the same messages: the cache must not mix them up
+        s = (await http.post("/v1/sessions", json={})).json()
+        session = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+        extra = {"chat_template_kwargs": kwargs} if kwargs else None
+        await session.chat.completions.create(model="policy", messages=ASK, extra_body=extra)
+    await client.chat.completions.create(
+        model="policy", messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    tails = [p.endswith("<|im_start|>assistant\n" + EMPTY_THINK) for p in _prompts(model, pods)]
+    assert tails == [False, True, False, True]
+
+
+async def test_a_variable_the_template_does_not_read_is_a_400_naming_it(gw):
+    _app, _pods, http = gw
+    body = {"model": "policy", "messages": ASK, "chat_template_kwargs": {"reasoning_mode": "high"}}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "reasoning_mode" in r.json()["error"]["message"] and "enable_thinking" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "thinking, max_tokens, status, empty_think",
+    [
+        ({"type": "disabled"}, 64, 200, True),
+        ({"type": "enabled", "budget_tokens": 1024}, 1024, 200, False),
+        ({"type": "enabled", "budget_tokens": 1024}, 2048, 400, None),  # the budget could bind: not enforced
+        ({"type": "enabled", "budget_tokens": 10}, 10, 400, None),
+        ({"type": "sometimes"}, 64, 400, None),
+    ],
+)
+async def test_anthropic_thinking_goes_through_the_templates_switch(
+    gw, model, thinking, max_tokens, status, empty_think
+):
+    _app, pods, http = gw
+    body = {"model": "policy", "max_tokens": max_tokens, "messages": ASK, "thinking": thinking}
+    r = await http.post("/v1/messages", json=body)
+    assert r.status_code == status, r.text
+    if status == 200:
+        [prompt] = _prompts(model, pods)
+        assert prompt.endswith(EMPTY_THINK) == empty_think
+    else:
+        assert "thinking" in r.json()["error"]["message"]

@@ -1,0 +1,92 @@
+"""Tool choice as a constraint in the template's own call format (services/gateway/tool_choice.py), on the
+tiny model's real template: the structural tag the pod gets for each choice, and the choices refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway import tool_choice as tc
+from services.gateway.chat import ChatModel
+from services.gateway.errors import GatewayError
+
+ASK = [{"role": "user", "content": "hi"}]
+FNS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+BEGIN = '<tool_call>{"name": "'
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3):
+    return ChatModel(tiny_qwen3)
+
+
+def _tag(name: str, schema: dict) -> dict:
+    return {
+        "type": "tag",
+        "begin": BEGIN + name + '", "arguments": ',
+        "content": {"type": "json_schema", "json_schema": schema},
+        "end": "}</tool_call>",
+    }
+
+
+def test_the_call_format_is_read_off_the_template(model):
+    fmt = tc.call_format(model, ASK, FNS)
+    assert (fmt.begin, fmt.middle, fmt.end, fmt.opener) == (BEGIN, '", "arguments": ', "}</tool_call>", "<tool_call>")
+    # A call rendered back by the template is begin + name + middle + arguments + end, verbatim.
+    call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"x": 1}'}}
+    text = model.render([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], FNS, False)
+    assert fmt.begin + "get_time" + fmt.middle + '{"x": 1}' + fmt.end in text
+
+
+def test_each_choice_becomes_its_structural_tag(model):
+    def spec(choice: tc.ToolChoice) -> dict | None:
+        out = tc.constraint(model, ASK, FNS, choice)
+        return out and out["structural_tag"]["format"]
+
+    both = [_tag("get_weather", {"type": "object"}), _tag("get_time", {"type": "object"})]
+    assert spec(tc.ToolChoice("auto")) is None
+    assert spec(tc.ToolChoice("required")) == {"type": "or", "elements": both}
+    assert spec(tc.ToolChoice("named", "get_time")) == both[1]
+    assert spec(tc.ToolChoice("none")) == {"type": "any_text", "excludes": ["<tool_call>"]}
+    assert spec(tc.ToolChoice("auto", parallel=False)) == {
+        "type": "triggered_tags",
+        "triggers": ["<tool_call>"],
+        "tags": both,
+        "stop_after_first": True,
+    }
+    assert tc.constraint(model, ASK, None, tc.ToolChoice("none")) is None  # no tools: nothing to forbid
+
+
+def test_the_wires_map_onto_one_choice():
+    assert tc.from_openai(None, None) == tc.ToolChoice("auto")
+    assert tc.from_openai("required", False) == tc.ToolChoice("required", parallel=False)
+    assert tc.from_openai({"type": "function", "function": {"name": "f"}}, None) == tc.ToolChoice("named", "f")
+    assert tc.from_anthropic({"type": "any"}) == tc.ToolChoice("required")
+    assert tc.from_anthropic({"type": "tool", "name": "f", "disable_parallel_tool_use": True}) == tc.ToolChoice(
+        "named", "f", parallel=False
+    )
+    assert tc.from_anthropic({"type": "none"}) == tc.ToolChoice("none")
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda m: tc.from_openai("any", None), "'tool_choice' must be"),
+        (lambda m: tc.from_openai("auto", "no"), "parallel_tool_calls"),
+        (lambda m: tc.from_anthropic({"type": "tool"}), "'tool_choice' must be"),
+        (lambda m: tc.constraint(m, ASK, None, tc.ToolChoice("required")), "needs 'tools'"),
+        (lambda m: tc.constraint(m, ASK, FNS, tc.ToolChoice("named", "nope")), "not one of 'tools'"),
+        (
+            lambda m: tc.apply(
+                m, ASK, FNS, {"structured_outputs": {"json_object": True}, "tool_choice": tc.ToolChoice("required")}
+            ),
+            "cannot be combined",
+        ),
+    ],
+)
+def test_choices_that_cannot_be_honoured_are_400s(model, call, needle):
+    with pytest.raises(GatewayError) as err:
+        call(model)
+    assert err.value.status == 400 and needle in err.value.message

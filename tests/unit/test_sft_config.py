@@ -1,0 +1,145 @@
+"""SFT flags: Molt's train_sft names and defaults; what this build cannot do is refused with the reason."""
+
+import pytest
+
+from molt.config import parse_settings
+from services.trainer.sft_config import SftSettings, validate_sft
+
+BASE = ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"]
+
+
+def _s(*flags):
+    return parse_settings(SftSettings, BASE + list(flags), prog="t")
+
+
+def test_molt_defaults():
+    s = _s()
+    assert (s.adam.lr, s.train.batch_size, s.train.micro_batch_size, s.train.max_epochs) == (5e-6, 128, 8, 2)
+    assert (s.data.max_len, s.data.max_samples, s.data.input_key, s.eval.steps) == (2048, 1_000_000, "input", -1)
+    assert (s.ckpt.path, s.ckpt.output_dir, s.logger.wandb.project) == (
+        "./ckpt/checkpoints_sft",
+        "./ckpt",
+        "molt_train_sft",
+    )
+    assert s.model.gradient_checkpoint == "full"
+
+
+@pytest.mark.parametrize(
+    "value, mode", [("full", "full"), ("", "off"), ("none", "off"), ("off", "off"), ("selective", "selective")]
+)
+def test_gradient_checkpoint_modes(value, mode):
+    assert _s("--model.gradient_checkpoint", value).model.gradient_checkpoint == mode
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--fsdp.tp_size", "2"], "need GPUs"),
+        (["--fsdp.ep_size", "8"], "need GPUs"),
+        (["--fsdp.cp_size", "8"], "need GPUs"),
+        (["--fsdp.pp_size", "2"], "pipeline"),
+        (["--data.image_key", "images"], "VLM"),
+        (["--model.lora.rank", "16"], "LoRA"),
+        (["--optim", "muon"], "muon"),
+        (["--use_ms"], "nothing is downloaded"),
+        (["--model.gradient_checkpoint", "selective"], "selective"),
+        (["--fsdp.use_liger_kernel"], "GPUs"),
+        (["--ckpt.max_mem", "100"], "--ckpt.max_num"),
+        (["--fsdp.attn_implementation", "flash_attention_2"], "on CPU use sdpa"),
+        (["--data.dataset_probs", "0.5,0.5"], "one weight per dataset"),
+        (["--eval.steps", "0"], "--eval.steps"),
+    ],
+)
+def test_what_cpu_cannot_do_is_refused_with_the_reason(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        validate_sft(_s(*flags))
+
+
+def test_required_inputs():
+    with pytest.raises(ValueError, match="--model.model_name_or_path is required"):
+        validate_sft(parse_settings(SftSettings, ["--data.dataset", "d"], prog="t"))
+    with pytest.raises(ValueError, match="--data.dataset is required"):
+        validate_sft(parse_settings(SftSettings, ["--model.model_name_or_path", "m"], prog="t"))
+
+
+def test_gpu_parallelism_passes_on_gpu():
+    validate_sft(_s("--fsdp.tp_size", "2", "--fsdp.ep_size", "8"), on_gpu=True)
+
+
+# The flags of Molt's examples/scripts/quick_start/sft_qwen3_4b.sh and sft_qwen3_4b_alfworld.sh, with the
+# attention kernel CPU has (the scripts take it from FSDP_ATTN_IMPLEMENTATION).
+QUICK_START = [
+    "--data.max_len",
+    "4096",
+    "--data.dataset",
+    "d",
+    "--data.input_key",
+    "prompt",
+    "--data.output_key",
+    "response",
+    "--data.max_samples",
+    "4096",
+    "--model.model_name_or_path",
+    "m",
+    "--ckpt.output_dir",
+    "o/hf",
+    "--ckpt.path",
+    "o/state",
+    "--ckpt.save_steps",
+    "50",
+    "--logger.logging_steps",
+    "1",
+    "--eval.dataset",
+    "e",
+    "--eval.steps",
+    "20",
+    "--train.max_epochs",
+    "1",
+    "--train.batch_size",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+    "--fsdp.param_dtype",
+    "bf16",
+    "--fsdp.attn_implementation",
+    "sdpa",
+    "--fsdp.tp_size",
+    "1",
+    "--fsdp.ep_size",
+    "1",
+    "--fsdp.cp_size",
+    "1",
+    "--model.gradient_checkpoint",
+    "full",
+    "--adam.lr",
+    "1e-6",
+    "--logger.wandb.project",
+    "p",
+    "--logger.wandb.run_name",
+    "r",
+]
+
+
+def test_molt_quick_start_flags_parse_and_validate_on_cpu():
+    s = parse_settings(SftSettings, QUICK_START, prog="t")
+    validate_sft(s)
+    assert (s.data.input_key, s.data.output_key, s.eval.steps, s.adam.lr) == ("prompt", "response", 20, 1e-6)
+    alf = parse_settings(
+        SftSettings, QUICK_START + ["--logger.wandb.key", "local", "--logger.tensorboard_dir", "tb"], prog="t"
+    )
+    validate_sft(alf)
+    assert (alf.logger.wandb.key, alf.logger.tensorboard_dir) == ("local", "tb")
+
+
+def test_a_logger_whose_package_is_missing_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    from services.trainer.sft import Sinks
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ValueError, match="wandb package is not installed"):
+        Sinks(_s("--logger.wandb.key", "k"), on=True)
+    with pytest.raises(ValueError, match="tensorboard package is not installed"):
+        Sinks(_s("--logger.tensorboard_dir", str(tmp_path)), on=True)
+    Sinks(_s("--logger.wandb.key", "k"), on=False).close()  # only rank 0 logs

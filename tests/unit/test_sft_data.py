@@ -1,0 +1,102 @@
+"""SFT rows -> conversations, the response mask over token ids, and micro-batch collation."""
+
+import numpy as np
+import pytest
+import torch
+
+from services.trainer.sft_data import Example, ReplyMarkers, collate, read_sft_rows, response_mask, to_messages
+
+# Opener [5, 6] (say "<|im_start|>assistant\n"), closer 2 ("<|im_end|>").
+MARKERS = ReplyMarkers(opener=(5, 6), closer=2, supervise_closer=True)
+
+
+def test_prompt_and_response_columns_make_a_user_then_assistant_turn():
+    msgs, why = to_messages({"q": "hi", "a": "yo"}, "q", "a")
+    assert why == "" and msgs == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def test_chat_messages_column_is_used_as_is():
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
+    assert to_messages({"messages": chat}, "messages", None) == (chat, "")
+
+
+def test_response_may_be_a_message_dict_or_a_list():
+    one = {"role": "assistant", "content": "x"}
+    assert to_messages({"q": "u", "a": one}, "q", "a")[0][-1] == one
+    assert to_messages({"q": "u", "a": [one, {"role": "user", "content": "more"}, one]}, "q", "a")[0][-1] == one
+
+
+@pytest.mark.parametrize(
+    "row, why",
+    [
+        ({"a": "yo"}, "missing 'q'"),
+        ({"q": "hi"}, "missing 'a'"),
+        ({"q": "hi", "a": None}, "missing 'a'"),
+        ({"q": "hi", "a": "   "}, "empty response"),
+        ({"q": [{"role": "user", "content": "hi"}], "a": [{"role": "user", "content": "again"}]}, "no assistant turn"),
+        ({"q": [{"content": "no role"}], "a": "yo"}, "malformed messages"),
+        ({"q": "hi", "a": 7}, "malformed messages"),
+    ],
+)
+def test_bad_rows_name_their_reason(row, why):
+    assert to_messages(row, "q", "a") == (None, why)
+
+
+def test_mask_covers_each_reply_and_its_closer():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    ids = [1, 9, 9, 2, 3, 5, 6, 7, 7, 2, 3, 1, 9, 2, 5, 6]
+    ids += [8, 2, 3]  # 16 17 18: a second reply
+    mask = response_mask(ids, MARKERS)
+    assert np.flatnonzero(mask).tolist() == [7, 8, 9, 16, 17]
+    assert np.flatnonzero(response_mask(ids, MARKERS, last_turn_only=True)).tolist() == [16, 17]
+
+
+def test_mask_of_a_reply_without_a_closer_runs_to_the_end_and_a_bare_opener_supervises_nothing():
+    assert np.flatnonzero(response_mask([5, 6, 7, 7], MARKERS)).tolist() == [2, 3]
+    assert not response_mask([1, 5, 6], MARKERS).any()
+
+
+def test_closer_that_only_opens_the_next_turn_is_not_supervised():
+    m = ReplyMarkers(opener=(5, 6), closer=1, supervise_closer=False)
+    assert np.flatnonzero(response_mask([5, 6, 7, 7, 1, 9], m)).tolist() == [2, 3]
+
+
+def _ex(ids, sup):
+    ids = np.array(ids, dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[sup] = True
+    return Example(ids, mask)
+
+
+def test_padded_batch_labels_only_supervised_tokens():
+    b = collate([_ex([1, 2, 3], [2]), _ex([4, 5, 6, 7, 8], [3, 4])], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert b["labels"].tolist() == [[-100, -100, 3, -100, -100], [-100, -100, -100, 7, 8]]
+    assert collate([_ex([1, 2, 3], [2])], pad_id=0, pad_to=6)["input_ids"].shape == (1, 6)
+
+
+def test_packed_batch_restarts_positions_and_never_predicts_across_samples():
+    b = collate([_ex([1, 2, 3], [0, 2]), _ex([4, 5], [0, 1])], pad_id=0, packed=True, pad_to=7)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+    # token 0 of each sample is no target: nothing before it in its own sample predicts it
+    assert b["labels"].tolist() == [[-100, -100, 3, -100, 5, -100, -100]]
+    assert "attention_mask" not in b and b["labels"].dtype == torch.int64
+
+
+def test_several_datasets_are_concatenated_or_mixed_by_weight(tmp_path):
+    import json
+
+    for name, n in (("a", 30), ("b", 30)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"src": name, "i": i}) + "\n" for i in range(n)))
+    spec = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    both = read_sft_rows(spec, None, "train", 1000, 0, "--data.dataset")
+    assert [r["src"] for r in both] == ["a"] * 30 + ["b"] * 30
+    mixed = read_sft_rows(spec, "0.75,0.25", "train", 40, 0, "--data.dataset")
+    # 40 rows at 3:1 -> 30 from a (all of it), 10 from b
+    assert len(mixed) == 40 and sum(r["src"] == "a" for r in mixed) == 30

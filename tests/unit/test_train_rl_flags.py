@@ -1,0 +1,145 @@
+"""`molt train-rl`: Molt's launch-script flags routed to the services (pure routing; no processes).
+
+The scripts are Molt's own (tests/fixtures/molt_examples/scripts, vendored unchanged)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from molt.stack import train_rl as tr
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples" / "scripts"
+FLAG = re.compile(r"--[a-z_]+(?:\.[a-z_0-9]+)+")
+
+
+def quick_start_argv(name: str, **env: str) -> list[str]:
+    """The train_rl_ray command of a quick_start script, its shell variables set to the script's defaults."""
+    text = (SCRIPTS / name).read_text()
+    block = text.split("-m molt.cli.train_rl_ray \\\n", 1)[1].split("\n\n", 1)[0]
+    defaults = dict(re.findall(r'^(\w+)="\$\{\w+:-([^}]*)\}"', text, re.M))
+    env = {**defaults, "MODEL_PATH": "/models/qwen3-4b", "REPO_ROOT": "/molt", **env}
+
+    def sub(m: re.Match) -> str:
+        return env.get(m.group(1), m.group(3) or "x")
+
+    for _ in range(2):  # defaults may name other variables
+        block = re.sub(r"\$\{?(\w+)(:-([^}]*))?\}?", sub, block)
+    block = block.replace("$$", "1")
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_every_flag_name_of_molts_rl_scripts_is_known():
+    every = tr.trainer_flag_names() | tr.POD_FLAGS | set(tr.PLACEMENT) | set(tr.MISSING) | tr.WIRING
+    every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
+    names = {f[2:] for p in SCRIPTS.glob("*.sh") for f in FLAG.findall(p.read_text())}
+    assert len(names) >= 90
+    assert sorted(names - every) == []
+
+
+def test_quick_start_flags_route_to_helm_values_unchanged():
+    from molt.config import parse_settings
+    from services.rollout.config import RolloutSettings
+    from services.trainer.config import TrainerSettings
+
+    r = tr.route(quick_start_argv("quick_start_rl_qwen3_4b.sh"), "helm")
+    # each service's own parser takes what it was routed
+    parse_settings(TrainerSettings, r.trainer + ["--train.dispatch", "false"], prog="trainer")
+    parse_settings(RolloutSettings, r.rollout, prog="rollout")
+    values = tr.helm_values(r)
+    assert r.model == "/models/qwen3-4b" and r.agent_path.endswith("examples/python/agents/math.py")
+    assert values["rollout"]["gpusPerPod"] == 4 and values["trainer"]["gpusPerNode"] == 4
+    assert values["trainer"]["checkpoints"] == {"saveSteps": 5}
+    assert "--algo.advantage.is_correction_level" in r.trainer and "--fsdp.packing_samples" in r.trainer
+    assert "--vllm.max_model_len 16384" in " ".join(r.rollout)
+    assert values["gateway"]["extraArgs"] == ["--session.max_length", "16384"]
+    assert (
+        "--vllm.sync_backend: weights travel to the pods over gRPC (molt.weightsync), whatever the backend" in r.notes
+    )
+
+
+def test_on_this_cpu_machine_gpu_flags_are_refused_with_the_reason():
+    with pytest.raises(ValueError) as err:
+        tr.route(quick_start_argv("quick_start_rl_qwen3_4b.sh"), "local", gpus=0)
+    msg = str(err.value)
+    assert "--vllm.tensor_parallel_size 4: tensor-parallel rollout needs 4 GPUs per pod; this machine has 0" in msg
+    assert "--vllm.sync_backend nccl: NCCL needs GPUs" in msg
+    assert "--fsdp.attn_implementation flash_attention_2: flash_attention_2 kernels need a GPU" in msg
+    assert "--actor.num_gpus_per_node 4: asks for 4 GPUs per node" in msg
+    assert "unknown" not in msg  # every other flag is accepted
+
+
+def test_unknown_flags_get_a_did_you_mean_and_missing_features_their_reason():
+    with pytest.raises(ValueError) as err:
+        tr.route(
+            [
+                "--actor.model_name_or_path",
+                "/m",
+                "--train.agent_path",
+                "a.py",
+                "--algo.advantage.estimtor",
+                "grpo",
+                "--actor.optim",
+                "muon",
+                "--data.max_images_per_prompt",
+                "0",
+            ],
+            "helm",
+        )
+    msg = str(err.value)
+    assert "--algo.advantage.estimtor: unknown flag; did you mean --algo.advantage.estimator?" in msg
+    assert "--actor.optim muon: only AdamW is offered" in msg
+    assert "max_images_per_prompt" not in msg  # 0 asks for no images: accepted
+
+
+def test_wiring_flags_set_pods_workers_and_the_agent():
+    r = tr.route(
+        [
+            "--actor.model_name_or_path",
+            "/m",
+            "--train.agent_path",
+            "/a/math.py",
+            "--vllm.num_engines",
+            "2",
+            "--rollout.num_runners",
+            "3",
+            "--vllm.enforce_eager",
+            "--data.max_len",
+            "512",
+        ],
+        "local",
+    )
+    assert (r.num_pods, r.num_envs, r.agent_path) == (2, 3, "/a/math.py")
+    assert r.rollout == ["--vllm.enforce_eager", "--vllm.max_model_len", "512"]
+    assert r.trainer == ["--actor.model_name_or_path", "/m", "--data.max_len", "512"]
+
+
+def test_routing_replay_has_the_gateway_record_the_pods_routing():
+    r = tr.route(["--actor.model_name_or_path", "/m", "--train.agent_path", "/a/x.py", "--train.routing_replay"])
+    assert r.trainer[-1] == "--train.routing_replay" and r.gateway == ["--rollout.return_routed_experts"]
+    off = tr.route(
+        ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a/x.py", "--train.routing_replay", "0"]
+    )
+    assert off.gateway == []
+
+
+def test_emitted_helm_values_render_through_the_chart(tmp_path):
+    from deploy import tools
+
+    r = tr.route(quick_start_argv("quick_start_rl_qwen3_4b.sh"), "helm")
+    tr.write_helm_values(r, tmp_path / "values.yaml")
+    docs = tools.render(str(tmp_path / "values.yaml"))
+    args = {
+        c["name"]: " ".join(c.get("command", []) + c.get("args", []))
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    trainer = next(a for name, a in args.items() if "trainer" in name)
+    assert "--algo.advantage.is_correction_level geo" in trainer and "--fsdp.packing_samples" in trainer
+    # storage is the chart's: the script's local --ckpt.path is not passed, the chart's volume is
+    assert "/molt/outputs" not in trainer and "--ckpt.save_steps=5" in trainer
+    assert any("--vllm.max_model_len 16384" in a for name, a in args.items() if "rollout" in name)

@@ -1,0 +1,67 @@
+"""--logger.*: a step's metrics reach the JSONL file, TensorBoard event files and an offline W&B run under
+Molt's names (train/<key>), with the mean of each Result.info key."""
+
+import json
+from types import SimpleNamespace
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from services.trainer.config import LoggerConfig
+from services.trainer.steplog import StepLog, info_means
+
+
+def test_info_means_average_each_key_over_the_trajectories_that_carry_it():
+    trajs = [
+        SimpleNamespace(info={"math_exact": 1.0, "turns": 2.0}),
+        SimpleNamespace(info={"math_exact": 0.0}),
+        SimpleNamespace(info={}),
+    ]
+    assert info_means(trajs) == {"math_exact": 0.5, "turns": 2.0}  # (1 + 0) / 2; 2 / 1
+
+
+def test_steps_reach_jsonl_tensorboard_and_offline_wandb(tmp_path):
+    cfg = LoggerConfig(
+        steps_jsonl=str(tmp_path / "steps.jsonl"),
+        tensorboard_dir=str(tmp_path / "tb"),
+        logging_steps=2,
+        wandb={"mode": "offline", "dir": str(tmp_path), "run_name": "run1"},
+    )
+    log = StepLog(cfg)
+    for step in (1, 2):
+        log.log(
+            step,
+            {
+                "step": step,
+                "policy_loss": 0.5 * step,
+                "math_exact": 1.0,
+                "trajectory_ids": ["t"],
+                "mismatch_kl_by_pod": {},
+            },
+        )
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]  # the file gets every step
+    acc = EventAccumulator(str(tmp_path / "tb" / "run1"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/policy_loss")] == [(2, 1.0)]  # every 2nd step
+    assert [e.value for e in acc.Scalars("train/math_exact")] == [1.0]
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_eval_metrics_use_molts_names_per_datasource():
+    from services.trainer.evaluate import eval_metrics
+
+    ok = lambda reward, truncated=False: {"status": "ok", "reward": reward, "truncated": truncated}  # noqa: E731
+    outcomes = [
+        ("math", 0, ok(1.0)),
+        ("math", 0, ok(0.0)),
+        ("math", 1, ok(0.0)),
+        ("math", 1, ok(0.0, True)),
+        ("geo", 2, ok(1.0)),
+        ("geo", 2, {"status": "failed"}),
+    ]
+    m = eval_metrics(outcomes, n=2)
+    assert m["eval_math_pass1"] == 0.25  # prompt means 0.5 and 0.0
+    assert m["eval_math_pass2"] == 0.5  # prompt bests 1.0 and 0.0
+    assert m["eval_math_truncated_rate"] == 0.25 and m["eval_geo_pass1"] == m["eval_geo_pass2"] == 1.0
+    assert (m["eval_num_samples"], m["eval_failed"], m["eval_truncated_rate"]) == (5.0, 1.0, 0.2)
