@@ -170,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ready-s", type=float, default=600.0, help="longest wait for a (re)started service")
     p.add_argument("--stall-s", type=float, default=600.0, help="longest wait for the next step (the run fails)")
     p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument(
+        "--pod-arg",
+        action="append",
+        default=[],
+        help="an extra rollout-pod flag, e.g. --pod-arg=--vllm.enforce_eager (restarts skip torch.compile)",
+    )
     args = p.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     if not faults or set(faults) - set(SERVICES):
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.run_dir or ROOT / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}",
         ready_s=args.ready_s,
         stall_s=args.stall_s,
+        pod_args=args.pod_arg,
     )
 
 
@@ -196,6 +203,7 @@ def soak(
     *,
     ready_s: float = 600.0,
     stall_s: float = 600.0,
+    pod_args: list[str] | None = None,
 ) -> dict:
     recipe = RECIPES["tiny"]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,6 +230,7 @@ def soak(
                 str(pod_grpc),
                 *recipe.rollout,
                 "--weights.await_push",
+                *(pod_args or []),
             ),
             run_dir / "pod.log",
             pod_url,

@@ -33,9 +33,13 @@ from typing import Any
 import httpx
 import uvicorn
 
+# The class uvicorn itself loads for http="httptools" (uvicorn.config.HTTP_PROTOCOLS); used only through its
+# asyncio.Protocol methods, wrapped by the slow-client guard and handed back by Config's documented http= argument.
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
 from molt.config import ServerConfig
 from molt.net import listening_socket
-from molt.serve_guard import guard
+from molt.serve_guard import guarded
 
 CPU_ENV = {
     "OMP_NUM_THREADS": "1",  # one OpenMP thread per process: several services share a few cores
@@ -170,12 +174,11 @@ def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> 
         log_level=server.log_level,
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=guarded(HttpToolsProtocol, server.header_timeout_s, server.max_pending_connections),
         ws="none",
         timeout_keep_alive=server.keep_alive_s,  # type: ignore[arg-type]  # a float works (asyncio timer)
         timeout_graceful_shutdown=max(1, round(graceful_s)),
     )
-    guard(config, server.header_timeout_s, server.max_pending_connections)
     return config
 
 

@@ -6,10 +6,11 @@ request head one byte at a time (or nothing at all) holds a connection, and a fi
 it likes; a few thousand such clients exhaust the process's descriptors and nobody else gets in. Its
 ``limit_concurrency`` counts those connections too, so it would turn everyone away instead.
 
-``guard(config, header_timeout_s, max_pending)`` wraps the HTTP protocol uvicorn resolved for ``config`` in
-``GuardedProtocol``, an ``asyncio.Protocol`` that forwards every call to it and closes a connection whose
-first request head (up to its blank line) has not arrived within ``header_timeout_s``; when more than
-``max_pending`` connections are waiting for their first head, the one that has waited longest is closed.
+``guarded(inner, header_timeout_s, max_pending)`` wraps uvicorn's HTTP protocol class ``inner`` in
+``GuardedProtocol`` (passed as ``uvicorn.Config(http=...)``), an ``asyncio.Protocol`` that forwards every call
+to it and closes a connection whose first request head (up to its blank line) has not arrived within
+``header_timeout_s``; when more than ``max_pending`` connections are waiting for their first head, the one that
+has waited longest is closed.
 A client that sends its request at once is past this in one read and never affected. Later requests on a
 kept-alive connection are uvicorn's (its keep-alive timeout); request bodies are bounded by the app
 (``body_timeout``).
@@ -22,7 +23,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import uvicorn
+GRACE_S = 0.05
 
 
 class _Pending:
@@ -45,6 +46,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.tail = b""  # the last bytes seen, for a blank line split across reads
         self.timer: asyncio.TimerHandle | None = None
+        self.graced = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvicorn serves HTTP over stream transports
@@ -86,6 +88,13 @@ class GuardedProtocol(asyncio.Protocol):
             self.pending.waiting.pop(self, None)
 
     def _too_slow(self) -> None:
+        # uvloop runs due timers before it reads the sockets, so after a stall of this process (a GIL-heavy
+        # engine step, a swap-in) a head that already arrived would be read only after this fires: give the
+        # reads one short loop pass before judging the client.
+        if not self.graced:
+            self.graced = True
+            self.timer = asyncio.get_running_loop().call_later(GRACE_S, self._too_slow)
+            return
         self.pending.closed_slow += 1
         self.pending.waiting.pop(self, None)
         self._drop()
@@ -98,12 +107,8 @@ class GuardedProtocol(asyncio.Protocol):
             self.transport.abort()  # nothing to answer: no request was made
 
 
-def guard(config: uvicorn.Config, header_timeout_s: float, max_pending: int) -> _Pending:
-    """Wrap ``config``'s HTTP protocol (loading the config) in ``GuardedProtocol``; returns the shared counters."""
-    if not config.loaded:
-        config.load()
+def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, max_pending: int) -> type[GuardedProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` that wraps ``inner`` (uvicorn's HTTP protocol); its
+    ``pending`` attribute holds the shared counters."""
     pending = _Pending(header_timeout_s, max_pending)
-    config.http_protocol_class = type(
-        "GuardedHttp", (GuardedProtocol,), {"inner_class": config.http_protocol_class, "pending": pending}
-    )
-    return pending
+    return type("GuardedHttp", (GuardedProtocol,), {"inner_class": inner, "pending": pending})

@@ -87,6 +87,16 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
+def mode_args(opts: UpOptions) -> list[str]:
+    """The trainer flags of `--async-queue-size Q` and `--sync`."""
+    args = []
+    if opts.async_queue_size is not None:
+        args += ["--train.async_queue_size", str(opts.async_queue_size)]
+    if opts.force_sync:  # Molt: strictly on-policy is force_sync_mode with a queue of one batch
+        args += ["--train.async_queue_size", "1", "--train.force_sync_mode", "true"]
+    return args
+
+
 def run_stack(opts: UpOptions) -> dict:
     """`molt up --recipe NAME`: a recipe's plan."""
     if opts.recipe not in RECIPES:
@@ -105,10 +115,7 @@ def run_stack(opts: UpOptions) -> dict:
         str(run_dir / "model"),
         *recipe.trainer,
     ]
-    if opts.async_queue_size is not None:
-        trainer += ["--train.async_queue_size", str(opts.async_queue_size)]
-    if opts.force_sync:  # Molt: strictly on-policy is force_sync_mode with a queue of one batch
-        trainer += ["--train.async_queue_size", "1", "--train.force_sync_mode", "true"]
+    trainer += mode_args(opts)
     plan = StackPlan(
         name=recipe.name,
         model=build_model(recipe, ROOT / ".cache" / "models"),

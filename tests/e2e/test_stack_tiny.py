@@ -1,4 +1,5 @@
 """The `tiny` recipe through the real services (`molt up`): reward rises, every trajectory trained once.
+(Strictly on-policy dispatch, `--sync`, is tests/integration/test_trainer_learns.py's.)
 
 Runs `python -m molt.cli up` as a user would: embedded Redis, a real vLLM rollout pod, the gateway, an
 env worker and the FSDP2 trainer as separate processes. Checked from the run folder it leaves:
@@ -46,7 +47,7 @@ def step_rows(run_dir: Path) -> list[dict]:
 
 def test_tiny_recipe_learns_async(tmp_path):
     run_dir = tmp_path / "async"
-    steps = 16
+    steps = 10  # reward takes off near step 8; bench/e2e.py runs longer
     summary = molt_up(run_dir, "--steps", str(steps))
     rows = step_rows(run_dir)
     assert summary["steps"] == len(rows) == steps
@@ -62,16 +63,6 @@ def test_tiny_recipe_learns_async(tmp_path):
     assert (run_dir / "reward.png").stat().st_size > 1000
     for name in ("rollout-0.log", "gateway.log", "envs.log", "trainer.log", "redis.log"):
         assert (run_dir / name).exists()
-
-
-def test_tiny_recipe_sync_mode_is_on_policy(tmp_path):
-    run_dir = tmp_path / "sync"
-    summary = molt_up(run_dir, "--steps", "3", "--sync")
-    rows = step_rows(run_dir)
-    assert [r["staleness_max"] for r in rows] == [0, 0, 0]
-    assert summary["trajectories_produced"] == summary["trajectories_trained"] == 3 * 64
-    assert summary["pod_policy_versions"] == [3]
-    assert summary["mismatch_kl_fresh_max"] < MISMATCH_KL_BOUND
     # `make run` leaves the trained policy in the run folder as an HF model directory
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

