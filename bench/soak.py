@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fault-every-steps", type=int, default=20, help="trainer steps between two faults")
     p.add_argument("--down-s", type=float, default=30.0, help="how long a killed service stays down")
     p.add_argument("--faults", default=",".join(SERVICES), help=f"services to kill in turn, from {SERVICES}")
+    p.add_argument("--fault-rounds", type=int, default=0, help="kill each service at most this often (0: no limit)")
     p.add_argument(
         "--minutes",
         type=float,
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--fault-every-steps must be at least 1")
     return soak(
         args.steps,
-        fault_plan(args.steps, faults, args.fault_every_steps),
+        fault_plan(args.steps, faults, args.fault_every_steps)[: args.fault_rounds * len(faults) or None],
         args.down_s,
         args.minutes,
         args.run_dir or ROOT / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}",

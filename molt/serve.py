@@ -32,10 +32,8 @@ from typing import Any
 
 import httpx
 import uvicorn
-
-# The class uvicorn itself loads for http="httptools" (uvicorn.config.HTTP_PROTOCOLS); used only through its
-# asyncio.Protocol methods, wrapped by the slow-client guard and handed back by Config's documented http= argument.
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
 from molt.config import ServerConfig
 from molt.net import listening_socket
@@ -167,6 +165,11 @@ def raise_fd_limit() -> None:
         pass
 
 
+# The protocol class uvicorn loads for http="httptools", looked up by that name in uvicorn's own table; the
+# slow-client guard wraps it and hands it back through Config's documented http= argument (a protocol class).
+HTTPTOOLS = import_from_string(HTTP_PROTOCOLS["httptools"])
+
+
 def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> uvicorn.Config:
     """The uvicorn config every service serves with (the slow-client guard applied)."""
     config = uvicorn.Config(
@@ -174,7 +177,7 @@ def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> 
         log_level=server.log_level,
         access_log=False,
         loop="uvloop",
-        http=guarded(HttpToolsProtocol, server.header_timeout_s, server.max_pending_connections),
+        http=guarded(HTTPTOOLS, server.header_timeout_s, server.max_pending_connections),
         ws="none",
         timeout_keep_alive=server.keep_alive_s,  # type: ignore[arg-type]  # a float works (asyncio timer)
         timeout_graceful_shutdown=max(1, round(graceful_s)),

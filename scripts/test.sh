@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it: lint, format and type checks, then pytest. Each check that fails fails
-# the run, but pytest still runs so one CI pass reports everything. Redis: tests use MOLT_TEST_REDIS_URL,
-# else 127.0.0.1:6379 when it answers, else they start an embedded server themselves (tests/conftest.py).
+# The test suite, as CI runs it: lint and format checks, then pytest with the type check beside it. Each
+# check that fails fails the run, but pytest still runs so one CI pass reports everything. Redis: tests use
+# MOLT_TEST_REDIS_URL, else 127.0.0.1:6379 when it answers, else they start an embedded server themselves
+# (tests/conftest.py).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -24,7 +25,10 @@ check "ruff check" "fix the findings above; many fix themselves with: ruff check
 check "ruff format" "reformat with: ruff format ${lint_paths[*]}" \
   "$py" -m ruff format --check "${lint_paths[@]}"
 # Settings in pyproject.toml ([tool.mypy]); the gRPC stubs it reads come from python -m molt.proto_build.
-check "mypy" "fix the type errors above" "$py" -m mypy molt services
+# It runs beside pytest's first part (a cold run takes minutes of one core); its verdict is read after.
+mypy_log=$(mktemp)
+"$py" -m mypy molt services >"$mypy_log" 2>&1 &
+mypy_pid=$!
 # Two pytest workers (one per core), each taking whole modules so module-scoped pods start once; then the
 # tests marked `serial` alone, because they judge timing (slow clients, a soak's fault schedule) that a
 # second worker's load would skew. MOLT_TEST_WORKERS=0 runs everything in one process.
@@ -43,6 +47,15 @@ else
   [ "$rc" -eq 0 ] && [ "$rc_serial" -ne 5 ] && rc=$rc_serial
 fi
 echo "[test] pytest exit $rc after $(( $(date +%s) - start ))s"
+echo "[test] mypy: $py -m mypy molt services"
+wait "$mypy_pid"
+mypy_rc=$?
+cat "$mypy_log"
+rm -f "$mypy_log"
+if [ "$mypy_rc" -ne 0 ]; then
+  echo "[test] FAILED: mypy (fix the type errors above)" >&2
+  failed+=("mypy")
+fi
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 if [ ${#failed[@]} -gt 0 ]; then
   echo "[test] FAILED checks: ${failed[*]} (pytest exit $rc)" >&2

@@ -9,6 +9,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.serial, pytest.mark.timeout(900)]
 FAULTS = ["pod", "redis", "envs", "gateway", "trainer"]
+STEPS = 9
 
 
 def test_every_service_killed_once_loses_and_doubles_nothing(tmp_path, monkeypatch):
@@ -21,7 +22,10 @@ def test_every_service_killed_once_loses_and_doubles_nothing(tmp_path, monkeypat
         [
             # The pod first: the steps after its restart need its rollouts, which must come at the trainer's
             # version (a pod on its base weights would train at a staleness past the bound).
-            *("--steps", "6", "--fault-every-steps", "1", "--down-s", "2", "--faults", ",".join(FAULTS)),
+            # Steps to spare: while a service is down the trainer may run up to --train.async_queue_size steps
+            # ahead on rollouts already queued, and the next fault waits for the previous service to be back.
+            *("--steps", str(STEPS), "--fault-every-steps", "1", "--down-s", "2", "--faults", ",".join(FAULTS)),
+            *("--fault-rounds", "1"),
             *("--minutes", "9", "--ready-s", "180", "--stall-s", "180"),
             *("--run-dir", str(tmp_path / "soak")),
             # Without torch.compile a restarted pod is back in seconds, not a minute, on 2 cores.
@@ -31,8 +35,8 @@ def test_every_service_killed_once_loses_and_doubles_nothing(tmp_path, monkeypat
     assert summary["failure"] is None, summary["failure"]
     assert [e["killed"] for e in summary["events"] if "killed" in e] == FAULTS, summary["events"]
     assert not [e for e in summary["events"] if "exited" in e], summary["events"]  # no exit we did not cause
-    assert summary["steps_done"] == summary["steps_requested"] == 6
-    assert summary["prompts_trained_once"] == summary["prompts_expected"] == 48, summary
+    assert summary["steps_done"] == summary["steps_requested"] == STEPS
+    assert summary["prompts_trained_once"] == summary["prompts_expected"] == STEPS * soak.PROMPTS_PER_STEP, summary
     assert summary["prompts_trained_twice_or_more"] == summary["prompts_never_trained"] == 0, summary
     assert summary["prompts_trained_out_of_order"] == 0, summary
     assert summary["trajectories_trained_twice"] == summary["trajectories_not_audited"] == 0, summary
