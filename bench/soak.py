@@ -128,10 +128,12 @@ class Counts:
         return {k: int(v) for k, v in sorted((self.done + Counter(self.current)).items()) if v}
 
 
-def fault_plan(steps: int, faults: list[str], every_steps: int) -> list[tuple[int, str]]:
+def fault_plan(steps: int, faults: list[str], every_steps: int, rounds: int = 0) -> list[tuple[int, str]]:
     """(step, service): fault ``k`` hits ``faults[k % len(faults)]`` once step ``(k + 1) x every_steps`` is
-    logged; none at the last step or past it (it would hit a run that is over)."""
-    return [(at, faults[k % len(faults)]) for k, at in enumerate(range(every_steps, steps, every_steps))]
+    logged; none at the last step or past it (it would hit a run that is over), and with ``rounds`` > 0 none
+    after each service has been hit that many times."""
+    plan = [(at, faults[k % len(faults)]) for k, at in enumerate(range(every_steps, steps, every_steps))]
+    return plan[: rounds * len(faults)] if rounds > 0 else plan
 
 
 class StepWatcher:
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--fault-every-steps must be at least 1")
     return soak(
         args.steps,
-        fault_plan(args.steps, faults, args.fault_every_steps)[: args.fault_rounds * len(faults) or None],
+        fault_plan(args.steps, faults, args.fault_every_steps, args.fault_rounds),
         args.down_s,
         args.minutes,
         args.run_dir or ROOT / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}",
