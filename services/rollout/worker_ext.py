@@ -29,6 +29,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from services.rollout.amx import request_amx_permission
+
+# vLLM imports this module in every process that runs the model (its own worker processes are spawned, and
+# a spawned process does not inherit the AMX permission), so each asks for AMX here, before its first kernel.
+request_amx_permission()
+
 _MOE_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate$")
 
 # Wire dtype names (torch names) -> torch dtypes, for the bytes path.
