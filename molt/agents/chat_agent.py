@@ -18,6 +18,7 @@ from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_resul
 from molt.agents.env import turn_params
 from molt.agents.gateway import GatewayClient
 from molt.agents.params import SamplingParams
+from molt.images import from_data_url, inline_images, to_data_url
 
 
 @dataclass
@@ -25,7 +26,8 @@ class ChatContext:
     """What a ChatAgent gets for one episode."""
 
     messages: list[dict[str, Any]]
-    """The dataset row as OpenAI wire messages (a string prompt becomes one user message)."""
+    """The dataset row as OpenAI wire messages (a string prompt becomes one user message), each ``<image>`` of a
+    user string replaced by the next image as an ``image_url`` part."""
     prompt: str
     """Text of the last user turn."""
     label: Any
@@ -39,6 +41,7 @@ class ChatContext:
     max_length: int | None = None
     tools: list[dict[str, Any]] | None = None
     images: list[Any] | None = None
+    """The row's images (PIL); those its ``<image>`` markers name are also inlined in ``messages``."""
     model_name: str = "policy"
     api_key: str = "EMPTY"
     gateway_url: str = ""
@@ -83,6 +86,9 @@ class ChatAgentRunner(Runner):
             messages = [{"role": "user", "content": episode.prompt}]
         else:
             messages = copy.deepcopy(episode.prompt)
+        urls = [to_data_url(image, f"images[{i}]") for i, image in enumerate(episode.images or [])]
+        messages = inline_images(messages, urls)
+        images = [from_data_url(url, f"images[{i}]") for i, url in enumerate(urls)] or None
         sp = turn_params(SamplingParams.from_any(episode.sampling_params), episode.max_new_tokens)
         async with gateway.session(**episode.session_fields(sp.wire())) as session:
             episode.trajectory_id = session.id
@@ -96,7 +102,7 @@ class ChatAgentRunner(Runner):
                 sampling_params=copy.deepcopy(sp),
                 max_length=episode.max_length,
                 tools=episode.tools,
-                images=episode.images,
+                images=images,
                 gateway_url=gateway.url,
                 api_key=gateway.api_key or "EMPTY",
             )

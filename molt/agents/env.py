@@ -69,6 +69,12 @@ def turn_params(params: SamplingParams, per_turn_cap: int | None) -> SamplingPar
     return sp
 
 
+IMAGES_ON_TOKEN_PATH = (
+    "{name} is an Env (the gateway's token-level session API, text-only): its episodes cannot take images yet; "
+    "run vision-language rows with a ChatAgent, which gets them inlined in ctx.messages"
+)
+
+
 class StepEnvRunner(Runner):
     """Runs ``env_cls`` episodes through the gateway's token-level session API."""
 
@@ -90,6 +96,8 @@ class StepEnvRunner(Runner):
         return await execute_on_engine(self._execute, *args, **kwargs)
 
     async def _execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+        if episode.images:
+            raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__))
         env = self.env_cls()
         params = SamplingParams.from_any(episode.sampling_params)
         cap = episode.max_new_tokens

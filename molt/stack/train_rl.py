@@ -55,10 +55,7 @@ MISSING = {
     "actor.muon.momentum": "only AdamW is offered (Molt's muon is experimental)",
     "actor.muon.ns_steps": "only AdamW is offered (Molt's muon is experimental)",
     "actor.muon.weight_decay": "only AdamW is offered (Molt's muon is experimental)",
-    "actor.freeze_visual_encoder": "vision-language training is not supported yet (text-only trajectories)",
-    "data.image_key": "vision-language training is not supported yet (text-only trajectories)",
-    "data.max_images_per_prompt": "vision-language training is not supported yet (text-only trajectories)",
-    "vllm.mm_encoder_attn_backend": "vision-language rollouts are not supported yet",
+    "vllm.mm_encoder_attn_backend": "not passed to the rollout pods yet (vLLM picks the vision encoder's attention)",
     "vllm.attention_backend": "not passed to the rollout pods yet (vLLM picks its attention backend)",
     "vllm.gdn_prefill_backend": "not passed to the rollout pods yet (vLLM picks the GDN prefill kernel)",
     "vllm.mamba_ssm_cache_dtype": "not passed to the rollout pods yet (vLLM's default SSM cache dtype)",
@@ -70,7 +67,6 @@ MISSING = {
 NEUTRAL = {
     "vllm.data_parallel_size": "1",
     "vllm.pipeline_parallel_size": "1",
-    "data.max_images_per_prompt": "0",
     "actor.optim": "adam",
 }
 
@@ -200,6 +196,8 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             r.trainer += ["--" + name, *values]
             if name == "data.max_len":  # the gateway's session budget follows the pods' context (molt.stack.up)
                 r.rollout += ["--vllm.max_model_len", *values]
+            if name == "data.max_images_per_prompt" and _int(name, values) > 0:  # the pods must take as many
+                r.rollout += ["--rollout.max_images_per_prompt", *values]
             if name == "train.routing_replay" and _true(values):  # the trajectories must carry the pods' routing
                 r.gateway += ["--rollout.return_routed_experts"]
         else:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from services.envs.worker import EpisodeRequest, EpisodeWorker, Saturated, UnknownAgent
+from services.envs.worker import EpisodeRequest, EpisodeWorker, Saturated, UnknownAgent, Unsupported
 
 router = APIRouter()
 
@@ -36,6 +36,8 @@ async def run_episode(request: Request) -> Response:
         resp = await worker.run(req)
     except UnknownAgent as exc:
         return _error(404, str(exc), "not_found_error")
+    except Unsupported as exc:
+        return _error(400, str(exc), "invalid_request_error")
     except Saturated:
         retry = str(request.app.state.settings.envs.retry_after_s)
         return _error(

@@ -17,7 +17,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.base import Episode, Runner, load_agent_runner, module_version
+from molt.agents.env import IMAGES_ON_TOKEN_PATH, StepEnvRunner
 from molt.agents.gateway import GatewayClient
+from molt.images import from_data_url
 from molt.metrics import Metrics
 from molt.sampling import check_params
 from molt.schema import SchemaError, check_reward
@@ -38,6 +40,8 @@ class EpisodeRequest(BaseModel):
     sampling_params: dict[str, Any] | None = None
     max_length: int | None = Field(None, ge=2)
     tools: list[dict[str, Any]] | None = None
+    images: list[str] | None = Field(None, max_length=64)
+    """The row's images as data URLs (``data:image/png;base64,...``), in order; a ChatAgent gets them inlined."""
     eval: bool = False
     """An evaluation episode: graded as usual, its session aborted instead of finished (nothing is written)."""
 
@@ -47,6 +51,13 @@ class EpisodeRequest(BaseModel):
         if not prompt:
             raise ValueError("prompt is empty: send the question text or a non-empty message list")
         return prompt
+
+    @field_validator("images")
+    @classmethod
+    def _decodable(cls, images: list[str] | None) -> list[str] | None:
+        for i, url in enumerate(images or []):
+            from_data_url(url, f"images[{i}]")  # a bad image is this request's 400, before any session opens
+        return images or None
 
     @field_validator("sampling_params")
     @classmethod
@@ -77,6 +88,10 @@ class UnknownAgent(ValueError):
     pass
 
 
+class Unsupported(ValueError):
+    """A well-formed request the served agent cannot run (images for an Env)."""
+
+
 class EpisodeWorker:
     def __init__(
         self,
@@ -102,6 +117,8 @@ class EpisodeWorker:
         runner = self.runners.get(req.agent)
         if runner is None:
             raise UnknownAgent(f"unknown agent {req.agent!r}; this worker serves {sorted(self.runners)}")
+        if req.images and isinstance(runner, StepEnvRunner):
+            raise Unsupported(IMAGES_ON_TOKEN_PATH.format(name=req.agent))
         return runner, Episode(
             prompt=req.prompt,
             group_id=req.group_id,
@@ -111,6 +128,7 @@ class EpisodeWorker:
             max_length=req.max_length if req.max_length is not None else self.max_length,
             max_new_tokens=self.max_new_tokens,
             tools=req.tools,
+            images=req.images,
             env_name=req.agent,
             env_version=self.versions[req.agent],
             eval=req.eval,

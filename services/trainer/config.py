@@ -234,6 +234,11 @@ class DataConfig(Section):
     """Use at most this many prompts."""
     tools_key: str | None = None
     """Key of the row's tool schemas (OpenAI function list, or its JSON string), sent to the agent as tools."""
+    image_key: str = "images"
+    """Key of the row's images (one or a list: PIL images, datasets Image values, bytes, paths or data URLs), sent
+    to the agent as data URLs; read only with --data.max_images_per_prompt > 0."""
+    max_images_per_prompt: int = Field(0, ge=0)
+    """Most images a row may hold (a row with more is an error); 0: text-only, images are not read."""
 
 
 class EvalConfig(Section):

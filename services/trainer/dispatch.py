@@ -2,8 +2,8 @@
 
 ``PromptDataset`` reads ``--data.prompt_dataset`` with ``molt.data.read_rows`` (a ``save_to_disk``
 directory, parquet or JSONL, a file or a folder; ``--data.input_key``, ``--data.label_key``,
-``--data.tools_key``) and walks it in a seeded order per episode; its position is one integer (the
-number of prompts dispatched), saved in checkpoints.
+``--data.tools_key``, ``--data.image_key``) and walks it in a seeded order per episode; its position is one
+integer (the number of prompts dispatched), saved in checkpoints.
 
 ``EpisodeDispatcher.run_group`` sends ``--rollout.n_samples_per_prompt`` episodes of one prompt to
 ``POST /v1/episodes:run`` on the least-busy worker of ``--envs.urls``. A 429 waits its Retry-After
@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from molt.images import to_data_url
+
 log = logging.getLogger("molt.trainer")
 
 
@@ -35,6 +37,18 @@ class Prompt:
     label: Any
     tools: list[dict[str, Any]] | None = None
     datasource: str = "default"
+    images: list[Any] | None = None
+    """The row's images as the dataset holds them (``--data.image_key``); encoded when sent."""
+
+    def episode_fields(self) -> dict[str, Any]:
+        """The optional fields of this prompt's episode requests: tools, and images as data URLs."""
+        fields: dict[str, Any] = {}
+        if self.tools:
+            fields["tools"] = self.tools
+        if self.images:
+            where = f"prompt row {self.index} images"
+            fields["images"] = [to_data_url(image, f"{where}[{i}]") for i, image in enumerate(self.images)]
+        return fields
 
 
 class DispatchError(ValueError):
@@ -55,7 +69,11 @@ class PromptDataset:
         tools_key: str | None = None,
         flag: str = "--data.prompt_dataset",
         split: str = "train",
+        image_key: str = "images",
+        max_images: int = 0,
     ) -> None:
+        """``max_images`` > 0 reads each row's ``image_key`` (one image or a list; a row with more than
+        ``max_images`` is an error naming it); 0 reads no images (Molt's --data.max_images_per_prompt)."""
         from molt.data import read_rows
 
         rows = []
@@ -70,6 +88,14 @@ class PromptDataset:
             tools = row.get(tools_key) if tools_key else None
             if isinstance(tools, str):  # Molt's datasets may store the tool schemas as a JSON string
                 tools = json.loads(tools) if tools.strip() else None
+            images = row.get(image_key) if max_images else None
+            if images is not None and not isinstance(images, list | tuple):
+                images = [images]
+            if images and len(images) > max_images:
+                raise ValueError(
+                    f"{flag} {path}: row {n} has {len(images)} images in {image_key!r}; "
+                    f"--data.max_images_per_prompt is {max_images}"
+                )
             rows.append(
                 Prompt(
                     n,
@@ -77,6 +103,7 @@ class PromptDataset:
                     row.get(label_key, "") if label_key else "",
                     tools or None,
                     str(row.get("datasource") or "default"),
+                    list(images) if images else None,
                 )
             )
         if not rows:
@@ -100,7 +127,7 @@ class PromptDataset:
     def get(self, position: int) -> Prompt:
         """The prompt at global position ``position`` (its ``index``; ``row`` tells which row it is)."""
         row = self.rows[self.row(position)]
-        return Prompt(position, row.prompt, row.label, row.tools, row.datasource)
+        return Prompt(position, row.prompt, row.label, row.tools, row.datasource, row.images)
 
 
 class EpisodeDispatcher:
@@ -211,9 +238,9 @@ class EpisodeDispatcher:
             }
             for k in samples
         ]
-        if prompt.tools:
-            for b in bodies:
-                b["tools"] = prompt.tools
+        extra = prompt.episode_fields()
+        for b in bodies:
+            b.update(extra)
         results = await asyncio.gather(*(self.run_episode(b) for b in bodies))
         return [k for k, r in zip(samples, results) if r.get("written")]
 

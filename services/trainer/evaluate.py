@@ -29,6 +29,8 @@ class Evaluator:
             max_samples=d.max_samples,
             seed=0,
             tools_key=d.tools_key,
+            image_key=d.image_key,
+            max_images=d.max_images_per_prompt,
             flag="--eval.dataset",
             split=e.split,
         )
@@ -50,6 +52,7 @@ class Evaluator:
     async def run(self, step: int) -> dict[str, float]:
         bodies = []
         for row in self.dataset.rows:
+            extra = row.episode_fields()
             for k in range(self.n):
                 body = {
                     "agent": self.agent,
@@ -61,8 +64,7 @@ class Evaluator:
                     "sampling_params": self.sampling,
                     "max_length": self.max_len,
                 }
-                if row.tools:
-                    body["tools"] = row.tools
+                body.update(extra)
                 bodies.append((row, body))
         results = await asyncio.gather(*(self.dispatcher.run_episode(b) for _, b in bodies))
         return eval_metrics([(row.datasource, row.index, res) for (row, _), res in zip(bodies, results)], self.n)

@@ -133,6 +133,8 @@ class Trainer:
             max_samples=d.max_samples,
             seed=self.s.train.seed,
             tools_key=d.tools_key,
+            image_key=d.image_key,
+            max_images=d.max_images_per_prompt,
         )
         return dataset, EpisodeDispatcher(self.s.envs, self.s.rollout, d.max_len)
 

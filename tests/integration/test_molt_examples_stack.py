@@ -5,6 +5,7 @@ stream with the numeric info Molt's modules put in Result.info as torch tensors.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -85,6 +86,72 @@ async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis
             assert traj.provenance.env_name == name and traj.reward == body["reward"] == 0.0  # random weights
             assert set(traj.info) == INFO_KEYS[name], (name, traj.info)  # tensors reduced to floats
             assert sum(seg.num_action_tokens for seg in traj.segments) >= 1
+    finally:
+        await reader.close()
+        for s in reversed(served):
+            s.stop()
+
+
+async def test_molts_chat_geo3k_gets_a_rows_image_inlined_and_the_trajectory_keeps_it(
+    tiny_idefics3, redis_url, monkeypatch
+):
+    """The dataset row's image (as the trainer sends it: a data URL) reaches Molt's chat_geo3k.py, unchanged,
+    inlined at the prompt's <image> marker; the tiny VLM sees it and the trajectory records it."""
+    import hashlib
+
+    from rollout_testlib import tiny_settings
+    from vl_testlib import data_url, image_bytes
+
+    from molt.models.tiny_vl import IMAGE_SEQ_LEN
+    from services.envs.app import build_app as build_worker
+    from services.envs.config import EnvsSettings
+    from services.gateway.app import build_app as build_gateway
+    from services.gateway.config import GatewaySettings
+    from services.rollout.app import build_app as build_rollout
+
+    monkeypatch.setenv("MODEL_PATH", str(tiny_idefics3))
+    stream = f"molt:test:molt-geo3k-image:{uuid.uuid4().hex[:8]}"
+    png = image_bytes(3)
+    served: list[Served] = []
+    reader = StreamReader(redis_url, stream)
+    try:
+        pod = tiny_settings(tiny_idefics3)
+        pod.vllm.max_model_len = 1024
+        served.append(Served(build_rollout(pod), "rollout-pod"))
+        gateway = GatewaySettings.model_validate(
+            {
+                "model": {"path": str(tiny_idefics3)},
+                "rollout": {"urls": [served[0].url]},
+                "redis": {"url": redis_url, "stream": stream},
+                "session": {"max_length": 1024, "max_tokens": 12},
+            }
+        )
+        served.append(Served(build_gateway(gateway), "gateway"))
+        agent = f"chat_geo3k={MOLT_EXAMPLES / 'chat_geo3k.py'}"
+        worker = Served(build_worker(EnvsSettings(agent=[agent], gateway={"url": served[1].url})), "env-worker")
+        served.append(worker)
+        async with httpx.AsyncClient(timeout=120) as client:
+            answer = await client.post(
+                f"{worker.url}/v1/episodes:run",
+                json={
+                    "agent": "chat_geo3k",
+                    "prompt": [{"role": "user", "content": "<image>Find x in the triangle."}],
+                    "label": {"ground_truth": "3"},
+                    "group_id": "g-geo3k-image",
+                    "sampling_params": SP,
+                    "images": [data_url(png)],
+                },
+            )
+        body = answer.json()
+        assert body["status"] == "ok" and body["written"], body
+        traj = (await reader.get({body["trajectory_id"]}, timeout_s=30))[body["trajectory_id"]]
+        digest = hashlib.sha256(png).hexdigest()
+        assert traj.images == {digest: png}  # the file itself, as the row held it
+        first = traj.segments[0]
+        assert first.images == [digest]
+        image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
+        assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
+        assert set(traj.info) == INFO_KEYS["chat_geo3k"]
     finally:
         await reader.close()
         for s in reversed(served):

@@ -30,6 +30,11 @@ AGENT = textwrap.dedent("""
 """)
 
 
+PNG_URL = "data:image/png;base64," + (
+    "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAEklEQVR4nGP8z4AdMOEQH6QSAM1BAQ/oQeJvAAAAAElFTkSuQmCC"
+)
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     path = tmp_path_factory.mktemp("agent") / "agent.py"
@@ -85,6 +90,20 @@ def test_bad_sampling_params_are_a_400_naming_them_before_any_session_opens(agen
     assert not fake.sessions
 
 
+@pytest.mark.parametrize(
+    "images,status,match",
+    [
+        (["data:image/png;base64,bm90IGFuIGltYWdl"], 400, "images[0]: not a readable image"),
+        (["https://example.com/a.png"], 400, "images[0]: expected a base64 image data URL"),
+        ([PNG_URL], 400, "echo is an Env"),  # a good image, but the token path cannot take it
+    ],
+)
+def test_images_an_agent_cannot_take_are_a_400_before_any_session_opens(agent, images, status, match):
+    [r], fake = _run(agent, [("POST", "/v1/episodes:run", encode(_episode(images=images)))])
+    assert r.status_code == status and match in _shape(r)["message"]
+    assert not fake.sessions
+
+
 @pytest.mark.parametrize("reward", [1e308, -1e308, 1e7])
 def test_a_reward_past_the_bound_fails_the_episode_naming_reward_and_writes_nothing(agent, reward):
     [r], fake = _run(agent, [("POST", "/v1/episodes:run", encode(_episode(label=reward)))])
@@ -107,6 +126,7 @@ def test_a_reward_past_the_bound_fails_the_episode_naming_reward_and_writes_noth
                 "sampling_params": st.one_of(sampling_params(), json_values),
                 "max_length": json_values,
                 "tools": json_values,
+                "images": st.one_of(json_values, st.lists(st.sampled_from([PNG_URL, "data:image/png;base64,"]))),
             }
         ),
     )

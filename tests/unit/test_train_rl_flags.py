@@ -84,15 +84,28 @@ def test_unknown_flags_get_a_did_you_mean_and_missing_features_their_reason():
                 "grpo",
                 "--actor.optim",
                 "muon",
-                "--data.max_images_per_prompt",
-                "0",
+                "--vllm.data_parallel_size",
+                "1",
             ],
             "helm",
         )
     msg = str(err.value)
     assert "--algo.advantage.estimtor: unknown flag; did you mean --algo.advantage.estimator?" in msg
     assert "--actor.optim muon: only AdamW is offered" in msg
-    assert "max_images_per_prompt" not in msg  # 0 asks for no images: accepted
+    assert "data_parallel_size" not in msg  # 1 asks for nothing: accepted
+
+
+def test_vision_language_flags_reach_the_trainer_and_the_pods():
+    r = tr.route(
+        [
+            *("--actor.model_name_or_path", "/m", "--train.agent_path", "/a/chat_geo3k.py"),
+            *("--data.image_key", "images", "--data.max_images_per_prompt", "2", "--actor.freeze_visual_encoder"),
+        ]
+    )
+    assert r.trainer[2:] == [
+        *("--data.image_key", "images", "--data.max_images_per_prompt", "2", "--actor.freeze_visual_encoder")
+    ]
+    assert r.rollout == ["--rollout.max_images_per_prompt", "2"]
 
 
 def test_wiring_flags_set_pods_workers_and_the_agent():

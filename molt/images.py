@@ -1,0 +1,107 @@
+"""Dataset images on their way to an agent: data URLs of the image file, and Molt's inlining rule.
+
+The trainer reads a row's images (``--data.image_key``) in whatever form the dataset holds them (a PIL image,
+``{"bytes", "path"}`` as a ``datasets`` Image column stores them, raw bytes, a file path or a data URL) and
+sends each to the env worker as ``data:<media type>;base64,<file>``. Files in a format the gateway takes (PNG,
+JPEG, WebP, GIF) travel unchanged, anything else is re-encoded as PNG (same pixels).
+
+A ChatAgent gets them as Molt gives them: ``ctx.images`` (PIL images) and ``ctx.messages`` in which each
+literal ``<image>`` of a user string consumes the next image, inlined as an OpenAI ``image_url`` part. Markers
+beyond the images stay literal text; images beyond the markers are only on ``ctx.images``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+MARKER = "<image>"
+
+
+def _open(raw: bytes, where: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ValueError(f"{where}: not a readable image ({type(exc).__name__})") from None
+    return image
+
+
+def _encode(raw: bytes | None, image, where: str) -> str:
+    """``raw`` (the file, when there is one) or ``image`` (PIL) -> data URL."""
+    if raw is not None:
+        image = _open(raw, where)
+        media_type = MEDIA_TYPES.get(image.format or "")
+        if media_type is not None:
+            return f"data:{media_type};base64,{base64.b64encode(raw).decode('ascii')}"
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
+
+
+def to_data_url(value: Any, where: str) -> str:
+    """One dataset image -> ``data:image/...;base64,...``; ValueError naming ``where`` if it is not an image."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return _encode(None, value, where)
+    if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        value = value.get("bytes") or value["path"]  # a datasets Image column, not decoded
+    if isinstance(value, bytes | bytearray):
+        return _encode(bytes(value), None, where)
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            from_data_url(value, where)  # checked here: a bad image is the dataset's fault, not the worker's
+            return value
+        path = Path(value)
+        if path.is_file():
+            return _encode(path.read_bytes(), None, where)
+        raise ValueError(f"{where}: {value[:80]!r} is neither a data URL nor an image file")
+    raise ValueError(f"{where}: expected an image (PIL image, bytes, path or data URL), got {type(value).__name__}")
+
+
+def from_data_url(url: str, where: str):
+    """``data:image/...;base64,...`` -> PIL image; ValueError naming ``where`` otherwise."""
+    head, sep, data = url.partition(",")
+    if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
+        raise ValueError(f"{where}: expected a base64 image data URL (data:image/png;base64,...), got {url[:40]!r}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the data URL's payload is not valid base64") from None
+    image = _open(raw, where)
+    if image.format not in MEDIA_TYPES:
+        raise ValueError(f"{where}: a {image.format} image; supported: {', '.join(MEDIA_TYPES)}")
+    return image
+
+
+def inline_images(messages: list[dict[str, Any]], urls: list[str]) -> list[dict[str, Any]]:
+    """Molt's rule: each ``<image>`` in a user string, in order, becomes the next image's ``image_url`` part."""
+    left = list(urls)
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") != "user" or not isinstance(content, str) or MARKER not in content or not left:
+            out.append(message)
+            continue
+        pieces = content.split(MARKER)
+        parts: list[dict[str, Any]] = []
+        text = pieces[0]
+        for piece in pieces[1:]:
+            if not left:  # more markers than images: the rest stays literal
+                text += MARKER + piece
+                continue
+            if text:
+                parts.append({"type": "text", "text": text})
+            parts.append({"type": "image_url", "image_url": {"url": left.pop(0)}})
+            text = piece
+        if text:
+            parts.append({"type": "text", "text": text})
+        out.append({**message, "content": parts})
+    return out
