@@ -81,6 +81,13 @@ def from_data_url(url: str, where: str):
     return image
 
 
+def count_markers(messages: list[dict[str, Any]]) -> int:
+    """How many ``<image>`` markers the user strings of ``messages`` hold."""
+    return sum(
+        m["content"].count(MARKER) for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)
+    )
+
+
 def inline_images(messages: list[dict[str, Any]], urls: list[str]) -> list[dict[str, Any]]:
     """Molt's rule: each ``<image>`` in a user string, in order, becomes the next image's ``image_url`` part."""
     left = list(urls)

@@ -29,6 +29,7 @@ from typing import Any
 from molt.agents.base import Episode, EpisodeResult, Result, Runner, check_result, first_scalar, numeric_info
 from molt.agents.gateway import GatewayClient
 from molt.agents.params import SamplingParams
+from molt.images import count_markers, inline_images, to_data_url
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ def turn_params(params: SamplingParams, per_turn_cap: int | None) -> SamplingPar
 
 
 IMAGES_ON_TOKEN_PATH = (
-    "{name} is an Env (the gateway's token-level session API, text-only): its episodes cannot take images yet; "
-    "run vision-language rows with a ChatAgent, which gets them inlined in ctx.messages"
+    "{name} is an Env: its episode's images go in its first observation's <image> markers, so the observation "
+    "must be a message list (--data.apply_chat_template) with one <image> per image in its user strings; {why}"
 )
 
 
@@ -96,8 +97,7 @@ class StepEnvRunner(Runner):
         return await execute_on_engine(self._execute, *args, **kwargs)
 
     async def _execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
-        if episode.images:
-            raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__))
+        urls = [to_data_url(image, f"images[{i}]") for i, image in enumerate(episode.images or [])]
         env = self.env_cls()
         params = SamplingParams.from_any(episode.sampling_params)
         cap = episode.max_new_tokens
@@ -106,8 +106,15 @@ class StepEnvRunner(Runner):
             first = await env.reset({"observation": episode.prompt, "label": episode.label})
             obs = first["observation"] if isinstance(first, dict) else first
             if isinstance(obs, list):
-                pending: dict[str, Any] = {"messages": obs}
+                markers = count_markers(obs)
+                if markers < len(urls):  # an image without a marker would never be shown to the model
+                    why = f"{len(urls) - markers} of its {len(urls)} images have no marker"
+                    raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__, why=why))
+                pending: dict[str, Any] = {"messages": inline_images(obs, urls)}
                 observation_text = _messages_text(obs)
+            elif urls:
+                why = "it is a string"
+                raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__, why=why))
             else:
                 pending = {"append_text": str(obs)}
                 observation_text = str(obs)

@@ -117,8 +117,8 @@ class EpisodeWorker:
         runner = self.runners.get(req.agent)
         if runner is None:
             raise UnknownAgent(f"unknown agent {req.agent!r}; this worker serves {sorted(self.runners)}")
-        if req.images and isinstance(runner, StepEnvRunner):
-            raise Unsupported(IMAGES_ON_TOKEN_PATH.format(name=req.agent))
+        if req.images and isinstance(runner, StepEnvRunner) and isinstance(req.prompt, str):
+            raise Unsupported(IMAGES_ON_TOKEN_PATH.format(name=req.agent, why="this prompt is a string"))
         return runner, Episode(
             prompt=req.prompt,
             group_id=req.group_id,

@@ -131,6 +131,19 @@ class TurnPlan:
         return len(self.prompt_ids)
 
 
+def _images_for(model: ChatModel, messages: list[dict]) -> list[dict]:
+    """The image parts of ``messages``; a 400 when the model takes none."""
+    images = message_images(messages)
+    if images and model.image_token_id is None:
+        raise GatewayError(
+            400,
+            "this model takes no images (it is a text-only model); send text only",
+            code="images_unsupported",
+            param="messages",
+        )
+    return images
+
+
 @dataclass
 class Capture:
     max_length: int
@@ -158,14 +171,7 @@ class Capture:
     ) -> TurnPlan:
         """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it."""
         cur, st = self.current, self.chat
-        images = message_images(messages)
-        if images and model.image_token_id is None:
-            raise GatewayError(
-                400,
-                "this model takes no images (it is a text-only model); send text only",
-                code="images_unsupported",
-                param="messages",
-            )
+        images = _images_for(model, messages)
         if cur is None and key is not None:
             full, ids = model.prompt(key, messages, tools)
             return TurnPlan(ids, ids, True, "first", full, messages, tools, images, len(images))
@@ -215,8 +221,9 @@ class Capture:
                     "'messages' is for the first turn only; later turns send 'append_text' or 'append_token_ids'",
                     "messages",
                 )
+            images = _images_for(model, messages)
             ids = model.encode(model.render(messages, None, generation_prompt=True)) + delta
-            return TurnPlan(ids, ids, True, "first")
+            return TurnPlan(ids, ids, True, "first", images=images, new_images=len(images))
         if cur is None:
             if not delta:
                 raise bad_request(

@@ -92,11 +92,12 @@ async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis
             s.stop()
 
 
-async def test_molts_chat_geo3k_gets_a_rows_image_inlined_and_the_trajectory_keeps_it(
+async def test_molts_geo3k_modules_get_a_rows_image_and_the_trajectories_keep_it(
     tiny_idefics3, redis_url, monkeypatch
 ):
-    """The dataset row's image (as the trainer sends it: a data URL) reaches Molt's chat_geo3k.py, unchanged,
-    inlined at the prompt's <image> marker; the tiny VLM sees it and the trajectory records it."""
+    """The dataset row's image (as the trainer sends it: a data URL) reaches Molt's geo3k.py and chat_geo3k.py,
+    unchanged, inlined at the prompt's <image> marker (the Env's first observation, the ChatAgent's
+    ctx.messages); the tiny VLM sees it and each trajectory records it."""
     import hashlib
 
     from rollout_testlib import tiny_settings
@@ -127,31 +128,38 @@ async def test_molts_chat_geo3k_gets_a_rows_image_inlined_and_the_trajectory_kee
             }
         )
         served.append(Served(build_gateway(gateway), "gateway"))
-        agent = f"chat_geo3k={MOLT_EXAMPLES / 'chat_geo3k.py'}"
-        worker = Served(build_worker(EnvsSettings(agent=[agent], gateway={"url": served[1].url})), "env-worker")
+        agents = [f"{name}={MOLT_EXAMPLES / name}.py" for name in ("geo3k", "chat_geo3k")]
+        worker = Served(build_worker(EnvsSettings(agent=agents, gateway={"url": served[1].url})), "env-worker")
         served.append(worker)
         async with httpx.AsyncClient(timeout=120) as client:
-            answer = await client.post(
-                f"{worker.url}/v1/episodes:run",
-                json={
-                    "agent": "chat_geo3k",
-                    "prompt": [{"role": "user", "content": "<image>Find x in the triangle."}],
-                    "label": {"ground_truth": "3"},
-                    "group_id": "g-geo3k-image",
-                    "sampling_params": SP,
-                    "images": [data_url(png)],
-                },
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{worker.url}/v1/episodes:run",
+                        json={
+                            "agent": name,
+                            "prompt": [{"role": "user", "content": "<image>Find x in the triangle."}],
+                            "label": {"ground_truth": "3"},
+                            "group_id": f"g-{name}-image",
+                            "sampling_params": SP,
+                            "images": [data_url(png)],
+                        },
+                    )
+                    for name in ("geo3k", "chat_geo3k")
+                )
             )
-        body = answer.json()
-        assert body["status"] == "ok" and body["written"], body
-        traj = (await reader.get({body["trajectory_id"]}, timeout_s=30))[body["trajectory_id"]]
+        bodies = [a.json() for a in answers]
+        for body in bodies:
+            assert body["status"] == "ok" and body["written"], body
+        trajs = await reader.get({b["trajectory_id"] for b in bodies}, timeout_s=30)
         digest = hashlib.sha256(png).hexdigest()
-        assert traj.images == {digest: png}  # the file itself, as the row held it
-        first = traj.segments[0]
-        assert first.images == [digest]
         image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
-        assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
-        assert set(traj.info) == INFO_KEYS["chat_geo3k"]
+        for traj in trajs.values():
+            assert traj.images == {digest: png}  # the file itself, as the row held it
+            first = traj.segments[0]
+            assert first.images == [digest]
+            assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
+            assert set(traj.info) == INFO_KEYS["geo3k"]
     finally:
         await reader.close()
         for s in reversed(served):

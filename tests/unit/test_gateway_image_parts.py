@@ -109,5 +109,9 @@ def test_images_to_a_text_only_model_are_refused(chat_model):
     messages = canonical_messages(
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{B64}"}}]}]
     )
-    err = _error(lambda: Capture(max_length=64).plan_chat(chat_model, messages, None))
-    assert err.code == "images_unsupported" and "text-only" in str(err)
+    for plan in (
+        lambda: Capture(max_length=64).plan_chat(chat_model, messages, None),
+        lambda: Capture(max_length=64).plan_tokens(chat_model, messages, None, None),  # an Env's first turn
+    ):
+        err = _error(plan)
+        assert err.code == "images_unsupported" and "text-only" in str(err)
