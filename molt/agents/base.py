@@ -153,6 +153,8 @@ class EpisodeResult:
     written: bool
     truncated: bool = False
     info: dict[str, float] = field(default_factory=dict)
+    response_tokens: int = 0
+    """Tokens the policy generated over the episode (its action spans)."""
 
 
 class Runner(abc.ABC):

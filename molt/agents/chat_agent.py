@@ -121,4 +121,5 @@ class ChatAgentRunner(Runner):
             written=bool(done.get("written")),
             truncated=bool(result.truncated),
             info=info,
+            response_tokens=int(summary.get("action_tokens", 0) or 0),
         )

@@ -119,7 +119,7 @@ class StepEnvRunner(Runner):
                 pending = {"append_text": str(obs)}
                 observation_text = str(obs)
             reward, score, info = 0.0, None, {}
-            turns, num_tokens, truncated = 0, 0, False
+            turns, num_tokens, truncated, response_tokens = 0, 0, False, 0
             warned_images = False
             while True:
                 sp = turn_params(params, cap)
@@ -130,6 +130,7 @@ class StepEnvRunner(Runner):
                     truncated = True  # the budget ran out before this turn could generate
                     break
                 turns += 1
+                response_tokens += len(out["token_ids"])
                 state = {
                     "observation_text": observation_text,
                     "action_text": out.get("text", ""),
@@ -169,4 +170,5 @@ class StepEnvRunner(Runner):
             written=bool(done.get("written")),
             truncated=truncated,
             info=numeric,
+            response_tokens=response_tokens,
         )

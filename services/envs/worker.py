@@ -77,6 +77,8 @@ class EpisodeResponse(BaseModel):
     trajectory_id: str | None = None
     written: bool = False
     truncated: bool = False
+    response_tokens: int = 0
+    """Tokens the policy generated (Molt's eval response length)."""
     error: str | None = None
 
 
@@ -191,4 +193,5 @@ class EpisodeWorker:
             trajectory_id=out.trajectory_id,
             written=out.written,
             truncated=out.truncated,
+            response_tokens=out.response_tokens,
         )

@@ -74,6 +74,7 @@ def eval_metrics(outcomes: list[tuple[str, int, dict]], n: int) -> dict[str, flo
     """``outcomes``: (datasource, prompt index, worker result) per episode."""
     rewards: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     truncated: dict[str, list[bool]] = defaultdict(list)
+    lengths: dict[str, list[int]] = defaultdict(list)
     failed = 0
     for ds, index, res in outcomes:
         if res.get("status") != "ok":
@@ -81,14 +82,18 @@ def eval_metrics(outcomes: list[tuple[str, int, dict]], n: int) -> dict[str, flo
             continue
         rewards[ds][index].append(float(res.get("reward", 0.0)))
         truncated[ds].append(bool(res.get("truncated")))
+        lengths[ds].append(int(res.get("response_tokens") or 0))
     out: dict[str, float] = {}
     for ds, by_prompt in rewards.items():
         out[f"eval_{ds}_pass1"] = sum(sum(v) / len(v) for v in by_prompt.values()) / len(by_prompt)
         if n > 1:
             out[f"eval_{ds}_pass{n}"] = sum(max(v) for v in by_prompt.values()) / len(by_prompt)
         out[f"eval_{ds}_truncated_rate"] = sum(truncated[ds]) / len(truncated[ds])
+        out[f"eval_{ds}_response_length_mean"] = sum(lengths[ds]) / len(lengths[ds])
     done = [t for ts in truncated.values() for t in ts]
+    every = [n for ns in lengths.values() for n in ns]
     out["eval_truncated_rate"] = sum(done) / len(done) if done else 0.0
+    out["eval_response_length_mean"] = sum(every) / len(every) if every else 0.0
     out["eval_num_samples"] = float(len(done))
     out["eval_failed"] = float(failed)
     return out

@@ -118,6 +118,7 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]  # --eval.steps 2: at step 2
     assert ev["step"] == 2 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2  # 4 prompts (max_samples) x 2
     assert {"eval_default_pass1", "eval_default_pass2", "eval_truncated_rate"} <= set(ev)
+    assert ev["eval_response_length_mean"] == ev["eval_default_response_length_mean"] > 0
     assert sorted(p.name for p in (run / "ckpt").glob("global_step*")) == ["global_step1", "global_step2"]
 
     hf = run / "hf"

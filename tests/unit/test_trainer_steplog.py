@@ -51,13 +51,15 @@ def test_steps_reach_jsonl_tensorboard_and_offline_wandb(tmp_path):
 def test_eval_metrics_use_molts_names_per_datasource():
     from services.trainer.evaluate import eval_metrics
 
-    ok = lambda reward, truncated=False: {"status": "ok", "reward": reward, "truncated": truncated}  # noqa: E731
+    def ok(reward, truncated=False, length=10):
+        return {"status": "ok", "reward": reward, "truncated": truncated, "response_tokens": length}
+
     outcomes = [
         ("math", 0, ok(1.0)),
         ("math", 0, ok(0.0)),
         ("math", 1, ok(0.0)),
-        ("math", 1, ok(0.0, True)),
-        ("geo", 2, ok(1.0)),
+        ("math", 1, ok(0.0, True, 30)),
+        ("geo", 2, ok(1.0, length=5)),
         ("geo", 2, {"status": "failed"}),
     ]
     m = eval_metrics(outcomes, n=2)
@@ -65,3 +67,5 @@ def test_eval_metrics_use_molts_names_per_datasource():
     assert m["eval_math_pass2"] == 0.5  # prompt bests 1.0 and 0.0
     assert m["eval_math_truncated_rate"] == 0.25 and m["eval_geo_pass1"] == m["eval_geo_pass2"] == 1.0
     assert (m["eval_num_samples"], m["eval_failed"], m["eval_truncated_rate"]) == (5.0, 1.0, 0.2)
+    assert (m["eval_math_response_length_mean"], m["eval_geo_response_length_mean"]) == (15.0, 5.0)
+    assert m["eval_response_length_mean"] == 13.0  # over the 5 samples that ran
