@@ -139,8 +139,9 @@ def _image_block(source: Any, where: str) -> dict:
     """An image block's ``source``: base64 data only (``url`` sources would make the gateway fetch)."""
     if not isinstance(source, dict) or source.get("type") != "base64":
         kind = source.get("type") if isinstance(source, dict) else None
+        hint = " (url sources need --gateway.fetch_images)" if kind == "url" else ""
         raise bad_request(
-            f"{where}: image source type {kind!r} is not supported; send "
+            f"{where}: image source type {kind!r} is not supported{hint}; send "
             "{'type': 'base64', 'media_type': 'image/png', 'data': ...}",
             where,
         )

@@ -71,6 +71,8 @@ def build_app(
             await gw.shut_down()
             pool.close()
             await client.close()
+            if handlers.fetcher is not None:
+                await handlers.fetcher.close()
             await queue.close()
 
     handlers = Handlers(gw, replicas)

@@ -283,14 +283,15 @@ def image_part(data: Any, media_type: Any, where: str) -> dict:
 
 
 def data_url_part(url: Any, where: str) -> dict:
-    """``data:image/png;base64,...`` -> an image part. Other URLs are refused: the gateway fetches nothing."""
+    """``data:image/png;base64,...`` -> an image part. Other URLs are refused (with --gateway.fetch_images they
+    were fetched and inlined before parsing: services/gateway/image_fetch.py)."""
     if not isinstance(url, str):
         raise bad_request(f"{where}: expected {{'url': 'data:image/...;base64,...'}}", where)
     head, sep, data = url.partition(",")
     if url.startswith(("http://", "https://")):
         raise bad_request(
-            f"{where}: image URLs are not fetched by this gateway; send the image inline as a data URL "
-            "(data:image/png;base64,...)",
+            f"{where}: image URLs are not fetched by this gateway (--gateway.fetch_images is off); send the "
+            "image inline as a data URL (data:image/png;base64,...)",
             where,
         )
     if not sep or not head.startswith("data:") or not head.endswith(";base64"):

@@ -117,6 +117,19 @@ def _bracket_ipv6(url: str) -> str:
     return f"{scheme}://[{host}]:{port}{slash}{path}"
 
 
+class FetchConfig(Section):
+    fetch_images: bool = False
+    """Fetch the http(s) image URLs clients send (OpenAI ``image_url``, Anthropic ``url`` sources) and inline
+    the files. Off: such URLs are a 400. The gateway then fetches any URL a client names, internal addresses
+    included: turn it on only where its egress is restricted (e.g. a NetworkPolicy)."""
+    fetch_timeout_s: float = Field(10.0, gt=0)
+    """Longest one image fetch may take (connect, redirects and body)."""
+    fetch_max_bytes: int = Field(10 << 20, gt=0)
+    """Largest image file fetched; a longer body is a 400 as soon as it passes this."""
+    fetch_max_images: int = Field(16, gt=0)
+    """Most image URLs one request may name."""
+
+
 class GatewaySettings(Section):
     """OpenAI/Anthropic-compatible gateway that records token-exact trajectories to a Redis stream."""
 
@@ -129,6 +142,7 @@ class GatewaySettings(Section):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     session: SessionConfig = Field(default_factory=SessionConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    gateway: FetchConfig = Field(default_factory=FetchConfig)
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:

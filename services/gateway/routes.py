@@ -20,6 +20,7 @@ from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import bad_request, message_images, new_id
 from services.gateway.core import Gateway, TurnResult, resolve_future
 from services.gateway.errors import GatewayError
+from services.gateway.image_fetch import ImageFetcher
 from services.gateway.replicas import FORWARDED, Replicas, session_of
 from services.gateway.session import Session
 from services.gateway.streaming import TextFeed
@@ -79,6 +80,7 @@ class Handlers:
         self.keys = [k.encode() for k in gw.settings.auth.api_keys]
         self.max_body = gw.settings.session.max_body_bytes
         self.model_name = gw.settings.served_model_name
+        self.fetcher = ImageFetcher(gw.settings.gateway) if gw.settings.gateway.fetch_images else None
         self.turns: set[asyncio.Task] = set()
 
     # ---- helpers
@@ -139,6 +141,8 @@ class Handlers:
                     "text; send valid Unicode",
                     where,
                 )
+        if self.fetcher is not None:
+            await self.fetcher.inline(data)
         return data
 
     def json(self, data: Any, version: int | None = None, status: int = 200) -> JSONResponse:

@@ -206,3 +206,74 @@ def test_session_less_chat_with_an_image(stack):
     r = httpx.post(stack["url"] + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A loopback HTTP server with one PNG, one JPEG and a text file; anything else is a 404."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    files = {"/cat.png": image_bytes(5), "/dog.jpg": image_bytes(6, fmt="JPEG"), "/notes.txt": b"not an image"}
+
+    class Files(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("content-length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", files
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def fetching(stack, tmp_path_factory):
+    """A second gateway on the same pod and stream, with --gateway.fetch_images."""
+    args = ["--model", str(stack["model"]), "--rollout.urls", stack["pod"], "--redis.url", stack["redis"]]
+    args += ["--redis.stream", stack["stream"], "--session.max_length", "512", "--gateway.fetch_images"]
+    gw, url = start_gateway(args, tmp_path_factory.mktemp("gw-fetch") / "gateway.log")
+    try:
+        yield {**stack, "url": url}
+    finally:
+        stop(gw)
+
+
+def test_with_fetch_images_url_images_are_fetched_and_recorded_on_both_wires(fetching, image_server):
+    base, files = image_server
+    session = _open(fetching)
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key="x")
+    content = [_part(f"{base}/cat.png"), {"type": "text", "text": "and"}, _part(f"{base}/dog.jpg")]
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=5)
+    assert _finish(fetching, session["session_id"])["written"] is True
+    _check_reproducible(fetching, _trajectory(fetching, session["session_id"]), [files["/cat.png"], files["/dog.jpg"]])
+
+    session = _open(fetching)
+    block = {"type": "image", "source": {"type": "url", "url": f"{base}/cat.png"}}
+    anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key="x").messages.create(
+        model="m", max_tokens=5, messages=[{"role": "user", "content": [block, {"type": "text", "text": "Hi."}]}]
+    )
+    assert _finish(fetching, session["session_id"])["written"] is True
+    _check_reproducible(fetching, _trajectory(fetching, session["session_id"]), [files["/cat.png"]])
+
+
+@pytest.mark.parametrize(
+    "path, problem",
+    [("/missing.png", "answered HTTP 404"), ("/notes.txt", "is not a PNG, JPEG, WEBP, GIF image")],
+)
+def test_a_url_image_that_cannot_be_used_is_a_400_naming_the_part_and_nothing_is_written(
+    fetching, image_server, path, problem
+):
+    session = _open(fetching)
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [_part(image_server[0] + path)]}]}
+    r = httpx.post(session["openai_base_url"] + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and problem in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0].image_url"
+    assert _finish(fetching, session["session_id"])["written"] is False
