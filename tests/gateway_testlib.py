@@ -7,14 +7,17 @@ subprocesses (``molt.serve.start_service``: the URL from the line each prints wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from molt.net import LineSplitter
@@ -288,3 +291,32 @@ if __name__ == "__main__" and sys.argv[1:] == ["instant-pod"]:
     from molt.serve import serve
 
     serve("instant-pod", _instant_pod, ServerConfig(log_level="warning"))
+
+
+@contextlib.contextmanager
+def file_server(answer: Callable[[str], tuple[int, dict[str, str], bytes]]):
+    """A loopback HTTP server (a thread) whose GETs ``answer(path)`` gives as (status, headers, body); yields its
+    base URL. A client that gives up before the answer is written is ignored."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, headers, body = answer(self.path)
+            try:
+                self.send_response(status)
+                for k, v in {"content-length": str(len(body)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -21,7 +21,7 @@ import redis
 from vl_testlib import data_url, hf_sequence_logprobs, image_bytes
 
 from molt.models.tiny_vl import IMAGE_SEQ_LEN
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import file_server, read_trajectories, start_gateway, start_rollout_pod, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(300)]
 TOL = 1e-4
@@ -211,27 +211,9 @@ def test_session_less_chat_with_an_image(stack):
 @pytest.fixture(scope="module")
 def image_server():
     """A loopback HTTP server with one PNG, one JPEG and a text file; anything else is a 404."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     files = {"/cat.png": image_bytes(5), "/dog.jpg": image_bytes(6, fmt="JPEG"), "/notes.txt": b"not an image"}
-
-    class Files(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = files.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.send_header("content-length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args):  # quiet
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", files
-    server.shutdown()
-    server.server_close()
+    with file_server(lambda path: (200, {}, files[path]) if path in files else (404, {}, b"")) as url:
+        yield url, files
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ stream with the numeric info Molt's modules put in Result.info as torch tensors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import uuid
 from pathlib import Path
@@ -26,7 +28,10 @@ INFO_KEYS = {
 }
 
 
-async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis_url, monkeypatch):
+@contextlib.asynccontextmanager
+async def molt_stack(model, redis_url: str, agents: list[str], monkeypatch):
+    """A rollout pod (1024-token context), the gateway and an env worker serving Molt's example ``agents``, in
+    this process; yields (the worker's URL, a reader of the trajectory stream)."""
     from rollout_testlib import tiny_settings
 
     from services.envs.app import build_app as build_worker
@@ -35,61 +40,49 @@ async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis
     from services.gateway.config import GatewaySettings
     from services.rollout.app import build_app as build_rollout
 
-    monkeypatch.setenv("MODEL_PATH", str(tiny_qwen3))  # the geo3k modules' tool parser reads the tokenizer
+    monkeypatch.setenv("MODEL_PATH", str(model))  # the geo3k modules' tool parser reads the tokenizer
     stream = f"molt:test:molt-examples:{uuid.uuid4().hex[:8]}"
     served: list[Served] = []
     reader = StreamReader(redis_url, stream)
     try:
-        pod = tiny_settings(tiny_qwen3)
+        pod = tiny_settings(model)
         pod.vllm.max_model_len = 1024  # chat_geo3k sends its tool schema: the rendered prompt is ~360 tokens
         served.append(Served(build_rollout(pod), "rollout-pod"))
-        served.append(
-            Served(
-                build_gateway(
-                    GatewaySettings.model_validate(
-                        {
-                            "model": {"path": str(tiny_qwen3)},
-                            "rollout": {"urls": [served[0].url]},
-                            "redis": {"url": redis_url, "stream": stream},
-                            "session": {"max_length": 1024, "max_tokens": 12},
-                        }
-                    )
-                ),
-                "gateway",
-            )
-        )
-        agents = [f"{name}={MOLT_EXAMPLES / name}.py" for name in INFO_KEYS]
-        worker = Served(build_worker(EnvsSettings(agent=agents, gateway={"url": served[1].url})), "env-worker")
-        served.append(worker)
-        async with httpx.AsyncClient(timeout=120) as client:
-            answers = await asyncio.gather(
-                *(
-                    client.post(
-                        f"{worker.url}/v1/episodes:run",
-                        json={
-                            "agent": name,
-                            "prompt": "What is 6*7?",
-                            "label": {"ground_truth": "42"},
-                            "group_id": f"g-{name}",
-                            "sampling_params": SP,
-                        },
-                    )
-                    for name in INFO_KEYS
-                )
-            )
-        bodies = {name: r.json() for name, r in zip(INFO_KEYS, answers)}
-        for name, body in bodies.items():
-            assert body["status"] == "ok" and body["written"], (name, body)
-        trajs = await reader.get({b["trajectory_id"] for b in bodies.values()}, timeout_s=30)
-        for name, body in bodies.items():
-            traj = trajs[body["trajectory_id"]]
-            assert traj.provenance.env_name == name and traj.reward == body["reward"] == 0.0  # random weights
-            assert set(traj.info) == INFO_KEYS[name], (name, traj.info)  # tensors reduced to floats
-            assert sum(seg.num_action_tokens for seg in traj.segments) >= 1
+        gateway = {
+            "model": {"path": str(model)},
+            "rollout": {"urls": [served[0].url]},
+            "redis": {"url": redis_url, "stream": stream},
+            "session": {"max_length": 1024, "max_tokens": 12},
+        }
+        served.append(Served(build_gateway(GatewaySettings.model_validate(gateway)), "gateway"))
+        modules = [f"{name}={MOLT_EXAMPLES / name}.py" for name in agents]
+        served.append(Served(build_worker(EnvsSettings(agent=modules, gateway={"url": served[1].url})), "env-worker"))
+        yield served[2].url, reader
     finally:
         await reader.close()
         for s in reversed(served):
             s.stop()
+
+
+async def run_episodes(worker: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        answers = await asyncio.gather(*(client.post(f"{worker}/v1/episodes:run", json=b) for b in bodies))
+    out = [a.json() for a in answers]
+    for body in out:
+        assert body["status"] == "ok" and body["written"], body
+    return out
+
+
+async def test_molts_example_modules_write_one_trajectory_each(tiny_qwen3, redis_url, monkeypatch):
+    async with molt_stack(tiny_qwen3, redis_url, list(INFO_KEYS), monkeypatch) as (worker, reader):
+        episode = {"prompt": "What is 6*7?", "label": {"ground_truth": "42"}, "sampling_params": SP}
+        bodies = await run_episodes(worker, [{**episode, "agent": n, "group_id": f"g-{n}"} for n in INFO_KEYS])
+        trajs = await reader.get({b["trajectory_id"] for b in bodies}, timeout_s=30)
+        for name, body in zip(INFO_KEYS, bodies):
+            traj = trajs[body["trajectory_id"]]
+            assert traj.provenance.env_name == name and traj.reward == body["reward"] == 0.0  # random weights
+            assert set(traj.info) == INFO_KEYS[name], (name, traj.info)  # tensors reduced to floats
+            assert sum(seg.num_action_tokens for seg in traj.segments) >= 1
 
 
 async def test_molts_geo3k_modules_get_a_rows_image_and_the_trajectories_keep_it(
@@ -98,69 +91,26 @@ async def test_molts_geo3k_modules_get_a_rows_image_and_the_trajectories_keep_it
     """The dataset row's image (as the trainer sends it: a data URL) reaches Molt's geo3k.py and chat_geo3k.py,
     unchanged, inlined at the prompt's <image> marker (the Env's first observation, the ChatAgent's
     ctx.messages); the tiny VLM sees it and each trajectory records it."""
-    import hashlib
-
-    from rollout_testlib import tiny_settings
     from vl_testlib import data_url, image_bytes
 
     from molt.models.tiny_vl import IMAGE_SEQ_LEN
-    from services.envs.app import build_app as build_worker
-    from services.envs.config import EnvsSettings
-    from services.gateway.app import build_app as build_gateway
-    from services.gateway.config import GatewaySettings
-    from services.rollout.app import build_app as build_rollout
 
-    monkeypatch.setenv("MODEL_PATH", str(tiny_idefics3))
-    stream = f"molt:test:molt-geo3k-image:{uuid.uuid4().hex[:8]}"
     png = image_bytes(3)
-    served: list[Served] = []
-    reader = StreamReader(redis_url, stream)
-    try:
-        pod = tiny_settings(tiny_idefics3)
-        pod.vllm.max_model_len = 1024
-        served.append(Served(build_rollout(pod), "rollout-pod"))
-        gateway = GatewaySettings.model_validate(
-            {
-                "model": {"path": str(tiny_idefics3)},
-                "rollout": {"urls": [served[0].url]},
-                "redis": {"url": redis_url, "stream": stream},
-                "session": {"max_length": 1024, "max_tokens": 12},
-            }
-        )
-        served.append(Served(build_gateway(gateway), "gateway"))
-        agents = [f"{name}={MOLT_EXAMPLES / name}.py" for name in ("geo3k", "chat_geo3k")]
-        worker = Served(build_worker(EnvsSettings(agent=agents, gateway={"url": served[1].url})), "env-worker")
-        served.append(worker)
-        async with httpx.AsyncClient(timeout=120) as client:
-            answers = await asyncio.gather(
-                *(
-                    client.post(
-                        f"{worker.url}/v1/episodes:run",
-                        json={
-                            "agent": name,
-                            "prompt": [{"role": "user", "content": "<image>Find x in the triangle."}],
-                            "label": {"ground_truth": "3"},
-                            "group_id": f"g-{name}-image",
-                            "sampling_params": SP,
-                            "images": [data_url(png)],
-                        },
-                    )
-                    for name in ("geo3k", "chat_geo3k")
-                )
-            )
-        bodies = [a.json() for a in answers]
-        for body in bodies:
-            assert body["status"] == "ok" and body["written"], body
+    agents = ["geo3k", "chat_geo3k"]
+    async with molt_stack(tiny_idefics3, redis_url, agents, monkeypatch) as (worker, reader):
+        episode = {
+            "prompt": [{"role": "user", "content": "<image>Find x in the triangle."}],
+            "label": {"ground_truth": "3"},
+            "sampling_params": SP,
+            "images": [data_url(png)],
+        }
+        bodies = await run_episodes(worker, [{**episode, "agent": n, "group_id": f"g-{n}-image"} for n in agents])
         trajs = await reader.get({b["trajectory_id"] for b in bodies}, timeout_s=30)
-        digest = hashlib.sha256(png).hexdigest()
-        image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
-        for traj in trajs.values():
-            assert traj.images == {digest: png}  # the file itself, as the row held it
-            first = traj.segments[0]
-            assert first.images == [digest]
-            assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
-            assert set(traj.info) == INFO_KEYS["geo3k"]
-    finally:
-        await reader.close()
-        for s in reversed(served):
-            s.stop()
+    digest = hashlib.sha256(png).hexdigest()
+    image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
+    for traj in trajs.values():
+        assert traj.images == {digest: png}  # the file itself, as the row held it
+        first = traj.segments[0]
+        assert first.images == [digest]
+        assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
+        assert set(traj.info) == INFO_KEYS["geo3k"]

@@ -23,7 +23,7 @@ import pytest
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from tests.integration.fleet_testlib import Fleet
-from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, trainer_cmd
+from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
 PROMPTS, N = 10, 2
@@ -96,18 +96,7 @@ def test_trainer_killed_three_times_trains_every_prompt_exactly_once(tiny_qwen3,
         "0.05",
         "--rollout.grpc_targets",
         *served.grpc_targets,
-        "--algo.advantage.estimator",
-        "grpo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        str(N),
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--train.num_steps",
-        str(PROMPTS),
+        *grpo_run_flags(N, PROMPTS),
         "--train.async_queue_size",
         "1",
         "--fsdp.strategy",

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from molt.bus.embedded import EmbeddedRedis
-from tests.integration.trainer_testlib import ROOT, audit, env, trainer_cmd
+from tests.integration.trainer_testlib import ROOT, audit, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.timeout(400)]
 PROMPTS, N = 8, 2
@@ -100,18 +100,7 @@ def test_trainer_waits_out_redis_and_env_worker_outages(tiny_qwen3, tmp_path):
         "0.1",
         "--envs.retry_backoff_max_s",
         "2",
-        "--algo.advantage.estimator",
-        "grpo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        str(N),
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--train.num_steps",
-        str(PROMPTS),
+        *grpo_run_flags(N, PROMPTS),
         "--fsdp.strategy",
         "torch",
         "--ckpt.path",

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from tests.integration.fleet_testlib import Fleet
-from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, trainer_cmd
+from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 PROMPTS, N, QUEUE = 8, 2, 1
@@ -51,18 +51,7 @@ def test_restarted_pod_joins_at_the_trainers_version_and_staleness_stays_bounded
         "1",
         "--rollout.grpc_targets",
         *fleet.grpc_targets,
-        "--algo.advantage.estimator",
-        "grpo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        str(N),
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--train.num_steps",
-        str(PROMPTS),
+        *grpo_run_flags(N, PROMPTS),
         "--train.async_queue_size",
         str(QUEUE),
         "--fsdp.strategy",

@@ -20,7 +20,7 @@ import pytest
 
 from molt.net import free_port
 from tests.integration.fleet_testlib import Fleet
-from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, trainer_cmd
+from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 PROMPTS, N = 4, 2
@@ -42,18 +42,7 @@ def _flags(model, redis_url, stream, dataset, envs_url, pod_url, audit_path) -> 
         envs_url,
         "--rollout.urls",
         pod_url,
-        "--algo.advantage.estimator",
-        "grpo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        str(N),
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--train.num_steps",
-        str(PROMPTS),
+        *grpo_run_flags(N, PROMPTS),
         "--fsdp.strategy",
         "torch",
         "--logger.steps_jsonl",

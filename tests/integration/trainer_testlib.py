@@ -51,6 +51,15 @@ def delete_stream(redis_url: str, stream: str) -> None:
     asyncio.run(go())
 
 
+def grpo_run_flags(n: int, steps: int) -> list[str]:
+    """The small GRPO run the fault tests train: one prompt of ``n`` samples per dispatch, two per step, no KL."""
+    return [
+        *("--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0"),
+        *("--rollout.n_samples_per_prompt", str(n), "--rollout.batch_size", "1"),
+        *("--train.batch_size", "2", "--train.num_steps", str(steps)),
+    ]
+
+
 def trainer_cmd(nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "services.trainer"]

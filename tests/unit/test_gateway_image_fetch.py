@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
@@ -17,6 +15,7 @@ from molt.net import free_port
 from services.gateway.config import FetchConfig
 from services.gateway.errors import GatewayError
 from services.gateway.image_fetch import ImageFetcher
+from tests.gateway_testlib import file_server
 
 
 def _png(size=(8, 8)) -> bytes:
@@ -31,35 +30,18 @@ PNG, BIG = _png(), _png((600, 600))
 @pytest.fixture(scope="module")
 def server():
     hits: list[str] = []
+    files = {"/a.png": PNG, "/slow.png": PNG, "/big.png": BIG}
 
-    class Files(BaseHTTPRequestHandler):
-        def do_GET(self):
-            hits.append(self.path)
-            if self.path == "/moved":
-                self.send_response(302)
-                self.send_header("location", "/a.png")
-                self.send_header("content-length", "0")
-                self.end_headers()
-                return
-            if self.path == "/slow.png":
-                time.sleep(2)
-            body = {"/a.png": PNG, "/slow.png": PNG, "/big.png": BIG}.get(self.path, b"")
-            try:
-                self.send_response(200 if body else 404)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the fetcher gave up first (the timeout and size cases)
+    def answer(path: str) -> tuple[int, dict[str, str], bytes]:
+        hits.append(path)
+        if path == "/moved":
+            return 302, {"location": "/a.png"}, b""
+        if path == "/slow.png":
+            time.sleep(2)
+        return (200, {}, files[path]) if path in files else (404, {}, b"")
 
-        def log_message(self, *args):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", hits
-    srv.shutdown()
-    srv.server_close()
+    with file_server(answer) as url:
+        yield url, hits
 
 
 def _inline(body: dict, **cfg) -> dict:
