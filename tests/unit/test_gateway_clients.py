@@ -91,6 +91,61 @@ async def test_pydantic_ai_tool_loop_with_reserialised_arguments_is_token_exact(
     await _one_segment(app, http, s["session_id"], pods, model, generated)
 
 
+async def test_langchain_tool_loop_is_token_exact_and_its_tool_schemas_render_as_sent(gw, model):
+    """LangChain's ChatOpenAI with bound tools, the way a LangGraph ReAct node calls it: the call comes back as an
+    AIMessage with tool_calls, the result as a ToolMessage; one segment, every generation verbatim. Its tool
+    schema's key order is the one the prompt renders, not that of an earlier session's cached first turn."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    app, pods, queue, http = gw
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return f"{city}: sunny"
+
+    # Another client's first turn with the same tool in the usual key order fills the prompt cache first.
+    other = await _session(http)
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    queue.append("Hi.<|im_end|>")
+    r = await http.post(
+        f"/s/{other['session_id']}/v1/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [schema]},
+    )
+    assert r.status_code == 200, r.text
+    pods.pods[PODS[0]].calls.clear()
+
+    s = await _session(http)
+    llm = ChatOpenAI(
+        model="policy", base_url=s["openai_base_url"], api_key="EMPTY", http_async_client=http, max_retries=0
+    ).bind_tools([get_weather])
+    generated = [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
+        "Sunny in Paris.<|im_end|>",
+    ]
+    queue.extend(generated)
+    history = [HumanMessage("Weather in Paris?")]
+    ai = await llm.ainvoke(history)
+    assert [c["name"] for c in ai.tool_calls] == ["get_weather"] and ai.tool_calls[0]["args"] == {"city": "Paris"}
+    history += [ai, ToolMessage(get_weather.invoke(ai.tool_calls[0]["args"]), tool_call_id=ai.tool_calls[0]["id"])]
+    final = await llm.ainvoke(history)
+    assert final.content == "Sunny in Paris."
+    first_prompt = model.decode([c for p in pods.pods.values() for c in p.calls][0][0], skip_special=False)
+    # LangChain orders the parameters' keys properties, required, type: the prompt renders that order.
+    assert '"parameters": {"properties": {"city"' in first_prompt
+    assert '"parameters": {"type": "object"' not in first_prompt
+    await _one_segment(app, http, s["session_id"], pods, model, generated)
+
+
 async def test_anthropic_tool_use_echo_of_compact_model_json_is_token_exact(gw, model):
     app, pods, queue, http = gw
     s = await _session(http)
