@@ -52,7 +52,6 @@ class ChatModel:
         self.image_token_id = _image_token_id(self.path)
         """The image placeholder token of a vision-language model; None: a text-only model (images are a 400)."""
         self._fast = getattr(self.tokenizer, "backend_tokenizer", None)
-        self._compiled = {has_tools: _compiled_template(self.tokenizer, has_tools) for has_tools in (False, True)}
         self._template_vars = dict(self.tokenizer.special_tokens_map)
         self._prompts: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()
         self.thinks = "</think>" in self.template
@@ -82,18 +81,7 @@ class ChatModel:
         return view
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        compiled = self._compiled[bool(tools)]
         try:
-            if compiled is not None:
-                # What apply_chat_template(tokenize=False) renders, without its per-call set-up (~25% of a render).
-                return compiled.render(
-                    messages=messages,
-                    tools=tools or None,
-                    documents=None,
-                    add_generation_prompt=generation_prompt,
-                    **self._template_vars,
-                    **self.template_kwargs,
-                )
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=list(tools) if tools else None,
@@ -101,10 +89,10 @@ class ChatModel:
                 add_generation_prompt=generation_prompt,
                 **self.template_kwargs,
             )
-            assert isinstance(text, str)  # tokenize=False renders text
-            return text
         except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ... on messages it cannot render
             raise bad_request(f"the model's chat template cannot render these messages: {exc}") from None
+        assert isinstance(text, str)  # tokenize=False renders text
+        return text
 
     _SENTINEL = "\x1fmolt-reply\x1f"
 
@@ -150,23 +138,6 @@ class ChatModel:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip_special)
         assert isinstance(text, str)  # one sequence in, one string out
         return text
-
-
-def _compiled_template(tokenizer: Any, has_tools: bool) -> Any:
-    """The jinja template apply_chat_template would use (it picks a "tool_use" variant when there are
-    tools), compiled once by transformers itself; None where that helper is missing (then the slow path)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return None
-    try:
-        template = _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
-    except Exception:  # noqa: BLE001 - e.g. several named templates and no default: apply_chat_template says why per request
-        return None
-    # jinja keeps a template's globals as a ChainMap over the environment's and copies it into a dict on every
-    # render (and again into a set of its keys): a third of a short render. The same names, flattened once.
-    template.globals = dict(template.globals)
-    return template
 
 
 def _template_variables(template: str) -> frozenset[str]:
