@@ -120,7 +120,6 @@ class StepEnvRunner(Runner):
                 observation_text = str(obs)
             reward, score, info = 0.0, None, {}
             turns, num_tokens, truncated, response_tokens = 0, 0, False, 0
-            warned_images = False
             while True:
                 sp = turn_params(params, cap)
                 out = await session.generate(**pending, sampling_params=sp.wire())
@@ -143,21 +142,23 @@ class StepEnvRunner(Runner):
                 info = result.info
                 truncated = truncated or length_cut or bool(result.truncated)
                 observation_text += state["action_text"] + (result.observation or "")
-                if result.images and not warned_images:
-                    log.warning(
-                        "%s returned images; the token-level session API is text-only, dropping them",
-                        self.env_cls.__name__,
+                # Each image sits where the model's image token is in the observation (as Molt's envs write it).
+                shown = [to_data_url(image, f"Result.images[{i}]") for i, image in enumerate(result.images or [])]
+                if shown and not result.observation:
+                    raise ValueError(
+                        f"{self.env_cls.__name__}.step returned images without an observation to show them in: "
+                        "put the model's image token in Result.observation where each image goes"
                     )
-                    warned_images = True
                 if result.sampling_params is not None:
                     params = SamplingParams.from_any(result.sampling_params, "Result.sampling_params")
                     cap = None
                 if result.terminated or result.truncated:
                     # Molt appends feedback even on the terminal turn (masked: it never enters the loss).
                     if result.observation and await gateway.can_append():
-                        num_tokens = int((await session.append(result.observation)).get("num_tokens", num_tokens))
+                        appended = await session.append(result.observation, shown)  # images dropped: no pod sees it
+                        num_tokens = int(appended.get("num_tokens", num_tokens))
                     break
-                pending = {"append_text": result.observation} if result.observation else {}
+                pending = {"append_text": result.observation, "images": shown} if result.observation else {}
             final_score = reward if score is None else first_scalar(score, "score")
             numeric = numeric_info(info)
             done = await episode.finish(session, reward, final_score, numeric)

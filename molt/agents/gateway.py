@@ -51,8 +51,10 @@ class Session:
         append_text: str | None = None,
         append_token_ids: list[int] | None = None,
         sampling_params: dict[str, Any] | None = None,
+        images: list[str] | None = None,
     ) -> dict[str, Any]:
-        """One token-level turn: append (masked) input, then generate an action span."""
+        """One token-level turn: append (masked) input, then generate an action span. ``images``: data URLs, one
+        per image token of the appended input, in order."""
         body: dict[str, Any] = {}
         if messages is not None:
             body["messages"] = messages
@@ -62,11 +64,14 @@ class Session:
             body["append_token_ids"] = append_token_ids
         if sampling_params is not None:
             body["sampling_params"] = sampling_params
+        if images:
+            body["images"] = images
         return await self._client.request("POST", f"/v1/sessions/{self.id}/generate", body)
 
-    async def append(self, text: str) -> dict[str, Any]:
-        """Append masked text without generating (a turn with max_tokens 0; see GatewayClient.can_append)."""
-        out = await self.generate(append_text=text, sampling_params={"max_tokens": 0})
+    async def append(self, text: str, images: list[str] | None = None) -> dict[str, Any]:
+        """Append masked text without generating (a turn with max_tokens 0; see GatewayClient.can_append). No pod
+        sees it, so the gateway drops ``images`` and their image tokens."""
+        out = await self.generate(append_text=text, sampling_params={"max_tokens": 0}, images=images)
         if out.get("token_ids"):
             raise GatewayError(
                 "POST",

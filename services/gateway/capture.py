@@ -211,10 +211,40 @@ class Capture:
         return [{"type": "image", "sha256": d, "data": self.image_data[d]} for d in seg.images]
 
     def plan_tokens(
-        self, model: ChatModel, messages: list[dict] | None, append_text: str | None, append_ids: list[int] | None
+        self,
+        model: ChatModel,
+        messages: list[dict] | None,
+        append_text: str | None,
+        append_ids: list[int] | None,
+        images: list[dict] | None = None,
+        append_only: bool = False,
     ) -> TurnPlan:
+        """``images``: the image parts of the appended input, one per image token in it, in order. An append-only
+        turn (nothing generated, so no pod expands them) drops its images and their image tokens, as Molt drops
+        the images of feedback that does not fit."""
         cur = self.current
         delta = (model.encode(append_text) if append_text else []) + list(append_ids or [])
+        new = list(images or [])
+        if new and messages is not None:
+            raise bad_request(
+                "'images' go with 'append_text' / 'append_token_ids'; in 'messages' use image parts", "images"
+            )
+        if new:
+            _images_for(model, [{"content": new}])  # a 400 for a text-only model
+        token = model.image_token_id
+        if append_only:
+            delta, new = [t for t in delta if t != token], []
+        elif new or (token is not None and token in delta):
+            assert token is not None  # _images_for refused images for a text-only model
+            if delta.count(token) != len(new):
+                raise GatewayError(
+                    400,
+                    f"the appended input holds {delta.count(token)} image tokens (the model's "
+                    f"{model.decode([token], skip_special=False)!r}) and 'images' {len(new)} images: send one image "
+                    "per image token, in order",
+                    code="image_placeholder_mismatch",
+                    param="images",
+                )
         if messages is not None:
             if cur is not None:
                 raise bad_request(
@@ -230,8 +260,10 @@ class Capture:
                     "the first turn needs 'messages' (or a raw prompt in 'append_text' / 'append_token_ids')",
                     "messages",
                 )
-            return TurnPlan(delta, delta, True, "first")
-        return TurnPlan(cur.sent_ids + delta, delta, False, "extend", images=self._segment_images(cur))
+            return TurnPlan(delta, delta, True, "first", images=new, new_images=len(new))
+        return TurnPlan(
+            cur.sent_ids + delta, delta, False, "extend", images=self._segment_images(cur) + new, new_images=len(new)
+        )
 
     def plan_completion(self, model: ChatModel, prompt: str | list[int]) -> TurnPlan:
         cur = self.current

@@ -13,7 +13,14 @@ from typing import Any
 
 from services.gateway import sampling
 from services.gateway.capture import ChatState, TurnPlan
-from services.gateway.chat import bad_request, parse_tool_calls, request_key, split_reasoning
+from services.gateway.chat import (
+    bad_request,
+    canonical_messages,
+    data_url_part,
+    parse_tool_calls,
+    request_key,
+    split_reasoning,
+)
 from services.gateway.errors import GatewayError
 from services.gateway.lifecycle import SessionLifecycle
 from services.gateway.pods import Generation, Pod, PodFailed
@@ -221,8 +228,6 @@ class Gateway(SessionLifecycle):
     async def token_turn(self, s: Session, body: dict) -> TurnResult:
         messages = body.get("messages")
         if messages is not None:
-            from services.gateway.chat import canonical_messages
-
             messages = canonical_messages(messages)
         text = body.get("append_text")
         if text is not None and not isinstance(text, str):
@@ -234,11 +239,16 @@ class Gateway(SessionLifecycle):
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
         ):
             raise bad_request(f"'append_token_ids' must be a list of token ids in [0, {vocab})", "append_token_ids")
+        images = body.get("images")
+        if images is not None and not isinstance(images, list):
+            raise bad_request("'images' must be a list of image data URLs (data:image/png;base64,...)", "images")
+        parts = [data_url_part(url, f"images[{i}]") for i, url in enumerate(images or [])]
         overrides = sampling.session_params(body.get("sampling_params"), vocab, turn=True)
         async with s.lock:
             if s.state != "open":
                 raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
-            plan = s.capture.plan_tokens(self.model, messages, text, ids)
+            append_only = overrides.get("max_tokens") == 0
+            plan = s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only)
             remaining = s.capture.check_room(plan, hard=False)
             if remaining <= 0:
                 # Contract: no room left -> finish "length" with no tokens; nothing is committed.
@@ -247,7 +257,7 @@ class Gateway(SessionLifecycle):
                 return TurnResult(
                     [], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0
                 )
-            if overrides.get("max_tokens") == 0:
+            if append_only:
                 # Append-only: Molt appends the env's feedback even after the terminal turn (masked, so it
                 # never reaches the loss but the trajectory holds the whole episode). Nothing is generated.
                 seg = s.capture.commit(plan, Generation([], [], "stop", self.policy_version, s.pod or ""), [])

@@ -29,9 +29,10 @@ INFO_KEYS = {
 
 
 @contextlib.asynccontextmanager
-async def molt_stack(model, redis_url: str, agents: list[str], monkeypatch):
-    """A rollout pod (1024-token context), the gateway and an env worker serving Molt's example ``agents``, in
-    this process; yields (the worker's URL, a reader of the trajectory stream)."""
+async def molt_stack(model, redis_url: str, agents: list[str], monkeypatch, extra: dict[str, Path] | None = None):
+    """A rollout pod (1024-token context), the gateway and an env worker serving Molt's example ``agents`` (and
+    the ``extra`` modules by name), in this process; yields (the worker's URL, a reader of the trajectory
+    stream)."""
     from rollout_testlib import tiny_settings
 
     from services.envs.app import build_app as build_worker
@@ -56,6 +57,7 @@ async def molt_stack(model, redis_url: str, agents: list[str], monkeypatch):
         }
         served.append(Served(build_gateway(GatewaySettings.model_validate(gateway)), "gateway"))
         modules = [f"{name}={MOLT_EXAMPLES / name}.py" for name in agents]
+        modules += [f"{name}={path}" for name, path in (extra or {}).items()]
         served.append(Served(build_worker(EnvsSettings(agent=modules, gateway={"url": served[1].url})), "env-worker"))
         yield served[2].url, reader
     finally:
@@ -114,3 +116,60 @@ async def test_molts_geo3k_modules_get_a_rows_image_and_the_trajectories_keep_it
         assert first.images == [digest]
         assert list(first.token_ids).count(image_token) == IMAGE_SEQ_LEN  # expanded as the model saw it
         assert set(traj.info) == INFO_KEYS["geo3k"]
+
+
+LOOKER = """
+from PIL import Image
+
+from molt.agents import Env, Result, StepEnvRunner
+
+
+class Looker(Env):
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, state):
+        self.turn += 1
+        image = Image.new("RGB", (40, 30), (60 * self.turn, 0, 0))
+        # The model's image token where the image goes, as Molt's envs write their feedback.
+        feedback = f"\\nuser: <image>look again ({self.turn})\\nassistant:"
+        return Result(reward=float(self.turn), observation=feedback, images=[image], terminated=self.turn == 2)
+
+
+class AgentRunner(StepEnvRunner):
+    def __init__(self):
+        super().__init__(Looker)
+"""
+
+
+async def test_an_envs_feedback_images_are_shown_on_its_next_turn_and_dropped_after_the_last(
+    tiny_idefics3, redis_url, monkeypatch, tmp_path
+):
+    """Result.images go to the pod with the feedback that holds their image tokens and into the trajectory; the
+    terminal feedback is appended without a generation, so its image and image token are dropped (as Molt drops
+    feedback images it cannot show)."""
+    from vl_testlib import data_url, image_bytes
+
+    from molt.models.tiny_vl import IMAGE_SEQ_LEN
+
+    (tmp_path / "looker.py").write_text(LOOKER)
+    png = image_bytes(4)
+    async with molt_stack(tiny_idefics3, redis_url, [], monkeypatch, {"looker": tmp_path / "looker.py"}) as (
+        worker,
+        reader,
+    ):
+        episode = {
+            "agent": "looker",
+            "prompt": [{"role": "user", "content": "<image>What is it?"}],
+            "group_id": "g-looker",
+            "sampling_params": SP,
+            "images": [data_url(png)],
+        }
+        [body] = await run_episodes(worker, [episode])
+        traj = (await reader.get({body["trajectory_id"]}, timeout_s=30))[body["trajectory_id"]]
+    assert body["turns"] == 2 and traj.reward == 3.0
+    [seg] = traj.segments
+    assert len(seg.images) == len(traj.images) == 2  # the row's image, then the first feedback's
+    assert seg.images[0] == hashlib.sha256(png).hexdigest()
+    image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
+    assert list(seg.token_ids).count(image_token) == 2 * IMAGE_SEQ_LEN

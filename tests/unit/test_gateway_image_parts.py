@@ -115,3 +115,22 @@ def test_images_to_a_text_only_model_are_refused(chat_model):
     ):
         err = _error(plan)
         assert err.code == "images_unsupported" and "text-only" in str(err)
+
+
+def test_token_turn_images_pair_with_the_image_tokens_of_the_appended_input(tiny_idefics3, chat_model):
+    """An Env's feedback images (``images`` beside ``append_text``): one per image token, in order; an append-only
+    turn drops both (no pod expands them); a text-only model refuses them."""
+    from services.gateway.chat import ChatModel
+
+    model = ChatModel(tiny_idefics3)
+    part = {"type": "image", "sha256": SHA, "data": B64}
+    cap = Capture(max_length=512)
+    first = cap.plan_tokens(model, None, "hi <image> there", None, [part])
+    assert first.new_images == 1 and first.images == [part] and first.prompt_ids.count(model.image_token_id) == 1
+    for text, images in (("two <image><image>", [part]), ("none", [part]), ("one <image>", [])):
+        err = _error(lambda: Capture(max_length=512).plan_tokens(model, None, text, None, images))  # noqa: B023
+        assert err.code == "image_placeholder_mismatch" and err.param == "images"
+    dropped = Capture(max_length=512).plan_tokens(model, None, "end <image>", None, [part], append_only=True)
+    assert dropped.images == [] and model.image_token_id not in dropped.prompt_ids
+    err = _error(lambda: Capture(max_length=512).plan_tokens(chat_model, None, "x", None, [part]))
+    assert err.code == "images_unsupported"
