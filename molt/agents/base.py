@@ -49,7 +49,8 @@ class Result:
     score: Any = None
     """Dynamic-filtering / dashboard score; defaults to the episode's reward."""
     images: list[Any] | None = None
-    """Next-turn images. The gateway's token API is text-only: images are dropped with a warning."""
+    """Step path: images shown with ``observation``, which holds the model's image token where each goes (a
+    terminal result's are dropped with their tokens: no later turn shows them)."""
     sampling_params: Any = None
     """Step path: replaces the sampling params (and the per-turn cap: its max_tokens) for the following turns.
     A ``SamplingParams``, a vLLM ``SamplingParams`` or a dict of the same names."""
