@@ -46,6 +46,9 @@ async def run_episode(request: Request) -> Response:
             "rate_limit_error",
             {"Retry-After": retry},
         )
+    if resp.status == "unavailable":  # an outage, not this episode's fault: the caller waits and sends it again
+        retry = str(request.app.state.settings.envs.retry_after_s)
+        return _error(503, f"episode stopped by an outage: {resp.error}", "unavailable", {"Retry-After": retry})
     return JSONResponse(resp.model_dump())
 
 

@@ -14,11 +14,12 @@ import logging
 import time
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.base import Episode, Runner, load_agent_runner, module_version
 from molt.agents.env import IMAGES_ON_TOKEN_PATH, StepEnvRunner
-from molt.agents.gateway import GatewayClient
+from molt.agents.gateway import GatewayClient, GatewayError
 from molt.images import from_data_url
 from molt.metrics import Metrics
 from molt.sampling import check_params
@@ -69,7 +70,8 @@ class EpisodeRequest(BaseModel):
 
 class EpisodeResponse(BaseModel):
     status: str
-    """"ok", "failed" (user code or gateway error) or "timeout"."""
+    """"ok", "failed" (user code or gateway error), "timeout", or "unavailable" (an outage stopped it: the
+    gateway or its pods unreachable or answering 502-504; HTTP 503, the dispatcher waits and reruns it)."""
     reward: float = 0.0
     score: float | None = None
     turns: int = 0
@@ -80,6 +82,25 @@ class EpisodeResponse(BaseModel):
     response_tokens: int = 0
     """Tokens the policy generated (Molt's eval response length)."""
     error: str | None = None
+
+
+OUTAGE_STATUS = (502, 503, 504)
+
+
+def is_outage(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) says a service was unavailable rather than the episode being wrong:
+    a connection that failed or broke, or a 502/503/504 (our gateway client's error or an SDK's status error:
+    a ChatAgent's openai / anthropic call fails with the gateway's 503 while no pod is healthy)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = exc.status if isinstance(exc, GatewayError) else getattr(exc, "status_code", None)
+        if status in OUTAGE_STATUS or isinstance(exc, httpx.TransportError):
+            return True
+        if type(exc).__name__ == "APIConnectionError":  # openai's and anthropic's (connection refused, reset)
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class Saturated(Exception):
@@ -172,6 +193,18 @@ class EpisodeWorker:
                     status="timeout",
                     trajectory_id=episode.trajectory_id,
                     error=f"episode exceeded --envs.episode_timeout_s={self.episode_timeout_s:g}",
+                )
+            if is_outage(exc):
+                log.warning(
+                    "episode %s (%s) stopped by an outage, session aborted (the dispatcher reruns it): %s",
+                    episode.trajectory_id,
+                    episode.env_name,
+                    f"{type(exc).__name__}: {exc}"[:300],
+                )
+                return EpisodeResponse(
+                    status="unavailable",
+                    trajectory_id=episode.trajectory_id,
+                    error=f"{type(exc).__name__}: {exc}"[:2000],
                 )
             log.exception("episode %s (%s) failed; session aborted", episode.trajectory_id, episode.env_name)
             return EpisodeResponse(

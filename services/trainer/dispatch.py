@@ -9,7 +9,8 @@ integer (the number of prompts dispatched), saved in checkpoints.
 ``POST /v1/episodes:run`` on the least-busy worker of ``--envs.urls``. A 429 waits its Retry-After
 and tries another replica (not counted as a failure); an unreachable worker (refused, reset, 502-504)
 is an outage, waited out with capped exponential backoff (``--envs.retry_backoff_s`` doubling up to
-``--envs.retry_backoff_max_s``) for as long as it lasts; an episode that ran and wrote no trajectory is
+``--envs.retry_backoff_max_s``) for as long as it lasts, and so is a worker's 503 for an episode that an
+outage behind it stopped (the gateway or its pods unavailable); an episode that ran and wrote no trajectory is
 retried up to ``--envs.max_retries`` times with the same backoff. The result is which samples of the
 group were written, which the controller hands to the group assembler.
 """
@@ -198,7 +199,7 @@ class EpisodeDispatcher:
             if outage is not None:
                 if url not in self.unreachable:  # once per outage, not once per episode
                     self.unreachable.add(url)
-                    log.warning("env worker %s unavailable (%s): episodes wait for it", url, outage)
+                    log.warning("env worker %s, or a service behind it, unavailable (%s): episodes wait", url, outage)
                 down.add(url)
                 self.outage_retries += 1
                 if len(down) >= len(self.inflight):  # every replica is down: back off, then try them all again

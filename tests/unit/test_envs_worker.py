@@ -26,6 +26,10 @@ AGENTS = textwrap.dedent("""
                 await asyncio.sleep(3600)
             if label == "slow":
                 await asyncio.sleep(0.3)
+            if label == "no pod":
+                from molt.agents.gateway import GatewayError
+
+                raise GatewayError("POST", "/v1/sessions/x/generate", 503, "no healthy rollout pod is available")
             return Result(reward=float(label == state["action_text"]))
 
     class AgentRunner(StepEnvRunner):
@@ -164,3 +168,45 @@ async def test_the_dispatcher_spreads_load_over_replicas(tmp_path):
         a.state.worker.metrics["molt_envs_episodes_total"].labels("echo", "ok")._value.get() for a in apps.values()
     ]
     assert sum(served) == 4 and min(served) >= 1  # both replicas took episodes
+
+
+async def test_an_episode_stopped_by_an_outage_is_a_503_to_wait_out_not_a_failure(setup):
+    fake, client = setup
+    r = await client.post("/v1/episodes:run", json=_req("no pod"))
+    assert r.status_code == 503 and r.headers["retry-after"] == "3"
+    assert "no healthy rollout pod" in r.json()["error"]["message"]
+    assert all(s.status == "aborted" for s in fake.sessions.values())  # nothing written
+
+
+def test_outages_are_told_from_episode_failures():
+    import anthropic
+    import openai
+
+    from molt.agents.gateway import GatewayError
+    from services.envs.worker import is_outage
+
+    request = httpx.Request("POST", "http://gw/v1/chat/completions")
+    answer = httpx.Response(503, request=request)
+    outages = [
+        GatewayError("POST", "/x", 503, "no healthy rollout pod"),
+        httpx.ConnectError("refused", request=request),
+        openai.InternalServerError("no pod", response=answer, body=None),  # a ChatAgent's SDK call
+        openai.APIConnectionError(request=request),
+        anthropic.APIConnectionError(request=request),
+    ]
+    for exc in outages:
+        assert is_outage(exc), exc
+    try:
+        try:
+            raise httpx.ReadError("reset", request=request)
+        except httpx.ReadError as inner:
+            raise RuntimeError("the agent wrapped it") from inner
+    except RuntimeError as wrapped:
+        assert is_outage(wrapped)
+    not_outages = [
+        GatewayError("POST", "/x", 400, "bad"),
+        ValueError("the env's own bug"),
+        openai.BadRequestError("bad", response=httpx.Response(400, request=request), body=None),
+    ]
+    for exc in not_outages:
+        assert not is_outage(exc), exc
