@@ -21,6 +21,7 @@ from typing import Any
 from molt.agents.base import Episode, Trajectory
 from molt.agents.base import _extract_generation_logprobs as extract_generation_logprobs
 from molt.agents.params import SamplingParams
+from molt.images import from_data_url
 
 
 class EngineSession:
@@ -28,11 +29,15 @@ class EngineSession:
         self.gw, self.traj = gw, traj
         self.id = uuid.uuid4().hex
         self.finished: dict | None = None
+        self.images: list[Any] = []
+        """Every image shown so far (PIL), which Molt hands the engine with each turn."""
 
     def _tokens(self, text: str) -> list[int]:
         return self.gw.tokenizer(text=text, add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
 
-    async def generate(self, *, messages=None, append_text=None, append_token_ids=None, sampling_params=None):
+    async def generate(
+        self, *, messages=None, append_text=None, append_token_ids=None, sampling_params=None, images=None
+    ):
         t = self.traj
         if messages is not None:
             append_text = self.gw.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -46,12 +51,16 @@ class EngineSession:
             t.rollout_log_probs += [0.0] * len(new)
         if (sampling_params or {}).get("max_tokens") == 0:  # append only (the terminal turn's feedback)
             return {"token_ids": [], "finish_reason": "stop", "num_tokens": len(t.observation_tokens)}
+        self.images += [from_data_url(url, f"images[{i}]") for i, url in enumerate(images or [])]
         sp = copy.deepcopy(self.gw.params)  # the caller's object, with this turn's values
         for k, v in (sampling_params or {}).items():
             setattr(sp, k, v)
         sp.max_tokens = min(sp.max_tokens or remaining, remaining)
         output, _off_policy = await self.gw.engine.generate(
-            t.observation_tokens, sp, multi_modal_data=None, session_id=self.id
+            t.observation_tokens,
+            sp,
+            multi_modal_data={"image": list(self.images)} if self.images else None,
+            session_id=self.id,
         )
         gen = output.outputs[0]
         ids = list(gen.token_ids)
@@ -67,7 +76,8 @@ class EngineSession:
             "num_tokens": len(t.observation_tokens),
         }
 
-    async def append(self, text: str) -> dict:
+    async def append(self, text: str, images: list[str] | None = None) -> dict:
+        """The terminal feedback, appended without a generation; its images are not shown (as the gateway)."""
         return await self.generate(append_text=text, sampling_params={"max_tokens": 0})
 
     async def finish(self, reward, score=None, info=None) -> dict:

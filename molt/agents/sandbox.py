@@ -180,8 +180,11 @@ def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[lis
             argv += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             argv += ["--ro-bind", d, d]
+    # The scratch tmpfs first: an interpreter that lives under /tmp (a venv in a checkout there) is bound on top
+    # of it below, instead of being hidden by it.
+    argv += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     roots = _read_only_roots()
-    parents = sorted({p for r in roots for p in _ancestors(r)})
+    parents = sorted({p for r in roots for p in _ancestors(r)} - {"/tmp"})
     for parent in parents:  # bwrap would create a bind's missing parents 0700: nobody could not reach it
         argv += ["--perms", "0755", "--dir", parent]
     for root in roots:
@@ -190,21 +193,7 @@ def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[lis
         argv += ["--ro-bind-try", f, f]
     if with_proc:
         argv += ["--proc", "/proc"]
-    argv += [
-        "--dev",
-        "/dev",
-        "--perms",
-        "1777",
-        "--size",
-        str(tmp_bytes),
-        "--tmpfs",
-        "/tmp",
-        "--remount-ro",
-        "/",
-        "--chdir",
-        "/tmp",
-        "--",
-    ]
+    argv += ["--dev", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
     return argv, switch_uid
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -55,8 +55,8 @@ def write_hf_dir(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A name of its own: two runs may write their final models to the same folder (Molt's default ./ckpt).
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)

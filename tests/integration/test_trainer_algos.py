@@ -232,6 +232,8 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
         "1",
         "--logger.steps_jsonl",
         str(log),
+        "--ckpt.path",  # its final model goes next to it, not into the working directory
+        str(tmp_path / "ckpt" / "checkpoints"),
     )
     trainer = Trainer(s, world, queue=queue)
     try:

@@ -131,6 +131,8 @@ def test_dispatch_trains_every_group_and_respects_the_staleness_bound(tiny_qwen3
             "torch",
             "--logger.steps_jsonl",
             str(audit),
+            "--ckpt.path",  # its final model goes next to it, not into the working directory
+            str(tmp_path / "ckpt" / "checkpoints"),
         ],
         environ={},
     )

@@ -91,7 +91,7 @@ class Producer(threading.Thread):
         await q.close()
 
 
-def test_mean_reward_rises_through_the_stream(tiny_qwen3, redis_url, stream_name):
+def test_mean_reward_rises_through_the_stream(tiny_qwen3, redis_url, stream_name, tmp_path):
     settings = parse_settings(
         TrainerSettings,
         [
@@ -120,6 +120,8 @@ def test_mean_reward_rises_through_the_stream(tiny_qwen3, redis_url, stream_name
             "--train.force_sync_mode",
             "--train.num_steps",
             str(STEPS),
+            "--ckpt.path",  # its final model goes next to it, not into the working directory
+            str(tmp_path / "ckpt" / "checkpoints"),
             "--fsdp.strategy",
             "torch",
             "--algo.advantage.is_correction_level",

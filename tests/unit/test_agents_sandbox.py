@@ -217,3 +217,16 @@ async def test_the_env_workers_flag_reaches_the_tool_calls(monkeypatch):
         "ConnectionRefusedError"
         in (await run_python("import socket\nsocket.create_connection(('127.0.0.1', 9))")).stderr
     )
+
+
+def test_an_interpreter_under_tmp_is_bound_over_the_scratch_tmpfs_not_hidden_by_it(monkeypatch):
+    """A checkout under /tmp (its venv there): the tmpfs comes first and the venv is bound on top of it, and /tmp
+    keeps its 1777 mode (the sandbox user writes its scratch files there)."""
+    monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/ci/.venv")
+    argv, _ = sandbox._bwrap_argv("bwrap", 1 << 20)
+    tmpfs = argv.index("--tmpfs")
+    bind = next(i for i in range(len(argv) - 2) if argv[i : i + 3] == ["--ro-bind", "/tmp/ci/.venv", "/tmp/ci/.venv"])
+    assert argv[tmpfs + 1] == "/tmp" and tmpfs < bind
+    assert ["--dir", "/tmp"] not in [argv[i : i + 2] for i in range(len(argv) - 1)]
+    pairs = [argv[i : i + 2] for i in range(tmpfs, len(argv) - 1)]
+    assert ["--dir", "/tmp/ci"] in pairs  # its parent made reachable (0755) inside the tmpfs
