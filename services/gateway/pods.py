@@ -67,6 +67,26 @@ class PodFailed(Exception):
         self.reason = reason
 
 
+def _pod_error_fields(answer: dict | bytes) -> tuple[str, str | None]:
+    """The pod's error ``code`` (e.g. ``invalid_image``) and its ``param`` in the client's terms: a sampling
+    field keeps its name, an image is in ``messages``; a field the client did not name itself (the prompt's
+    token ids, a constraint built from response_format or tool_choice) is left unnamed."""
+    try:
+        error = json.loads(answer)["error"] if isinstance(answer, bytes) else answer["error"]
+        code, param = error.get("code"), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "invalid_request", None
+    if isinstance(param, str) and param.startswith("images"):
+        param = "messages"
+    elif isinstance(param, str) and param.startswith("sampling_params."):
+        param = param.removeprefix("sampling_params.")
+    else:
+        param = None
+    if param == "structured_outputs":
+        param = None
+    return (code if isinstance(code, str) and code else "invalid_request"), param
+
+
 def _error_text(answer: dict | bytes) -> str:
     """A pod error's message: from the OpenAI error object of a stream answer line or a JSON body, else the raw
     text."""
@@ -203,7 +223,8 @@ class PodPool:
             self.set_health(pod, False, f"HTTP {status}")
             raise PodFailed(pod, f"HTTP {status}: {_error_text(answer)}")
         if status >= 400:
-            raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code="invalid_request")
+            code, param = _pod_error_fields(answer)
+            raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code=code, param=param)
         try:
             data = json_loads(answer) if isinstance(answer, bytes) else answer
             version = int(data.get("policy_version", 0))

@@ -154,19 +154,23 @@ def _part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-BAD = [
-    ([_part("data:image/png;base64," + base64.b64encode(b"not an image").decode())], "not a decodable image"),
-    ([_part(data_url(image_bytes(0, fmt="BMP")))], "BMP"),
-    ([_part(data_url(image_bytes(0), "image/bmp"))], "unsupported image media type"),
-    ([_part("data:image/png;base64,@@@")], "not valid base64"),
-    ([_part("https://example.com/cat.png")], "not fetched"),
-    ([_part(data_url(image_bytes(0, size=(300, 300))))], "pixels"),
-    ([_part(data_url(image_bytes(i))) for i in range(4)], "at most 3"),
+BAD = [  # (parts, what the message says, the pod's error code when the pod is the one that refuses)
+    (
+        [_part("data:image/png;base64," + base64.b64encode(b"not an image").decode())],
+        "not a decodable image",
+        "invalid_image",
+    ),
+    ([_part(data_url(image_bytes(0, fmt="BMP")))], "BMP", "unsupported_image_format"),
+    ([_part(data_url(image_bytes(0), "image/bmp"))], "unsupported image media type", None),
+    ([_part("data:image/png;base64,@@@")], "not valid base64", None),
+    ([_part("https://example.com/cat.png")], "not fetched", None),
+    ([_part(data_url(image_bytes(0, size=(300, 300))))], "pixels", "image_too_large"),
+    ([_part(data_url(image_bytes(i))) for i in range(4)], "at most 3", "too_many_images"),
 ]
 
 
-@pytest.mark.parametrize("parts, problem", BAD, ids=[p for _, p in BAD])
-def test_bad_images_are_a_400_and_nothing_is_written(stack, parts, problem):
+@pytest.mark.parametrize("parts, problem, pod_code", BAD, ids=[p for _, p, _ in BAD])
+def test_bad_images_are_a_400_and_nothing_is_written(stack, parts, problem, pod_code):
     session = _open(stack)
     body = {
         "model": "m",
@@ -176,6 +180,8 @@ def test_bad_images_are_a_400_and_nothing_is_written(stack, parts, problem):
     r = httpx.post(session["openai_base_url"] + "/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert problem in r.json()["error"]["message"], r.json()
+    if pod_code is not None:  # the pod's code comes through, and the field is the client's: its messages
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (pod_code, "messages"), r.json()
     assert _finish(stack, session["session_id"])["written"] is False
     assert _trajectory(stack, session["session_id"]) is None
 
