@@ -52,6 +52,8 @@ def test_restarted_pod_joins_at_the_trainers_version_and_staleness_stays_bounded
         "--rollout.grpc_targets",
         *fleet.grpc_targets,
         *grpo_run_flags(N, PROMPTS),
+        "--ckpt.path",  # its final model goes next to it, not into the working directory
+        str(tmp_path / "ckpt" / "checkpoints"),
         "--train.async_queue_size",
         str(QUEUE),
         "--fsdp.strategy",

@@ -43,6 +43,8 @@ def _flags(model, redis_url, stream, dataset, envs_url, pod_url, audit_path) -> 
         "--rollout.urls",
         pod_url,
         *grpo_run_flags(N, PROMPTS),
+        "--ckpt.path",  # its final model goes next to it, not into the working directory
+        str(audit_path.parent / "ckpt" / "checkpoints"),
         "--fsdp.strategy",
         "torch",
         "--logger.steps_jsonl",
