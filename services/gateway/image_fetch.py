@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 
+from molt.images import MEDIA_TYPES
 from services.gateway.chat import bad_request
 from services.gateway.config import FetchConfig
 
-MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 MAX_REDIRECTS = 3
 
 

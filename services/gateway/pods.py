@@ -78,11 +78,9 @@ def _pod_error_fields(answer: dict | bytes) -> tuple[str, str | None]:
         return "invalid_request", None
     if isinstance(param, str) and param.startswith("images"):
         param = "messages"
-    elif isinstance(param, str) and param.startswith("sampling_params."):
+    elif isinstance(param, str) and param.startswith("sampling_params.") and "structured_outputs" not in param:
         param = param.removeprefix("sampling_params.")
     else:
-        param = None
-    if param == "structured_outputs":
         param = None
     return (code if isinstance(code, str) and code else "invalid_request"), param
 

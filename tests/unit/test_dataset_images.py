@@ -50,7 +50,11 @@ def test_every_form_of_a_dataset_image_becomes_a_data_url_of_the_same_pixels(tmp
 def test_what_is_not_an_image_is_an_error_naming_where(value, match):
     with pytest.raises(ValueError, match=match):
         to_data_url(value, "images[0]")
-    # A data URL is passed on as it is; the env worker decodes it (its 400 when it is no image).
+
+
+def test_a_data_url_is_passed_on_and_decoded_where_it_is_used():
+    # The env worker decodes every image of a request (its 400 when one is no image).
+    assert to_data_url("data:image/png;base64,@@@", "images[0]") == "data:image/png;base64,@@@"
     with pytest.raises(ValueError, match="not valid base64"):
         from_data_url("data:image/png;base64,@@@", "images[0]")
 
