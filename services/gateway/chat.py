@@ -201,7 +201,15 @@ def text_of(content: Any, where: str) -> str | list[dict]:
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 out.append(data_url_part(url, f"{where}[{j}].image_url"))
-            elif isinstance(part, dict) and part.get("type") in ("image", "input_audio", "file"):
+            elif isinstance(part, dict) and part.get("type") == "input_image":  # the Responses wire's image part
+                if part.get("image_url") is None and part.get("file_id") is not None:
+                    raise bad_request(
+                        f"{where}[{j}].file_id: uploaded files are not supported; send the image as "
+                        "image_url (a data URL: data:image/png;base64,...)",
+                        f"{where}[{j}].file_id",
+                    )
+                out.append(data_url_part(part.get("image_url"), f"{where}[{j}].image_url"))
+            elif isinstance(part, dict) and part.get("type") in ("image", "input_audio", "file", "input_file"):
                 raise bad_request(
                     f"{where}: {part['type']} parts are not supported; send images as "
                     "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}",
@@ -257,7 +265,7 @@ def data_url_part(url: Any, where: str) -> dict:
     """``data:image/png;base64,...`` -> an image part. Other URLs are refused (with --gateway.fetch_images they
     were fetched and inlined before parsing: services/gateway/image_fetch.py)."""
     if not isinstance(url, str):
-        raise bad_request(f"{where}: expected {{'url': 'data:image/...;base64,...'}}", where)
+        raise bad_request(f"{where}: expected an image URL string (data:image/png;base64,...)", where)
     head, sep, data = url.partition(",")
     if url.startswith(("http://", "https://")):
         raise bad_request(
@@ -294,8 +302,10 @@ def canonical_tool_call(call: Any, where: str) -> dict:
     }
 
 
-def canonical_message(msg: Any, i: int) -> dict:
-    where = f"messages[{i}]"
+def canonical_message(msg: Any, i: int, where: str | None = None, content_where: str | None = None) -> dict:
+    """One OpenAI chat message, canonical. ``where`` / ``content_where`` name the message and its content in
+    the client's body for errors (another wire's names: the Responses wire's ``input[i].output``)."""
+    where = where or f"messages[{i}]"
     if not isinstance(msg, dict):
         raise bad_request(f"{where}: each message must be an object with 'role' and 'content'", where)
     role = msg.get("role")
@@ -303,7 +313,7 @@ def canonical_message(msg: Any, i: int) -> dict:
         role = "system"
     if role not in ROLES:
         raise bad_request(f"{where}.role: must be one of {list(ROLES)} (or 'developer'), got {role!r}", where)
-    out: dict[str, Any] = {"role": role, "content": text_of(msg.get("content"), f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": text_of(msg.get("content"), content_where or f"{where}.content")}
     if role == "assistant" and msg.get("tool_calls"):
         calls = msg["tool_calls"]
         if not isinstance(calls, list):
@@ -316,10 +326,13 @@ def canonical_message(msg: Any, i: int) -> dict:
     return out
 
 
-def canonical_messages(messages: Any) -> list[dict]:
+def canonical_messages(messages: Any, wheres: list[tuple[str, str]] | None = None) -> list[dict]:
+    """``wheres``: each message's (where, content where) in the client's body, when it is not ``messages``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
-    return [canonical_message(m, i) for i, m in enumerate(messages)]
+    if wheres is None:
+        return [canonical_message(m, i) for i, m in enumerate(messages)]
+    return [canonical_message(m, i, *w) for i, (m, w) in enumerate(zip(messages, wheres, strict=True))]
 
 
 def canonical_tools(tools: Any) -> list[dict] | None:

@@ -119,15 +119,18 @@ def _bracket_ipv6(url: str) -> str:
 
 class FetchConfig(Section):
     fetch_images: bool = False
-    """Fetch the http(s) image URLs clients send (OpenAI ``image_url``, Anthropic ``url`` sources) and inline
-    the files. Off: such URLs are a 400. The gateway then fetches any URL a client names, internal addresses
-    included: turn it on only where its egress is restricted (e.g. a NetworkPolicy)."""
+    """Fetch the http(s) image URLs clients send (OpenAI ``image_url``, Responses ``input_image``, Anthropic
+    ``url`` sources) and inline the files. Off: such URLs are a 400. On: public hosts only, or the hosts of
+    ``--gateway.fetch_allow_hosts``; restrict the gateway's egress too (e.g. a NetworkPolicy)."""
     fetch_timeout_s: float = Field(10.0, gt=0)
     """Longest one image fetch may take (connect, redirects and body)."""
     fetch_max_bytes: int = Field(10 << 20, gt=0)
     """Largest image file fetched; a longer body is a 400 as soon as it passes this."""
     fetch_max_images: int = Field(16, gt=0)
     """Most image URLs one request may name."""
+    fetch_allow_hosts: list[str] = Field(default_factory=list)
+    """Hosts image URLs may name (exact names, or ``*.domain``), wherever they resolve. Empty: any host whose
+    addresses are all public (loopback, private and link-local ones, cloud metadata included, are refused)."""
 
 
 class GatewaySettings(Section):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import sampling, tool_choice
-from services.gateway.chat import bad_request, canonical_messages, canonical_tools, new_id, text_of
+from services.gateway.chat import bad_request, canonical_messages, canonical_tools, new_id
 from services.gateway.errors import GatewayError
 from services.gateway.openai_wire import response_format
 from services.gateway.session import TurnResult
@@ -58,17 +58,20 @@ class ResponsesRequest:
     echo: dict  # request fields the response repeats
 
 
-def _items(raw: Any) -> list[dict]:
+def _items(raw: Any) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Chat messages (content as sent: ``canonical_messages`` reads the parts) and where each came from."""
     if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
+        return [{"role": "user", "content": raw}], [("input", "input")]
     if not isinstance(raw, list) or not raw:
         raise bad_request("'input' must be a string or a non-empty list of items", "input")
     out: list[dict] = []
+    wheres: list[tuple[str, str]] = []
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            out.append({"role": item.get("role"), "content": text_of(item.get("content"), where + ".content")})
+            out.append({"role": item.get("role"), "content": item.get("content")})
+            wheres.append((where, where + ".content"))
         elif kind == "function_call":
             call = {
                 "id": str(item.get("call_id") or ""),
@@ -80,22 +83,17 @@ def _items(raw: Any) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                wheres.append((where, where))
         elif kind == "function_call_output":
-            output = item.get("output")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(item.get("call_id") or ""),
-                    "content": output if isinstance(output, str) else text_of(output, where + ".output"),
-                }
-            )
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": item.get("output")})
+            wheres.append((where, where + ".output"))
         else:
             raise bad_request(
                 f"{where}: unsupported item type {kind!r} (message, function_call and "
                 "function_call_output are supported)",
                 where,
             )
-    return out
+    return out, wheres
 
 
 def parse_responses(body: dict) -> ResponsesRequest:
@@ -119,7 +117,12 @@ def parse_responses(body: dict) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + _items(body.get("input"))
+    messages, wheres = _items(body.get("input"))
+    if instructions:
+        messages, wheres = (
+            [{"role": "system", "content": instructions}, *messages],
+            [("instructions", "instructions"), *wheres],
+        )
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
@@ -156,7 +159,7 @@ def parse_responses(body: dict) -> ResponsesRequest:
             echo[k] = body[k]
     echo["tools"] = body.get("tools") or []
     return ResponsesRequest(
-        canonical_messages(messages),
+        canonical_messages(messages, wheres),
         tools,
         {k: v for k, v in overrides.items() if v is not None},
         sampling.flag(body, "stream"),

@@ -150,6 +150,23 @@ def test_anthropic_base64_image_block(stack):
     _check_reproducible(stack, _trajectory(stack, session["session_id"]), [a])
 
 
+def test_responses_input_image_through_the_openai_sdk(stack):
+    a = image_bytes(4)
+    session = _open(stack)
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key="x")
+    content = [{"type": "input_image", "image_url": data_url(a)}, {"type": "input_text", "text": "What is it?"}]
+    client.responses.create(model="m", max_output_tokens=5, input=[{"role": "user", "content": content}])
+    assert _finish(stack, session["session_id"])["written"] is True
+    _check_reproducible(stack, _trajectory(stack, session["session_id"]), [a])
+
+    session = _open(stack)
+    bad = [{"type": "input_image", "file_id": "file-123"}, {"type": "input_text", "text": "hi"}]
+    body = {"model": "m", "max_output_tokens": 3, "input": [{"role": "user", "content": bad}]}
+    r = httpx.post(session["openai_base_url"] + "/responses", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].file_id", r.text
+    assert _finish(stack, session["session_id"])["written"] is False
+
+
 def _part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
@@ -227,6 +244,7 @@ def fetching(stack, tmp_path_factory):
     """A second gateway on the same pod and stream, with --gateway.fetch_images."""
     args = ["--model", str(stack["model"]), "--rollout.urls", stack["pod"], "--redis.url", stack["redis"]]
     args += ["--redis.stream", stack["stream"], "--session.max_length", "512", "--gateway.fetch_images"]
+    args += ["--gateway.fetch_allow_hosts", "127.0.0.1"]  # the image server is on loopback, refused by default
     gw, url = start_gateway(args, tmp_path_factory.mktemp("gw-fetch") / "gateway.log")
     try:
         yield {**stack, "url": url}
@@ -250,6 +268,14 @@ def test_with_fetch_images_url_images_are_fetched_and_recorded_on_both_wires(fet
     )
     assert _finish(fetching, session["session_id"])["written"] is True
     _check_reproducible(fetching, _trajectory(fetching, session["session_id"]), [files["/cat.png"]])
+
+    session = _open(fetching)
+    content = [{"type": "input_image", "image_url": f"{base}/dog.jpg"}, {"type": "input_text", "text": "Hi."}]
+    openai.OpenAI(base_url=session["openai_base_url"], api_key="x").responses.create(
+        model="m", max_output_tokens=5, input=[{"role": "user", "content": content}]
+    )
+    assert _finish(fetching, session["session_id"])["written"] is True
+    _check_reproducible(fetching, _trajectory(fetching, session["session_id"]), [files["/dog.jpg"]])
 
 
 @pytest.mark.parametrize(

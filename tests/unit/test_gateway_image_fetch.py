@@ -14,7 +14,7 @@ from PIL import Image
 from molt.net import free_port
 from services.gateway.config import FetchConfig
 from services.gateway.errors import GatewayError
-from services.gateway.image_fetch import ImageFetcher
+from services.gateway.image_fetch import ImageFetcher, host_allowed
 from tests.gateway_testlib import file_server
 
 
@@ -45,6 +45,8 @@ def server():
 
 
 def _inline(body: dict, **cfg) -> dict:
+    cfg.setdefault("fetch_allow_hosts", ["127.0.0.1"])  # the test server is on loopback, refused by default
+
     async def go():
         fetcher = ImageFetcher(FetchConfig(fetch_images=True, **cfg))
         try:
@@ -97,3 +99,51 @@ def test_each_failure_is_a_400_naming_the_part(server):
     assert "could not fetch" in str(_error(_chat(f"http://127.0.0.1:{free_port()}/a.png")))  # refused
     err = _error(_chat(*[f"{base}/a.png"] * 3), fetch_max_images=2)
     assert "--gateway.fetch_max_images is 2" in str(err)
+
+
+def test_responses_input_image_urls_are_fetched_in_input_items_and_tool_outputs(server):
+    base, _ = server
+    body = {
+        "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": f"{base}/a.png"}]},
+            {
+                "type": "function_call_output",
+                "call_id": "c",
+                "output": [{"type": "input_image", "image_url": f"{base}/a.png"}],
+            },
+        ]
+    }
+    out = _inline(body)["input"]
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    assert out[0]["content"][0]["image_url"] == url and out[1]["output"][0]["image_url"] == url
+    err = _error({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": f"{base}/nope.png"}]}]})
+    assert err.param == "input[0].content[0].image_url"
+
+
+def test_by_default_only_public_hosts_are_fetched_every_redirect_hop_too(server):
+    base, hits = server
+    before = len(hits)
+    for url in (
+        f"{base}/a.png",
+        "http://localhost:9/a.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]:9/a",
+    ):
+        err = _error(_chat(url), fetch_allow_hosts=[])
+        assert "non-public address" in str(err) and "--gateway.fetch_allow_hosts" in str(err), str(err)
+    assert len(hits) == before  # refused before any connection
+    err = _error(_chat(f"{base}/a.png"), fetch_allow_hosts=["images.example.com"])
+    assert "127.0.0.1 is not in --gateway.fetch_allow_hosts" in str(err)
+
+
+def test_a_redirect_to_a_host_off_the_list_is_refused():
+    with file_server(lambda path: (302, {"location": "http://169.254.169.254/x.png"}, b"")) as url:
+        err = _error(_chat(f"{url}/go"))
+    assert "169.254.169.254 is not in --gateway.fetch_allow_hosts" in str(err)
+
+
+def test_host_allowed_matches_names_and_wildcard_domains():
+    allow = ["cdn.example.com", "*.images.example.org"]
+    assert host_allowed("CDN.example.com.", allow) and host_allowed("a.b.images.example.org", allow)
+    assert not host_allowed("images.example.org", allow) and not host_allowed("evilcdn.example.com", allow)
+    assert not host_allowed("xcdn.example.com", allow)
