@@ -112,7 +112,7 @@ class ImageFetcher:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError:
             return  # unresolvable: the connection fails and says so
-        private = sorted({info[4][0] for info in infos if _not_public(info[4][0])})
+        private = sorted({str(info[4][0]) for info in infos if _not_public(str(info[4][0]))})
         if private:
             raise _HostRefused(
                 f"{host} resolves to a non-public address ({private[0]}); name it in --gateway.fetch_allow_hosts "
