@@ -15,7 +15,6 @@ group until ``timeout_s`` (then the group is dead and must be set up again).
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +59,13 @@ class Collective:
         self.store = None
 
 
-def _gloo(store, rank: int, world_size: int, group_name: str, timeout_s: float, host: str):
+def _gloo(store, rank: int, world_size: int, group_name: str, timeout_s: float):
+    """torch's public gloo constructor, as ``init_process_group`` builds one: its network device is the address
+    this host's name resolves to, or the interface named by ``GLOO_SOCKET_IFNAME`` (set it on multi-NIC hosts)."""
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # gloo's device list is set only here
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
-    return ProcessGroupGloo(PrefixStore(f"molt-weightsync/{group_name}", store), rank, world_size, opts)
+    prefixed = PrefixStore(f"molt-weightsync/{group_name}", store)
+    return ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
 
 
 def host_store(host: str, world_size: int, timeout_s: float, port: int = 0):
@@ -88,7 +87,6 @@ def join(
     group_name: str,
     timeout_s: float = 120.0,
     store=None,
-    bind_host: str | None = None,
 ) -> Collective:
     """Join (blocking until every rank has joined) a standalone group. Rank 0 passes its own store."""
     if backend not in BACKENDS:
@@ -100,8 +98,7 @@ def join(
             store = TCPStore(
                 master_addr, master_port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
             )
-        host = bind_host or ("127.0.0.1" if master_addr in ("127.0.0.1", "localhost") else socket.gethostname())
-        group = _gloo(store, rank, world_size, group_name, timeout_s, host)
+        group = _gloo(store, rank, world_size, group_name, timeout_s)
         return Collective("gloo", rank, world_size, group, torch.device("cpu"), store)
     # nccl: one GPU per process (the pod's engine GPU / the trainer's rank-0 GPU).
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator

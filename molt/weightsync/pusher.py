@@ -376,7 +376,7 @@ class WeightPusher:
         name = uuid.uuid4().hex[:12]
         loop = asyncio.get_running_loop()
         mine = loop.run_in_executor(
-            None, lambda: coll.join(backend, host, port, 0, world, name, timeout_s, store=store, bind_host=host)
+            None, lambda: coll.join(backend, host, port, 0, world, name, timeout_s, store=store)
         )
         reqs = [
             pb.InitCollectiveRequest(
