@@ -32,8 +32,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from uvicorn.config import HTTP_PROTOCOLS
-from uvicorn.importer import import_from_string
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from molt.config import ServerConfig
 from molt.net import listening_socket
@@ -165,9 +164,10 @@ def raise_fd_limit() -> None:
         pass
 
 
-# The protocol class uvicorn loads for http="httptools", looked up by that name in uvicorn's own table; the
-# slow-client guard wraps it and hands it back through Config's documented http= argument (a protocol class).
-HTTPTOOLS = import_from_string(HTTP_PROTOCOLS["httptools"])
+# uvicorn's httptools protocol, the class its http="httptools" loads. The slow-client guard wraps it (by
+# composition: only asyncio.Protocol's methods are called) and hands it back through Config's http= argument,
+# which takes a protocol class.
+HTTPTOOLS = HttpToolsProtocol
 
 
 def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> uvicorn.Config:
