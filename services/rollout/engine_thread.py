@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import math
+import multiprocessing
 import os
 import queue
 import threading
@@ -57,6 +58,9 @@ class _Job:
     stop_reason: int | str | None = None
     routed_experts: Any = None
 
+
+ENGINE_CHECK_S = 1.0
+"""How often the pod checks that vLLM's engine processes (``--vllm.multiprocessing``) are alive."""
 
 _NO_RESULT = object()  # marks fire-and-forget engine commands (requests resolve through their group)
 
@@ -124,6 +128,8 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._llm = None
         self._multiprocess = False
+        self._engine_procs: list[multiprocessing.process.BaseProcess] = []
+        self._watchdog: asyncio.Future | None = None
         self._limits: Limits | None = None
         self.image_limits: ImageLimits | None = None
         self._gate: asyncio.Event | None = None
@@ -174,6 +180,8 @@ class EngineThread:
         await asyncio.wrap_future(started)
         if not self._multiprocess:
             EngineThread._open_inprocess = self
+        if self._engine_procs:
+            self._watchdog = asyncio.ensure_future(self._watch_engine_processes())
         assert self._llm is not None  # the engine thread built it before resolving `started`
         cfg = self._llm.model_config
         self._limits = Limits(
@@ -209,11 +217,29 @@ class EngineThread:
         assert self.dead is not None
         return self.dead
 
+    async def _watch_engine_processes(self) -> None:
+        """An engine process that exits (killed by the OOM killer, a crash) is the engine's death: vLLM's client
+        noticed nothing while idle and, mid-step, left the engine thread waiting for an answer that never comes.
+        Fail every waiter with a 503 and let the pod exit (``wait_failed``)."""
+        while self.dead is None:
+            await asyncio.sleep(ENGINE_CHECK_S)
+            gone = [p for p in self._engine_procs if not p.is_alive()]
+            if gone and self.dead is None:
+                self.dead = RuntimeError(
+                    f"vLLM's engine process {gone[0].pid} ({gone[0].name}) exited with code {gone[0].exitcode}"
+                )
+                log.error("%s", self.dead)
+                self._fail_inflight(self.dead)
+                self._failed.set()
+
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._thread is None:
             return
         self._cmds.put(None)
-        await asyncio.to_thread(self._thread.join, 60)
+        # An engine thread stuck in a step whose engine process is gone never returns: do not wait long for it.
+        await asyncio.to_thread(self._thread.join, 2 if self.failed else 60)
         self._thread = None
         if EngineThread._open_inprocess is self:
             EngineThread._open_inprocess = None
@@ -269,6 +295,7 @@ class EngineThread:
         env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0"}
         if args["kv_cache_memory_bytes"] is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = None
+        before = set(multiprocessing.active_children())
         with _env(**env):
             vllm_config = engine_args.create_engine_config()
             llm = LLMEngine(
@@ -279,6 +306,8 @@ class EngineThread:
                 multiprocess_mode=mp,
             )
         self._multiprocess = mp
+        # vLLM starts its engine processes with multiprocessing; those are the ones this pod depends on.
+        self._engine_procs = [p for p in multiprocessing.active_children() if p not in before] if mp else []
         return llm
 
     # ---- engine thread
