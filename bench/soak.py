@@ -55,6 +55,7 @@ class Auditor:
         self.redis_url, self.stream = redis_url, stream
         self.seen: dict[str, tuple[str, bytes]] = {}
         self.errors = 0
+        self.recovered = 0  # entries read back from its own pending list after a fault cut a read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self._thread.start()
@@ -63,9 +64,18 @@ class Auditor:
         from molt.bus.redis_stream import RedisTrajectoryQueue
 
         q = RedisTrajectoryQueue(self.redis_url, self.stream, group="soak-audit")
+        # A read cut by a fault (Redis killed between XREADGROUP and its reply reaching us, or before the read's
+        # second round trip) leaves entries delivered to this consumer that it never saw: after any error, read
+        # its own pending entries first, as the trainer does on start.
+        recover = False
         while not self._stop.is_set():
             try:
-                batch = await q.read("audit", 256, block_s=0.5)
+                if recover:
+                    batch = await q.read_pending("audit", 256)
+                    recover = bool(batch)
+                    self.recovered += len(batch)
+                else:
+                    batch = await q.read("audit", 256, block_s=0.5)
                 for d in batch:
                     t = d.trajectory
                     seg = t.segments[0]
@@ -75,6 +85,7 @@ class Auditor:
                     await q.ack(batch)
             except Exception:  # noqa: BLE001 (Redis is down, a fault: counted, read again once it is back)
                 self.errors += 1
+                recover = True
                 await asyncio.sleep(0.5)
         await q.close()
 
@@ -436,6 +447,8 @@ def soak(
         failure=failure,
         faults=sum("killed" in e for e in events),
         faults_not_reached=[name for _, name in plan],
+        audit_read_errors=auditor.errors if auditor else None,
+        audit_recovered=auditor.recovered if auditor else None,
         events=events,
         gateway_requests_by_code=gateway_codes.total(),
         episodes_by_status=episode_statuses.total(),
