@@ -57,6 +57,7 @@ class Auditor:
         self.errors = 0
         self.recovered = 0  # entries read back from its own pending list after a fault cut a read
         self._stop = threading.Event()
+        self._draining = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self._thread.start()
 
@@ -83,6 +84,8 @@ class Auditor:
                     self.seen[t.trajectory_id] = (t.group_id, prompt)
                 if batch:
                     await q.ack(batch)
+                elif self._draining.is_set() and not recover:
+                    break
             except Exception:  # noqa: BLE001 (Redis is down, a fault: counted, read again once it is back)
                 self.errors += 1
                 recover = True
@@ -90,6 +93,9 @@ class Auditor:
         await q.close()
 
     def stop(self) -> None:
+        """Read until the stream has nothing new (the services are stopped by then), then stop."""
+        self._draining.set()
+        self._thread.join(30)
         self._stop.set()
         self._thread.join(10)
 
@@ -429,14 +435,15 @@ def soak(
                 progress_at = time.monotonic()  # the stall clock runs from the service's return
             time.sleep(0.5)
         sample()
-        time.sleep(2)  # the auditor reads the last writes
     except ServiceFailed as exc:  # a (re)start that did not become ready within --ready-s
         failure = str(exc)
     finally:
-        if auditor is not None:
-            auditor.stop()
         for proc in procs.values():
             proc.stop(10)
+        # Only now: services still write and train while they stop (a trainer's last steps, the episodes the env
+        # worker drains), and those trajectories must be audited too.
+        if auditor is not None:
+            auditor.stop()
         redis.stop()
         rss_log.close()
     if failure:
@@ -500,6 +507,9 @@ def report(steps_log: Path, seen: dict[str, tuple[str, bytes]], model: Path, ste
         "trajectories_trained": len(trained),
         "trajectories_trained_twice": sum(v > 1 for v in trained.values()),
         "trajectories_not_audited": unaudited,
+        "steps_with_unaudited": sorted(
+            k for k, r in effective.items() if any(t not in seen for t in r["trajectory_ids"])
+        ),
         "staleness_max": max((r["staleness_max"] for r in effective.values()), default=None),
     }
 
