@@ -4,10 +4,13 @@
         [--micro-batch-size 4] [--max-len 256] [--threads 1] [--nproc 1] [--skip-trl]
 
 Data: a synthetic reversal task with prompts of 3 to ``--max-letters`` (60) letters (so batches mix lengths, as
-real SFT data does), chat-formatted; the loss is on the response tokens only in both trainers (TRL: conversational
-prompt-completion rows, ``completion_only_loss``). Both use AdamW (betas 0.9/0.95, no weight decay),
-a constant LR, clipping at 1.0, no gradient checkpointing, fp32 on CPU, and take the same batches in the
-same order (TRL reads the rows pre-ordered as ours shuffles them, with its sequential sampler).
+real SFT data does), chat-formatted; the loss is on the response tokens only in both trainers. TRL's rows
+(``--trl-data rendered``, ``completion_only_loss``) are the chat-rendered prompt and the response with its stop
+token, so both supervise the same tokens; ``--trl-data chat`` gives TRL conversational rows instead, where it also
+supervises the newline its template writes after the stop token (one more, easy, token per row). Both use
+AdamW (betas 0.9/0.95, no weight decay), a constant LR, clipping at 1.0, no gradient checkpointing, fp32 on
+CPU, and take the same batches in the same order (TRL reads the rows pre-ordered as ours shuffles them, with
+its sequential sampler).
 
 Each side runs in its own process: ours is ``python -m services.trainer.sft`` (``torchrun`` under
 ``--nproc`` > 1, one thread per process), TRL gets ``--threads`` torch threads. tokens/s counts the
@@ -113,7 +116,16 @@ def ours(args, work: Path, packed: bool) -> dict:
 
 
 def trl_worker(
-    model: str, work: str, packed: bool, steps: int, batch: int, micro: int, max_len: int, lr: float, threads: int
+    model: str,
+    work: str,
+    packed: bool,
+    steps: int,
+    batch: int,
+    micro: int,
+    max_len: int,
+    lr: float,
+    threads: int,
+    rendered: bool,
 ) -> None:
     import datasets
     import torch
@@ -123,14 +135,29 @@ def trl_worker(
     if threads:
         torch.set_num_threads(threads)
 
+    tok = AutoTokenizer.from_pretrained(model)
+
     def chat(path):
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        if rendered:  # ours' supervised tokens exactly: the rendered prompt, then the response and its stop token
+            return datasets.Dataset.from_list(
+                [
+                    {
+                        "prompt": tok.apply_chat_template(
+                            [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True
+                        ),
+                        "completion": r["response"] + tok.eos_token,
+                    }
+                    for r in rows
+                ]
+            )
         return datasets.Dataset.from_list(
             [
                 {
                     "prompt": [{"role": "user", "content": r["prompt"]}],
                     "completion": [{"role": "assistant", "content": r["response"]}],
                 }
-                for r in map(json.loads, Path(path).read_text().splitlines())
+                for r in rows
             ]
         )
 
@@ -142,7 +169,6 @@ def trl_worker(
             if state.global_step == 1:  # step 1 warms up, as in ours
                 self.t0, self.tokens0 = time.monotonic(), state.num_input_tokens_seen
 
-    tok = AutoTokenizer.from_pretrained(model)
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
     cfg = SFTConfig(
         output_dir=str(Path(work) / "trl-out"),
@@ -169,6 +195,7 @@ def trl_worker(
         report_to=[],
         seed=42,
         dataloader_num_workers=0,
+        dataset_kwargs={"add_special_tokens": False} if rendered else None,  # the template wrote them
     )
     timer = Timer()
     trainer = SFTTrainer(
@@ -230,6 +257,7 @@ def trl(args, work: Path, packed: bool) -> dict:
         str(args.max_len),
         str(args.lr),
         str(args.threads),
+        args.trl_data,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
@@ -244,8 +272,8 @@ def trl(args, work: Path, packed: bool) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        m, w, p, steps, b, mb, ml, lr, th = sys.argv[2:11]
-        trl_worker(m, w, p == "1", int(steps), int(b), int(mb), int(ml), float(lr), int(th))
+        m, w, p, steps, b, mb, ml, lr, th, data = sys.argv[2:12]
+        trl_worker(m, w, p == "1", int(steps), int(b), int(mb), int(ml), float(lr), int(th), data == "rendered")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "models" / "smollm2")
@@ -257,6 +285,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="TRL's torch threads (0: torch's default)")
     ap.add_argument("--nproc", type=int, default=1, help="our processes (one thread each)")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument(
+        "--trl-data",
+        choices=("rendered", "chat"),
+        default="rendered",
+        help="TRL's rows: rendered prompt + response + stop token (the tokens ours supervises), or chat messages "
+        "(TRL then also supervises the newline its template writes after the stop token)",
+    )
     ap.add_argument("--layouts", default="padded,packed", help="padded, packed or both")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the pairs (ours, TRL) this many times")
     ap.add_argument("--max-letters", type=int, default=60, help="longest prompt, in letters")
