@@ -32,7 +32,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from molt.config import ServerConfig
 from molt.net import listening_socket
@@ -164,12 +163,6 @@ def raise_fd_limit() -> None:
         pass
 
 
-# uvicorn's httptools protocol, the class its http="httptools" loads. The slow-client guard wraps it (by
-# composition: only asyncio.Protocol's methods are called) and hands it back through Config's http= argument,
-# which takes a protocol class.
-HTTPTOOLS = HttpToolsProtocol
-
-
 def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> uvicorn.Config:
     """The uvicorn config every service serves with (the slow-client guard applied)."""
     config = uvicorn.Config(
@@ -177,10 +170,16 @@ def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> 
         log_level=server.log_level,
         access_log=False,
         loop="uvloop",
-        http=guarded(HTTPTOOLS, server.header_timeout_s, server.max_pending_connections),
+        http="httptools",
         ws="none",
         timeout_keep_alive=server.keep_alive_s,  # type: ignore[arg-type]  # a float works (asyncio timer)
         timeout_graceful_shutdown=max(1, round(graceful_s)),
+    )
+    # load() resolves http="httptools" to uvicorn's protocol class (Server.serve skips a loaded config); the guard
+    # wraps that class by composition, calling only asyncio.Protocol's methods on it.
+    config.load()
+    config.http_protocol_class = guarded(
+        config.http_protocol_class, server.header_timeout_s, server.max_pending_connections
     )
     return config
 
