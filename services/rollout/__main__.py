@@ -66,7 +66,7 @@ async def serve_pod(app, server, graceful_s: float = 30.0) -> int:
 
     watcher = asyncio.ensure_future(stop_when_engine_fails())
     try:
-        await serve_async("rollout", app, server, graceful_s=graceful_s)
+        await serve_async("rollout", app, server, graceful_s=graceful_s, drain=engine.stop_watching)
     finally:
         watcher.cancel()
     return 1 if engine.failed else 0

@@ -232,9 +232,13 @@ class EngineThread:
                 self._fail_inflight(self.dead)
                 self._failed.set()
 
-    async def close(self) -> None:
+    async def stop_watching(self) -> None:
+        """The pod is stopping: its engine processes may get the same SIGTERM and exit first; not a death."""
         if self._watchdog is not None:
             self._watchdog.cancel()
+
+    async def close(self) -> None:
+        await self.stop_watching()
         if self._thread is None:
             return
         self._cmds.put(None)

@@ -60,3 +60,23 @@ def test_killing_the_engine_process_ends_the_pod_with_a_nonzero_exit(tiny_qwen3,
     log = (tmp_path / "pod.log").read_text()
     assert pod.returncode not in (0, None), log[-3000:]
     assert "engine process" in log and "exited with code -9" in log, log[-3000:]
+
+
+def test_a_sigterm_to_the_pod_and_its_engine_together_is_a_clean_stop(tiny_qwen3, tmp_path):
+    """As a supervisor that signals the whole process group does: the engine exiting first is not a death."""
+    cmd = [sys.executable, "-m", "services.rollout", "--model", str(tiny_qwen3), "--port", "0"]
+    cmd += ["--vllm.enforce_eager", "--vllm.dtype", "float32", "--vllm.kv_cache_memory_bytes", str(64 << 20)]
+    cmd += ["--vllm.multiprocessing"]
+    pod, _ = start_service(cmd, log_path=tmp_path / "pod.log", timeout_s=180)
+    try:
+        engines = _engine_processes(pod)
+        assert engines
+        for pid in [pod.pid, *(p.pid for p in engines)]:
+            os.kill(pid, signal.SIGTERM)
+        pod.wait(90)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+    log = (tmp_path / "pod.log").read_text()
+    assert pod.returncode == 0 and "engine process" not in log, log[-3000:]
