@@ -1,6 +1,7 @@
 """A rollout pod running vLLM's engine in its own process (``--vllm.multiprocessing``) whose engine process is
-SIGKILLed (by pid, as the OOM killer would): the pod stops answering ready, fails what was in flight with a
-503 instead of hanging, and exits non-zero so that Kubernetes restarts it."""
+SIGKILLed (by pid, as the OOM killer would): the pod fails what was in flight with a 503 instead of hanging
+and exits non-zero so that Kubernetes restarts it (readiness turns 503 on the same dead flag, checked in
+test_rollout_engine_death.py)."""
 
 from __future__ import annotations
 
