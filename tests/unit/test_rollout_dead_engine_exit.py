@@ -36,6 +36,9 @@ class DyingEngine:
     async def close(self) -> None:
         pass
 
+    async def stop_watching(self) -> None:
+        pass
+
     async def wait_failed(self) -> BaseException:
         await self._failed.wait()
         return self.dead
@@ -80,7 +83,9 @@ def test_a_sigterm_is_still_exit_code_0(capsys):
 
     async def scenario() -> int:
         served = asyncio.ensure_future(serve_pod(app, settings.server, graceful_s=2))
+        deadline = time.monotonic() + 30
         while "molt-rollout ready" not in capsys.readouterr().out:
+            assert time.monotonic() < deadline and not served.done(), "pod did not start"
             await asyncio.sleep(0.02)
         os.kill(os.getpid(), signal.SIGTERM)
         return await asyncio.wait_for(served, 30)
