@@ -67,7 +67,7 @@ class Auditor:
         q = RedisTrajectoryQueue(self.redis_url, self.stream, group="soak-audit")
         # A read cut by a fault (Redis killed between XREADGROUP and its reply reaching us, or before the read's
         # second round trip) leaves entries delivered to this consumer that it never saw: after any error, read
-        # its own pending entries first, as the trainer does on start.
+        # its own pending entries first, as the trainer's controller does after such a read (its resync).
         recover = False
         while not self._stop.is_set():
             try:
