@@ -29,12 +29,15 @@ class ManagedProcess:
     """The service's base URL: ready once its /readyz answers 200 (``molt.serve.wait_ready``)."""
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    log_offset: int = 0
+    """Where this start's output begins in the log (a restart appends to the same file)."""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"$ {' '.join(self.cmd)}\n".encode())
         log.flush()
+        self.log_offset = log.tell()
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=log,
@@ -48,11 +51,25 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def tail(self, lines: int = 15) -> str:
+    def output(self) -> str:
+        """What this start wrote to its log so far."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def lost_port_race(self) -> bool:
+        """It exited because a port it was given was taken first: the pick-then-bind race of free ports
+        (``molt.net.free_port``), the preflight's "already in use", gRPC's "could not bind" or the OS's own."""
+        if self.alive():
+            return False
+        out = self.output()
+        return any(s in out for s in ("already in use", "could not bind"))
 
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() not in (None, 0):

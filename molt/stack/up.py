@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,133 +160,83 @@ def run_plan(plan: StackPlan) -> dict:
     try:
         redis_url = plan.redis_url
         if not redis_url:
-            port = free_port()
-            redis_url = f"redis://127.0.0.1:{port}/0"
             from molt.bus.embedded import find_redis_server
 
-            sup.start(
-                ManagedProcess(
-                    "redis",
-                    [
-                        find_redis_server(),
-                        "--bind",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ],
-                    run_dir / "redis.log",
-                )
-            )
-            _wait_tcp(port)
+            def redis_proc(port: int) -> ManagedProcess:
+                cmd = [
+                    find_redis_server(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ]
+                return ManagedProcess("redis", cmd, run_dir / "redis.log")
+
+            _, (port,) = _start_on_free_ports(sup, 1, redis_proc, _wait_output("Ready to accept connections", 10.0))
+            redis_url = f"redis://127.0.0.1:{port}/0"
         pods = []
         for i in range(plan.num_pods):
-            http, grpc = free_port(), free_port()
+
+            def pod_proc(http: int, grpc: int, i: int = i) -> ManagedProcess:
+                cmd = _py(
+                    "services.rollout",
+                    *("--model.path", str(model), "--server.port", str(http), "--grpc.port", str(grpc)),
+                    *plan.rollout,
+                )
+                return ManagedProcess(
+                    f"rollout-{i}", cmd, run_dir / f"rollout-{i}.log", f"http://127.0.0.1:{http}", weights_env
+                )
+
+            _, (http, grpc) = _start_on_free_ports(sup, 2, pod_proc, plan.ready_timeout_s)
             pods.append((f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"))
-            sup.start(
-                ManagedProcess(
-                    f"rollout-{i}",
-                    _py(
-                        "services.rollout",
-                        "--model.path",
-                        str(model),
-                        "--server.port",
-                        str(http),
-                        "--grpc.port",
-                        str(grpc),
-                        *plan.rollout,
-                    ),
-                    run_dir / f"rollout-{i}.log",
-                    f"http://127.0.0.1:{http}",
-                    weights_env,
-                ),
-                plan.ready_timeout_s,
+
+        def gateway_proc(port: int) -> ManagedProcess:
+            cmd = _py(
+                "services.gateway",
+                *("--model.path", str(model), "--rollout.urls", ",".join(p[0] for p in pods)),
+                *("--redis.url", redis_url, "--redis.stream", stream, "--server.port", str(port)),
+                *gateway_context_args(plan.rollout),
+                *plan.gateway,
             )
-        gw_port = free_port()
+            return ManagedProcess("gateway", cmd, run_dir / "gateway.log", f"http://127.0.0.1:{port}", env)
+
+        _, (gw_port,) = _start_on_free_ports(sup, 1, gateway_proc, plan.ready_timeout_s)
         gateway_url = f"http://127.0.0.1:{gw_port}"
-        sup.start(
-            ManagedProcess(
-                "gateway",
-                _py(
-                    "services.gateway",
-                    "--model.path",
-                    str(model),
-                    "--rollout.urls",
-                    ",".join(p[0] for p in pods),
-                    "--redis.url",
-                    redis_url,
-                    "--redis.stream",
-                    stream,
-                    "--server.port",
-                    str(gw_port),
-                    *gateway_context_args(plan.rollout),
-                    *plan.gateway,
-                ),
-                run_dir / "gateway.log",
-                gateway_url,
-                env,
-            ),
-            plan.ready_timeout_s,
-        )
         envs_urls = []
         agent_flags = [a for name, path in plan.agents.items() for a in ("--agent", f"{name}={path}")]
         for i in range(plan.num_envs):
-            env_port = free_port()
+
+            def envs_proc(port: int, i: int = i) -> ManagedProcess:
+                name = f"envs-{i}" if plan.num_envs > 1 else "envs"
+                cmd = _py(
+                    "services.envs", *agent_flags, "--gateway.url", gateway_url, "--server.port", str(port), *plan.envs
+                )
+                return ManagedProcess(
+                    name, cmd, run_dir / f"{name}.log", f"http://127.0.0.1:{port}", {**env, **plan.env}
+                )
+
+            _, (env_port,) = _start_on_free_ports(sup, 1, envs_proc, plan.ready_timeout_s)
             envs_urls.append(f"http://127.0.0.1:{env_port}")
-            sup.start(
-                ManagedProcess(
-                    f"envs-{i}" if plan.num_envs > 1 else "envs",
-                    _py(
-                        "services.envs",
-                        *agent_flags,
-                        "--gateway.url",
-                        gateway_url,
-                        "--server.port",
-                        str(env_port),
-                        *plan.envs,
-                    ),
-                    run_dir / (f"envs-{i}.log" if plan.num_envs > 1 else "envs.log"),
-                    envs_urls[-1],
-                    {**env, **plan.env},
-                ),
-                plan.ready_timeout_s,
-            )
-        metrics_port = free_port()
         trainer_flags = [
-            "--model.path",
-            str(model),
-            "--redis.url",
-            redis_url,
-            "--redis.stream",
-            stream,
-            "--rollout.urls",
-            ",".join(p[0] for p in pods),
-            "--envs.urls",
-            ",".join(envs_urls),
-            "--envs.agent",
-            plan.agent,
-            "--metrics.port",
-            str(metrics_port),
-            "--logger.steps_jsonl",
-            str(progress.path),
-            "--logger.eval_jsonl",
-            str(run_dir / "eval.jsonl"),
-            *plan.trainer,
+            *("--model.path", str(model), "--redis.url", redis_url, "--redis.stream", stream),
+            *("--rollout.urls", ",".join(p[0] for p in pods), "--envs.urls", ",".join(envs_urls)),
+            *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(progress.path)),
+            *("--logger.eval_jsonl", str(run_dir / "eval.jsonl")),
         ]
         if plan.steps:
             trainer_flags += ["--train.num_steps", str(plan.steps)]
-        trainer = sup.start(
-            ManagedProcess(
-                "trainer",
-                _py("services.trainer", *trainer_flags),
-                run_dir / "trainer.log",
-                None,
-                {**weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)},
-            )
-        )
+
+        def trainer_proc(port: int) -> ManagedProcess:
+            cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer)
+            trainer_env = {**weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
+            return ManagedProcess("trainer", cmd, run_dir / "trainer.log", None, trainer_env)
+
+        listening = _wait_output("molt-trainer listening on", plan.ready_timeout_s)
+        trainer, (metrics_port,) = _start_on_free_ports(sup, 1, trainer_proc, listening)
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         while trainer.alive():
             for p in sup.procs:
@@ -311,15 +261,52 @@ def run_plan(plan: StackPlan) -> dict:
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
 
 
-def _wait_tcp(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _start_on_free_ports(
+    sup: Supervisor,
+    count: int,
+    make: Callable[..., ManagedProcess],
+    ready: float | Callable[[ManagedProcess], None],
+    tries: int = 3,
+) -> tuple[ManagedProcess, list[int]]:
+    """Start ``make(*ports)`` on ``count`` ports the kernel reports free, and wait until it is ready (``ready``:
+    a /readyz timeout, or a function that waits). A free port can be taken by another process between the pick
+    and the service's bind (parallel runs on one machine); a service that exits on that is started again on
+    new ports, so the stack never fails, or talks to someone else's server, on a port it lost."""
+    for attempt in range(1, tries + 1):
+        ports = [free_port() for _ in range(count)]
+        proc = make(*ports)
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            if callable(ready):
+                sup.procs.append(proc)
+                proc.start()
+                ready(proc)
+            else:
+                sup.start(proc, ready)
+            return proc, ports
+        except ServiceFailed:
+            if attempt == tries or not proc.lost_port_race():
+                raise
+            sup.procs.remove(proc)
+            print(f"[molt up] {proc.name}: a port it was given was taken first; starting it on new ports", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _wait_output(marker: str, timeout_s: float) -> Callable[[ManagedProcess], None]:
+    """A wait until the process writes ``marker`` to its log (redis-server's "ready", the trainer's "listening"
+    line). Its own line, not a TCP connect: a connect would also succeed against another server that took the
+    port first."""
+
+    def wait(proc: ManagedProcess) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if marker in proc.output():
                 return
-        except OSError:
+            if not proc.alive():
+                raise ServiceFailed(f"{proc.name} exited before it was ready; log {proc.log_path}:\n{proc.tail()}")
             time.sleep(0.05)
-    raise ServiceFailed(f"redis did not listen on {port}")
+        raise ServiceFailed(f"{proc.name} did not write {marker!r} within {timeout_s:.0f}s; log {proc.log_path}")
+
+    return wait
 
 
 __all__ = ["StackPlan", "UpOptions", "run_plan", "run_stack"]
