@@ -25,7 +25,7 @@ called only after the pod answered, so a failed or retried turn leaves no trace.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -120,6 +120,9 @@ class TurnPlan:
     """Image parts of the pod prompt, in token order: the segment's own (when extending), then the new ones."""
     new_images: int = 0
     """How many of ``images`` this turn adds (the last ones)."""
+    image_tokens: int = 0
+    """Tokens the pod's expansion of ``images`` adds to ``prompt_ids``: exact for the segment's own images (it
+    holds them expanded), estimated for the new ones (``ImageExpansion``)."""
 
     @property
     def image_files(self) -> list[str]:
@@ -128,7 +131,8 @@ class TurnPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids)
+        """The prompt's length as the model sees it (images expanded)."""
+        return len(self.prompt_ids) + self.image_tokens
 
 
 def _images_for(model: ChatModel, messages: list[dict]) -> list[dict]:
@@ -166,10 +170,24 @@ class Capture:
 
     # ---- planning
 
+    def _count_images(self, model: ChatModel, plan: TurnPlan) -> TurnPlan:
+        """``plan`` with ``image_tokens`` set: what the segment's images already add, plus the estimate for the
+        new ones, so the room check counts the prompt the model will see."""
+        if plan.images:
+            cur = self.current
+            known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
+            plan.image_tokens = known + plan.new_images * model.image_expansion.extra_per_image
+        return plan
+
     def plan_chat(
         self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None = None
     ) -> TurnPlan:
         """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it."""
+        return self._count_images(model, self._plan_chat(model, messages, tools, key))
+
+    def _plan_chat(
+        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None
+    ) -> TurnPlan:
         cur, st = self.current, self.chat
         images = _images_for(model, messages)
         if cur is None and key is not None:
@@ -218,10 +236,24 @@ class Capture:
         append_ids: list[int] | None,
         images: list[dict] | None = None,
         append_only: bool = False,
+        drop_images: bool = False,
     ) -> TurnPlan:
         """``images``: the image parts of the appended input, one per image token in it, in order. An append-only
         turn (nothing generated, so no pod expands them) drops its images and their image tokens, as Molt drops
-        the images of feedback that does not fit."""
+        the images of feedback that does not fit; ``drop_images`` drops them in any turn."""
+        return self._count_images(
+            model, self._plan_tokens(model, messages, append_text, append_ids, images, append_only or drop_images)
+        )
+
+    def _plan_tokens(
+        self,
+        model: ChatModel,
+        messages: list[dict] | None,
+        append_text: str | None,
+        append_ids: list[int] | None,
+        images: list[dict] | None,
+        drop_images: bool,
+    ) -> TurnPlan:
         cur = self.current
         delta = (model.encode(append_text) if append_text else []) + list(append_ids or [])
         new = list(images or [])
@@ -232,7 +264,7 @@ class Capture:
         if new:
             _images_for(model, [{"content": new}])  # a 400 for a text-only model
         token = model.image_token_id
-        if append_only:
+        if drop_images:
             delta, new = [t for t in delta if t != token], []
         elif new or (token is not None and token in delta):
             assert token is not None  # _images_for refused images for a text-only model
@@ -266,6 +298,9 @@ class Capture:
         )
 
     def plan_completion(self, model: ChatModel, prompt: str | list[int]) -> TurnPlan:
+        return self._count_images(model, self._plan_completion(model, prompt))
+
+    def _plan_completion(self, model: ChatModel, prompt: str | list[int]) -> TurnPlan:
         cur = self.current
         if isinstance(prompt, list):
             if (
@@ -285,6 +320,32 @@ class Capture:
         return TurnPlan(ids, ids, True, "first" if cur is None else "history_rewrite")
 
     # ---- committing (only after the pod answered)
+
+    def fit(self, model: ChatModel, plan: TurnPlan, gen: Generation, hard: bool) -> Generation | None:
+        """The pod's answer held to the session's ``max_length``. With images, the prompt's expanded length is
+        known only from the answer: it teaches ``model.image_expansion``, and tokens an estimate let past
+        ``max_length`` are cut off (finish "length"), so no recorded segment is longer than the session allows.
+        A prompt that alone fills the context is check_room's case: a 400 when ``hard``, else None (the caller
+        decides: drop the turn's images, or finish "length" with nothing committed)."""
+        seen = gen.extra.get("prompt_token_ids") if plan.images else None
+        if seen is None:
+            return gen
+        cur = self.current
+        known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
+        model.image_expansion.note(len(seen) - len(plan.prompt_ids) - known, plan.new_images)
+        plan.image_tokens = len(seen) - len(plan.prompt_ids)
+        room = self.remaining(len(seen))
+        if room <= 0:
+            self.check_room(plan, hard)
+            return None
+        if len(gen.token_ids) <= room:
+            return gen
+        extra = dict(gen.extra)
+        if isinstance(extra.get("top_logprobs"), list):
+            extra["top_logprobs"] = extra["top_logprobs"][:room]
+        return replace(
+            gen, token_ids=gen.token_ids[:room], logprobs=gen.logprobs[:room], finish_reason="length", extra=extra
+        )
 
     def commit(self, plan: TurnPlan, gen: Generation, events: list[dict]) -> SegmentState:
         seen = gen.extra.get("prompt_token_ids") if plan.images else None

@@ -34,6 +34,20 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, code="invalid_request", param=param)
 
 
+class ImageExpansion:
+    """How many tokens beyond its one placeholder an image adds in the pod's prompt, learned from the pods'
+    answers (the gateway does not run the model's image processor). The largest seen per image: exact for
+    processors that give every image the same run, an estimate for those whose run grows with the image size,
+    where the capture trims what an estimate let through (``Capture.fit``)."""
+
+    def __init__(self) -> None:
+        self.extra_per_image = 0
+
+    def note(self, extra_tokens: int, images: int) -> None:
+        if images > 0 and extra_tokens > 0:
+            self.extra_per_image = max(self.extra_per_image, -(-extra_tokens // images))
+
+
 class ChatModel:
     """Tokenizer + chat template of one model dir; every render goes through the model's own template."""
 
@@ -51,6 +65,8 @@ class ChatModel:
         self.max_model_len = _max_positions(self.path)
         self.image_token_id = _image_token_id(self.path)
         """The image placeholder token of a vision-language model; None: a text-only model (images are a 400)."""
+        self.image_expansion = ImageExpansion()
+        """Tokens an image adds once the pod expands it (shared by every view of this model)."""
         self._fast = getattr(self.tokenizer, "backend_tokenizer", None)
         self._template_vars = dict(self.tokenizer.special_tokens_map)
         self._prompts: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()

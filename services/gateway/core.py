@@ -208,8 +208,10 @@ class Gateway(SessionLifecycle):
                 gen, events = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
                 gen = self._apply_stop(gen, stop)
-                seg = s.capture.commit(plan, gen, events)
-                n = len(seg.token_ids)
+                fitted = s.capture.fit(model, plan, gen, hard=True)
+                assert fitted is not None  # hard: a turn that does not fit is a 400
+                seg = s.capture.commit(plan, fitted, events)
+                gen, n = fitted, len(seg.token_ids)
                 result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop)
                 s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
                 self._after_turn(s, plan, key, result)
@@ -217,6 +219,9 @@ class Gateway(SessionLifecycle):
         except BaseException as exc:
             resolve_future(ready, exc)
             raise
+
+    def _no_room(self, plan: TurnPlan) -> TurnResult:
+        return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0)
 
     def _after_turn(self, s: Session, plan: TurnPlan, key: str | None, result: TurnResult) -> None:
         if plan.new_segment:
@@ -248,15 +253,22 @@ class Gateway(SessionLifecycle):
             if s.state != "open":
                 raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
             append_only = overrides.get("max_tokens") == 0
-            plan = s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only)
-            remaining = s.capture.check_room(plan, hard=False)
+
+            def planned(drop_images: bool = False) -> tuple[TurnPlan, int]:
+                plan = s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only, drop_images)
+                return plan, s.capture.check_room(plan, hard=False)
+
+            plan, remaining = planned()
+            # Molt's rule for an Env's feedback: images that do not fit the context (expanded) are dropped with
+            # their image tokens, the feedback's text is kept.
+            droppable = plan.new_images > 0 and not plan.new_segment
+            if remaining <= 0 and droppable:
+                plan, remaining = planned(drop_images=True)
             if remaining <= 0:
                 # Contract: no room left -> finish "length" with no tokens; nothing is committed.
                 if s.capture.current is not None:
                     s.capture.current.truncated = True
-                return TurnResult(
-                    [], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0
-                )
+                return self._no_room(plan)
             if append_only:
                 # Append-only: Molt appends the env's feedback even after the terminal turn (masked, so it
                 # never reaches the loss but the trajectory holds the whole episode). Nothing is generated.
@@ -274,8 +286,21 @@ class Gateway(SessionLifecycle):
                     len(seg.token_ids),
                     s.capture.remaining(len(seg.token_ids)),
                 )
-            sp = self._sampling(s, overrides, remaining)
-            gen, events = await self._generate(s, plan.prompt_ids, sp, images=plan.image_files)
+            gen, events = await self._generate(
+                s, plan.prompt_ids, self._sampling(s, overrides, remaining), images=plan.image_files
+            )
+            fitted = s.capture.fit(self.model, plan, gen, hard=False)
+            if fitted is None and droppable and plan.new_images:  # the images' expansion was larger than estimated
+                plan, remaining = planned(drop_images=True)
+                if remaining > 0:
+                    sp = self._sampling(s, overrides, remaining)
+                    gen, events = await self._generate(s, plan.prompt_ids, sp, images=plan.image_files)
+                    fitted = s.capture.fit(self.model, plan, gen, hard=False)
+            if fitted is None:
+                assert s.capture.current is not None
+                s.capture.current.truncated = True
+                return self._no_room(plan)
+            gen = fitted
             seg = s.capture.commit(plan, gen, events)
             raw = self.model.decode(gen.token_ids, skip_special=False)
             result = TurnResult(
@@ -308,6 +333,9 @@ class Gateway(SessionLifecycle):
             )
             stop = overrides.get("stop") or s.sampling_params.get("stop")
             gen = self._apply_stop(gen, stop)
+            fitted = s.capture.fit(self.model, plan, gen, hard=True)
+            assert fitted is not None  # hard: a turn that does not fit is a 400
+            gen = fitted
             seg = s.capture.commit(plan, gen, events)
             result = self._result(
                 gen, plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)), stop

@@ -53,7 +53,15 @@ def stack(tiny_idefics3, redis_url, tmp_path_factory):
             ],
             logs / "gateway.log",
         )
-        yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": tiny_idefics3}
+        image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
+        yield {
+            "url": url,
+            "pod": pod_url,
+            "redis": redis_url,
+            "stream": stream,
+            "model": tiny_idefics3,
+            "image_token": image_token,
+        }
     finally:
         if gw is not None:
             stop(gw)
@@ -291,3 +299,37 @@ def test_a_url_image_that_cannot_be_used_is_a_400_naming_the_part_and_nothing_is
     assert r.status_code == 400 and problem in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "messages[0].content[0].image_url"
     assert _finish(fetching, session["session_id"])["written"] is False
+
+
+def test_feedback_images_that_do_not_fit_once_expanded_are_dropped_and_their_text_kept(stack):
+    """An Env's feedback with an image (a token-level turn) whose text fits the session's max_length while the
+    image, expanded by the pod, does not: as Molt does, the image and its token are dropped and the feedback's
+    text is kept and answered. Feedback whose text alone fills the context finishes "length" with no tokens and
+    nothing recorded. No segment is ever longer than max_length."""
+    max_length = 48
+    r = httpx.post(
+        stack["url"] + "/v1/sessions",
+        json={"max_length": max_length, "sampling_params": {"temperature": 1.0, "seed": 3, "max_tokens": 2}},
+    )
+    assert r.status_code == 201, r.text
+    sid = r.json()["session_id"]
+    turn = f"{stack['url']}/v1/sessions/{sid}/generate"
+    first_image = image_bytes(4)
+    first = httpx.post(turn, json={"append_text": "look <image>", "images": [data_url(first_image)]}).json()
+    assert first["num_tokens"] < max_length - IMAGE_SEQ_LEN
+    room = max_length - first["num_tokens"]
+    filler = [100] * (room - 4)  # fits with the image as its one placeholder token, not once expanded
+    feedback = {"append_token_ids": filler, "append_text": "<image>", "images": [data_url(image_bytes(5))]}
+    r = httpx.post(turn, json=feedback)
+    assert r.status_code == 200, r.text
+    second = r.json()
+    assert second["token_ids"] and second["num_tokens"] <= max_length, second
+    r = httpx.post(turn, json={"append_token_ids": [100] * room})  # the text alone does not fit
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length" and r.json()["token_ids"] == [], r.text
+    assert _finish(stack, sid)["written"] is True
+    traj = _trajectory(stack, sid)
+    [seg] = traj.segments
+    assert len(seg.token_ids) == second["num_tokens"] <= max_length and traj.status == "truncated"
+    assert seg.images == [hashlib.sha256(first_image).hexdigest()]  # the dropped image is not in the record
+    ids = seg.token_ids.tolist()
+    assert ids.count(stack["image_token"]) == IMAGE_SEQ_LEN and ids[first["num_tokens"] :][: len(filler)] == filler

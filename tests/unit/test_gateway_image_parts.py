@@ -134,3 +134,48 @@ def test_token_turn_images_pair_with_the_image_tokens_of_the_appended_input(tiny
     assert dropped.images == [] and model.image_token_id not in dropped.prompt_ids
     err = _error(lambda: Capture(max_length=512).plan_tokens(chat_model, None, "x", None, [part]))
     assert err.code == "images_unsupported"
+
+
+def test_images_count_expanded_in_the_room_and_no_segment_outgrows_max_length(tiny_idefics3):
+    """The pod expands each image token into the image's run; the gateway learns the run's length from the pod's
+    answers. The room check counts the segment's images expanded and new ones by what was learned, and whatever an
+    estimate lets past ``max_length`` is cut (finish "length"); a prompt that alone fills it is not recorded."""
+    from services.gateway.chat import ChatModel
+    from services.gateway.pods import Generation
+
+    model = ChatModel(tiny_idefics3)
+    token, run = model.image_token_id, 7  # each image token becomes 7 tokens here (a fake pod's expansion)
+
+    def answer(prompt: list[int], n_new: int) -> Generation:
+        seen = [t for tok in prompt for t in ([tok] * run if tok == token else [tok])]
+        return Generation([5] * n_new, [-0.5] * n_new, "stop", 1, "pod", extra={"prompt_token_ids": seen})
+
+    part = {"type": "image", "sha256": SHA, "data": B64}
+    cap = Capture(max_length=64)
+    first = cap.plan_tokens(model, None, "look <image>", None, [part])
+    assert first.image_tokens == 0  # nothing learned yet: one token per image
+    gen = cap.fit(model, first, answer(first.prompt_ids, 100), hard=False)  # 100 tokens would pass max_length
+    assert model.image_expansion.extra_per_image == run - 1
+    assert gen is not None and gen.finish_reason == "length" and len(gen.token_ids) == 64 - len(first.prompt_ids) - 6
+    seg = cap.commit(first, gen, [])
+    assert len(seg.token_ids) == 64 and len(seg.sent_ids) == 64 - (run - 1)
+
+    cap = Capture(max_length=64)
+    first = cap.plan_tokens(model, None, "look <image>", None, [part])
+    assert first.image_tokens == run - 1 and first.num_tokens == len(first.prompt_ids) + run - 1  # learned
+    cap.commit(first, cap.fit(model, first, answer(first.prompt_ids, 3), hard=False), [])
+    used = len(cap.current.token_ids)
+    text = "x" * (64 - used - 2)  # fits with its image as one token, not expanded
+    feedback = cap.plan_tokens(model, None, text + "<image>", None, [part])
+    assert feedback.image_tokens == 2 * (run - 1) and cap.check_room(feedback, hard=False) <= 0
+
+    model.image_expansion.extra_per_image = 0  # a larger image than any seen: the estimate falls short
+    feedback = cap.plan_tokens(model, None, text + "<image>", None, [part])
+    assert cap.check_room(feedback, hard=False) > 0
+    assert cap.fit(model, feedback, answer(feedback.prompt_ids, 1), hard=False) is None  # the caller decides
+    assert len(cap.current.token_ids) == used and not cap.current.truncated  # nothing recorded
+    with pytest.raises(GatewayError) as err:
+        cap.fit(model, feedback, answer(feedback.prompt_ids, 1), hard=True)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    dropped = cap.plan_tokens(model, None, text + "<image>", None, [part], drop_images=True)
+    assert dropped.new_images == 0 and token not in dropped.delta_ids and cap.check_room(dropped, hard=False) > 0
