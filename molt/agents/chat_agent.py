@@ -90,7 +90,9 @@ class ChatAgentRunner(Runner):
         messages = inline_images(messages, urls)
         images = [from_data_url(url, f"images[{i}]") for i, url in enumerate(urls)] or None
         sp = turn_params(SamplingParams.from_any(episode.sampling_params), episode.max_new_tokens)
-        async with gateway.session(**episode.session_fields(sp.wire())) as session:
+        # As under Molt, a turn that does not fit the context answers "" with finish_reason "length" (not an
+        # error the agent's SDK would raise), so an episode that runs out of context is trained as truncated.
+        async with gateway.session(**episode.session_fields(sp.wire()), context_full="length") as session:
             episode.trajectory_id = session.id
             ctx = ChatContext(
                 messages=messages,
@@ -119,7 +121,7 @@ class ChatAgentRunner(Runner):
             tokens=int(summary.get("num_tokens", summary.get("tokens", 0)) or 0),
             trajectory_id=session.id,
             written=bool(done.get("written")),
-            truncated=bool(result.truncated),
+            truncated=bool(result.truncated or summary.get("truncated")),
             info=info,
             response_tokens=int(summary.get("action_tokens", 0) or 0),
         )

@@ -202,14 +202,19 @@ class Gateway(SessionLifecycle):
                     resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
                 plan = s.capture.plan_chat(model, messages, tools, key)
-                remaining = s.capture.check_room(plan, hard=True)
+                hard = s.context_full == "error"
+                remaining = s.capture.check_room(plan, hard)
+                if remaining <= 0:
+                    resolve_future(ready, value=plan.num_tokens)
+                    return self._context_full(s, plan)
                 sp = self._sampling(s, overrides, remaining)
                 resolve_future(ready, value=plan.num_tokens)
                 gen, events = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
                 gen = self._apply_stop(gen, stop)
-                fitted = s.capture.fit(model, plan, gen, hard=True)
-                assert fitted is not None  # hard: a turn that does not fit is a 400
+                fitted = s.capture.fit(model, plan, gen, hard)
+                if fitted is None:
+                    return self._context_full(s, plan)
                 seg = s.capture.commit(plan, fitted, events)
                 gen, n = fitted, len(seg.token_ids)
                 result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop)
@@ -219,6 +224,13 @@ class Gateway(SessionLifecycle):
         except BaseException as exc:
             resolve_future(ready, exc)
             raise
+
+    def _context_full(self, s: Session, plan: TurnPlan) -> TurnResult:
+        """A session's ``context_full="length"`` answer to a turn that does not fit: no tokens, finish "length",
+        nothing committed, the segment it would have extended marked truncated."""
+        if s.capture.current is not None and not plan.new_segment:
+            s.capture.current.truncated = True
+        return self._no_room(plan)
 
     def _no_room(self, plan: TurnPlan) -> TurnResult:
         return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0)
@@ -327,14 +339,18 @@ class Gateway(SessionLifecycle):
             if int(overrides.get("n") or 1) != 1:
                 raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
             plan = s.capture.plan_completion(self.model, prompt)
-            remaining = s.capture.check_room(plan, hard=True)
+            hard = s.context_full == "error"
+            remaining = s.capture.check_room(plan, hard)
+            if remaining <= 0:
+                return self._context_full(s, plan)
             gen, events = await self._generate(
                 s, plan.prompt_ids, self._sampling(s, overrides, remaining), images=plan.image_files
             )
             stop = overrides.get("stop") or s.sampling_params.get("stop")
             gen = self._apply_stop(gen, stop)
-            fitted = s.capture.fit(self.model, plan, gen, hard=True)
-            assert fitted is not None  # hard: a turn that does not fit is a 400
+            fitted = s.capture.fit(self.model, plan, gen, hard)
+            if fitted is None:
+                return self._context_full(s, plan)
             gen = fitted
             seg = s.capture.commit(plan, gen, events)
             result = self._result(

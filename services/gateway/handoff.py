@@ -74,6 +74,7 @@ def parked_state(s: Session) -> dict[str, bytes]:
             "turns": s.turns,
             "last_key": s.last_key,
             "lease_s": s.lease_s,
+            "context_full": s.context_full,
             "last_result": _fields(s.last_result) if s.last_result is not None else None,
             "capture": {
                 "max_length": cap.max_length,
@@ -149,6 +150,7 @@ def session_from_state(state: bytes, segments: bytes, owner: str | None) -> Sess
             turns=d["turns"],
             last_key=d["last_key"],
             lease_s=d.get("lease_s"),
+            context_full=d.get("context_full", "error"),
             last_result=TurnResult(**last) if last is not None else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:

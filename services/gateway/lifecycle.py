@@ -23,7 +23,7 @@ from services.gateway.errors import GatewayError, UnreadableParkedSession
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import PodPool
-from services.gateway.session import Session
+from services.gateway.session import CONTEXT_FULL, Session
 
 log = logging.getLogger("molt.gateway")
 
@@ -249,6 +249,11 @@ class SessionLifecycle:
                 f"(--session.idle_ttl_s), got {lease_s!r}",
                 "lease_s",
             )
+        context_full = body.get("context_full", "error")
+        if context_full not in CONTEXT_FULL:
+            raise bad_request(
+                f"'context_full' must be one of {list(CONTEXT_FULL)}, got {context_full!r}", "context_full"
+            )
         sid = self.new_session_id()
         if owner is not None:
             await self._acquire(owner, sid)
@@ -264,6 +269,7 @@ class SessionLifecycle:
             metadata=dict(body.get("metadata") or {}),
             capture=Capture(max_length=max_length),
             lease_s=float(lease_s) if lease_s is not None else None,
+            context_full=context_full,
         )
         self.sessions[sid] = session
         self.num_open += 1

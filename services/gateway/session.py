@@ -10,6 +10,9 @@ from typing import Any
 
 from services.gateway.capture import Capture
 
+CONTEXT_FULL = ("error", "length")
+"""A session's ``context_full`` choices (``Session.context_full``)."""
+
 
 @dataclass
 class TurnResult:
@@ -65,6 +68,10 @@ class Session:
     last_key: str | None = None
     last_result: TurnResult | None = None
     closed_at: float = 0.0
+    context_full: str = "error"
+    """One of ``CONTEXT_FULL``: what a chat or completion turn gets when the context is full. "error": a 400
+    context_length_exceeded (OpenAI's answer). "length": a 200 with no tokens and finish_reason "length", the
+    segment marked truncated (Molt's answer to a ChatAgent, whose episode is then trained as truncated)."""
     lease_s: float | None = None
     """A shorter idle TTL the client asked for (``lease_s`` at open) and renews while it holds the session
     (``POST /v1/sessions/{id}/renew``): a client that dies has its sessions closed this soon."""
@@ -81,6 +88,7 @@ class Session:
             "segments": len(cap.segments),
             "num_tokens": cap.num_tokens(),
             "action_tokens": sum(e - s for seg in cap.segments for s, e in seg.spans),
+            "truncated": any(seg.truncated for seg in cap.segments),
             "max_length": cap.max_length,
             "pod": self.pod,
             "events": cap.events,

@@ -173,3 +173,51 @@ async def test_an_envs_feedback_images_are_shown_on_its_next_turn_and_dropped_af
     assert seg.images[0] == hashlib.sha256(png).hexdigest()
     image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
     assert list(seg.token_ids).count(image_token) == 2 * IMAGE_SEQ_LEN
+
+
+TALKER = """
+from openai import AsyncOpenAI
+
+from molt.agents import ChatAgent, ChatAgentRunner, Result
+
+
+class Talker(ChatAgent):
+    async def run(self, ctx):
+        # Written like Molt's chat_geo3k.py: chat until the model has nothing more to say.
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages, turns = list(ctx.messages), 0
+        for _ in range(40):
+            resp = await client.chat.completions.create(
+                model=ctx.model_name, messages=messages, max_tokens=ctx.sampling_params.max_tokens
+            )
+            turns += 1
+            action = resp.choices[0].message.content or ""
+            if resp.choices[0].finish_reason == "length" and not resp.usage.completion_tokens:
+                break
+            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": "Go on."}]
+        return Result(reward=float(turns))
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(Talker)
+"""
+
+
+async def test_a_chat_agent_that_runs_out_of_context_is_trained_as_truncated(
+    tiny_qwen3, redis_url, monkeypatch, tmp_path
+):
+    """As under Molt, a ChatAgent's turn that no longer fits the episode's max_length answers "" with
+    finish_reason "length" (its SDK raises nothing), and the episode is written as truncated with every turn
+    that fitted, instead of failing and losing the prompt."""
+    (tmp_path / "talker.py").write_text(TALKER)
+    async with molt_stack(tiny_qwen3, redis_url, [], monkeypatch, {"talker": tmp_path / "talker.py"}) as (
+        worker,
+        reader,
+    ):
+        episode = {"agent": "talker", "prompt": "Talk.", "group_id": "g-talker", "sampling_params": SP}
+        [body] = await run_episodes(worker, [{**episode, "max_length": 96}])
+        traj = (await reader.get({body["trajectory_id"]}, timeout_s=30))[body["trajectory_id"]]
+    assert traj.status == "truncated" and body["truncated"], body
+    assert 2 <= traj.reward < 40 and sum(len(seg.action_spans) for seg in traj.segments) == traj.reward - 1
+    assert all(len(seg.token_ids) <= 96 for seg in traj.segments)

@@ -248,6 +248,25 @@ async def test_errors_have_each_wires_shape(env):
     assert r.json()["type"] == "error"
 
 
+async def test_context_full_length_answers_a_turn_that_does_not_fit_with_an_empty_length_reply(env):
+    """``context_full: "length"`` (how env workers open ChatAgent sessions): a turn past max_length is a 200 with no
+    tokens and finish_reason "length" on every wire, nothing recorded; a value it does not know is a 400."""
+    app, pods, replies, http = env(session={"max_length": 64})
+    r = await http.post("/v1/sessions", json={"context_full": "truncate"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "context_full"
+    sid = (await _open(http, context_full="length"))["session_id"]
+    long = [{"role": "user", "content": "word " * 100}]
+    r = await http.post(f"/s/{sid}/v1/chat/completions", json={"messages": long})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+    r = await http.post(f"/s/{sid}/v1/messages", json={"max_tokens": 5, "messages": long})
+    assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
+    assert not "".join(block.get("text", "") for block in r.json()["content"])
+    summary = (await http.get(f"/v1/sessions/{sid}")).json()
+    assert summary["turns"] == 0 and summary["num_tokens"] == 0
+
+
 async def test_routing_errors_come_in_the_paths_wire_shape(env):
     app, _, _, http = env()
     sid = (await _open(http))["session_id"]
