@@ -9,7 +9,8 @@ on fixed ports. The schedule follows training, not the clock: fault ``k`` fires 
 (``--logger.steps_jsonl``) reaches step ``(k + 1) x --fault-every-steps``; it SIGKILLs the next service of
 ``--faults`` (its whole process group), leaves it down ``--down-s``, starts it again with the same command
 (the trainer resumes from its checkpoint, saved every step) and waits for it to be ready, so one service is
-down at a time. The run ends when the trainer has trained ``--steps`` steps; every wait is bounded
+down at a time. With ``--fault-jitter-s`` a kill waits a random time below it (``--seed``) once due, so it
+lands anywhere in a step; each fault records the trainer's phase (``/v1/status``) at that moment. The run ends when the trainer has trained ``--steps`` steps; every wait is bounded
 (``--ready-s`` for a restart, ``--stall-s`` without a new step, ``--minutes`` in all) and a run that hits a
 bound stops and says which (``failure`` in the summary).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import secrets
 import signal
@@ -189,6 +191,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--ready-s", type=float, default=600.0, help="longest wait for a (re)started service")
     p.add_argument("--stall-s", type=float, default=600.0, help="longest wait for the next step (the run fails)")
+    p.add_argument(
+        "--fault-jitter-s",
+        type=float,
+        default=0.0,
+        help="wait a random time below this after a fault is due, so kills land anywhere in a step (collecting, "
+        "training, saving, publishing weights)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault jitter")
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument(
         "--pod-arg",
@@ -211,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
         ready_s=args.ready_s,
         stall_s=args.stall_s,
         pod_args=args.pod_arg,
+        jitter_s=args.fault_jitter_s,
+        seed=args.seed,
     )
 
 
@@ -224,6 +236,8 @@ def soak(
     ready_s: float = 600.0,
     stall_s: float = 600.0,
     pod_args: list[str] | None = None,
+    jitter_s: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     recipe = RECIPES["tiny"]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -341,6 +355,16 @@ def soak(
     def now() -> float:
         return round(time.monotonic() - started, 1)
 
+    rng = random.Random(seed)
+
+    def trainer_phase() -> str | None:
+        """What the trainer is doing (its /v1/status phase), recorded with each fault."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/v1/status", timeout=2) as r:
+                return json.loads(r.read()).get("phase")
+        except (OSError, ValueError):
+            return None
+
     def pid_of(name: str) -> int | None:
         if name == "redis":
             return redis.proc.pid if redis.proc else None
@@ -426,9 +450,12 @@ def soak(
                 start("trainer")  # an exit we did not cause: reported, and the run goes on
             elif plan and step >= plan[0][0]:
                 at, name = plan.pop(0)
+                time.sleep(rng.uniform(0, jitter_s))
+                phase = trainer_phase()
                 kill(name)
-                events.append({"t": now(), "killed": name, "step": step})
-                print(f"[soak] {now():.0f} s: killed {name} at step {step} (due at {at})", flush=True)
+                step = watcher.poll()
+                events.append({"t": now(), "killed": name, "step": step, "trainer_phase": phase})
+                print(f"[soak] {now():.0f} s: killed {name} at step {step} (due at {at}; trainer {phase})", flush=True)
                 time.sleep(down_s)
                 start(name)
                 events.append({"t": now(), "up": name})

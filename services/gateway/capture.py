@@ -135,6 +135,14 @@ class TurnPlan:
         return len(self.prompt_ids) + self.image_tokens
 
 
+def _without_images(message: dict) -> dict:
+    """``message`` with its image parts left out (its text parts kept, in order)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [p for p in content if p.get("type") != "image"]}
+
+
 def _images_for(model: ChatModel, messages: list[dict]) -> list[dict]:
     """The image parts of ``messages``; a 400 when the model takes none."""
     images = message_images(messages)
@@ -180,13 +188,21 @@ class Capture:
         return plan
 
     def plan_chat(
-        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None = None
+        self,
+        model: ChatModel,
+        messages: list[dict],
+        tools: list[dict] | None,
+        key: str | None = None,
+        drop_new_images: bool = False,
     ) -> TurnPlan:
-        """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it."""
-        return self._count_images(model, self._plan_chat(model, messages, tools, key))
+        """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it.
+        ``drop_new_images``: a turn that extends the segment leaves out the images of its new messages (their
+        image parts are not rendered); the record of what the client sent (``full_render``) keeps them, so the
+        client's next turn, which repeats them in its history, still extends the segment."""
+        return self._count_images(model, self._plan_chat(model, messages, tools, key, drop_new_images))
 
     def _plan_chat(
-        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None
+        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None, drop_new: bool
     ) -> TurnPlan:
         cur, st = self.current, self.chat
         images = _images_for(model, messages)
@@ -206,8 +222,12 @@ class Capture:
                 if full.startswith(through):
                     tail = reply_tail(model, st, through)
                     if tail is not None:
-                        delta = model.encode(tail + full[len(through) :])
                         new = message_images(messages[k + 1 :])
+                        shown = full
+                        if drop_new and new:
+                            rest = [_without_images(m) for m in messages[k + 1 :]]
+                            shown, new = model.render(messages[: k + 1] + rest, tools, generation_prompt=True), []
+                        delta = model.encode(tail + shown[len(through) :])
                         return TurnPlan(
                             cur.sent_ids + delta,
                             delta,

@@ -14,6 +14,7 @@ from typing import Any
 from services.gateway import sampling
 from services.gateway.capture import ChatState, TurnPlan
 from services.gateway.chat import (
+    ChatModel,
     bad_request,
     canonical_messages,
     data_url_part,
@@ -203,27 +204,66 @@ class Gateway(SessionLifecycle):
                     return _cached(s.last_result)
                 plan = s.capture.plan_chat(model, messages, tools, key)
                 hard = s.context_full == "error"
-                remaining = s.capture.check_room(plan, hard)
-                if remaining <= 0:
-                    resolve_future(ready, value=plan.num_tokens)
-                    return self._context_full(s, plan)
-                sp = self._sampling(s, overrides, remaining)
-                resolve_future(ready, value=plan.num_tokens)
-                gen, events = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
+
+                def replan() -> TurnPlan:
+                    return s.capture.plan_chat(model, messages, tools, key, drop_new_images=True)
+
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
-                gen = self._apply_stop(gen, stop)
-                fitted = s.capture.fit(model, plan, gen, hard)
+                plan, fitted, events = await self._generate_fitting(
+                    s, model, plan, overrides, hard, None if hard else replan, on_tokens, stop, ready
+                )
                 if fitted is None:
                     return self._context_full(s, plan)
                 seg = s.capture.commit(plan, fitted, events)
-                gen, n = fitted, len(seg.token_ids)
-                result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop)
+                n = len(seg.token_ids)
+                result = self._result(fitted, plan.num_tokens, n, s.capture.remaining(n), stop)
                 s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
                 self._after_turn(s, plan, key, result)
                 return result
         except BaseException as exc:
             resolve_future(ready, exc)
             raise
+
+    async def _generate_fitting(
+        self,
+        s: Session,
+        model: ChatModel,
+        plan: TurnPlan,
+        overrides: dict,
+        hard: bool,
+        replan: Callable[[], TurnPlan] | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        stop: list[str] | None = None,
+        ready: asyncio.Future | None = None,
+    ) -> tuple[TurnPlan, Generation | None, list[dict]]:
+        """Generate ``plan`` within the session's max_length: the plan generated, the pod's answer held to
+        max_length (``Capture.fit``; None: the turn does not fit, which with ``hard`` is a 400 instead) and the
+        pod's events. ``replan``: the same turn without its new images (feedback whose images do not fit: Molt
+        drops them with their image tokens and keeps the text), used when the room check or, for images that
+        expand further than estimated, the pod's answer says they do not fit (not for a streamed turn, whose
+        client saw the first answer's tokens)."""
+        remaining = s.capture.check_room(plan, hard)
+        droppable = replan is not None and plan.new_images > 0 and not plan.new_segment
+        if remaining <= 0 and droppable:
+            assert replan is not None
+            plan, droppable = replan(), False
+            remaining = s.capture.check_room(plan, hard)
+        resolve_future(ready, value=plan.num_tokens)
+        if remaining <= 0:
+            return plan, None, []
+        gen, events = await self._generate(
+            s, plan.prompt_ids, self._sampling(s, overrides, remaining), on_tokens, plan.image_files
+        )
+        fitted = s.capture.fit(model, plan, self._apply_stop(gen, stop), hard)
+        if fitted is None and droppable and on_tokens is None:
+            assert replan is not None
+            plan = replan()
+            remaining = s.capture.check_room(plan, hard)
+            if remaining > 0:
+                sp = self._sampling(s, overrides, remaining)
+                gen, events = await self._generate(s, plan.prompt_ids, sp, None, plan.image_files)
+                fitted = s.capture.fit(model, plan, self._apply_stop(gen, stop), hard)
+        return plan, fitted, events
 
     def _context_full(self, s: Session, plan: TurnPlan) -> TurnResult:
         """A session's ``context_full="length"`` answer to a turn that does not fit: no tokens, finish "length",
@@ -266,21 +306,12 @@ class Gateway(SessionLifecycle):
                 raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
             append_only = overrides.get("max_tokens") == 0
 
-            def planned(drop_images: bool = False) -> tuple[TurnPlan, int]:
-                plan = s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only, drop_images)
-                return plan, s.capture.check_room(plan, hard=False)
+            def planned(drop_images: bool = False) -> TurnPlan:
+                return s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only, drop_images)
 
-            plan, remaining = planned()
-            # Molt's rule for an Env's feedback: images that do not fit the context (expanded) are dropped with
-            # their image tokens, the feedback's text is kept.
-            droppable = plan.new_images > 0 and not plan.new_segment
-            if remaining <= 0 and droppable:
-                plan, remaining = planned(drop_images=True)
-            if remaining <= 0:
-                # Contract: no room left -> finish "length" with no tokens; nothing is committed.
-                if s.capture.current is not None:
-                    s.capture.current.truncated = True
-                return self._no_room(plan)
+            plan = planned()
+            if append_only and s.capture.check_room(plan, hard=False) <= 0:
+                return self._context_full(s, plan)
             if append_only:
                 # Append-only: Molt appends the env's feedback even after the terminal turn (masked, so it
                 # never reaches the loss but the trajectory holds the whole episode). Nothing is generated.
@@ -298,20 +329,13 @@ class Gateway(SessionLifecycle):
                     len(seg.token_ids),
                     s.capture.remaining(len(seg.token_ids)),
                 )
-            gen, events = await self._generate(
-                s, plan.prompt_ids, self._sampling(s, overrides, remaining), images=plan.image_files
+            # Molt's rule for an Env's feedback: images that do not fit the context (expanded) are dropped with
+            # their image tokens, the feedback's text is kept.
+            plan, fitted, events = await self._generate_fitting(
+                s, self.model, plan, overrides, False, lambda: planned(drop_images=True)
             )
-            fitted = s.capture.fit(self.model, plan, gen, hard=False)
-            if fitted is None and droppable and plan.new_images:  # the images' expansion was larger than estimated
-                plan, remaining = planned(drop_images=True)
-                if remaining > 0:
-                    sp = self._sampling(s, overrides, remaining)
-                    gen, events = await self._generate(s, plan.prompt_ids, sp, images=plan.image_files)
-                    fitted = s.capture.fit(self.model, plan, gen, hard=False)
-            if fitted is None:
-                assert s.capture.current is not None
-                s.capture.current.truncated = True
-                return self._no_room(plan)
+            if fitted is None:  # contract: no room left -> finish "length" with no tokens; nothing is committed
+                return self._context_full(s, plan)
             gen = fitted
             seg = s.capture.commit(plan, gen, events)
             raw = self.model.decode(gen.token_ids, skip_special=False)
@@ -339,16 +363,9 @@ class Gateway(SessionLifecycle):
             if int(overrides.get("n") or 1) != 1:
                 raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
             plan = s.capture.plan_completion(self.model, prompt)
-            hard = s.context_full == "error"
-            remaining = s.capture.check_room(plan, hard)
-            if remaining <= 0:
-                return self._context_full(s, plan)
-            gen, events = await self._generate(
-                s, plan.prompt_ids, self._sampling(s, overrides, remaining), images=plan.image_files
-            )
             stop = overrides.get("stop") or s.sampling_params.get("stop")
-            gen = self._apply_stop(gen, stop)
-            fitted = s.capture.fit(self.model, plan, gen, hard)
+            hard = s.context_full == "error"
+            plan, fitted, events = await self._generate_fitting(s, self.model, plan, overrides, hard, stop=stop)
             if fitted is None:
                 return self._context_full(s, plan)
             gen = fitted

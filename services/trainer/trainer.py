@@ -387,6 +387,8 @@ class Trainer:
     def _publish(self, new_version: int, only: list[str] | None = None) -> None:
         """Collective: push the weights as ``new_version`` to every pod (``only``: to these, forced)."""
         if self.publishing:
+            if self.info.is_main:
+                self.status.update(phase="publishing")
             with phase(self.metrics, "publish"):
                 tensors = full_state_dict(self.learner.actor)
                 check = self._probe_check() if self.s.train.check_weight_update_equal else None

@@ -333,3 +333,50 @@ def test_feedback_images_that_do_not_fit_once_expanded_are_dropped_and_their_tex
     assert seg.images == [hashlib.sha256(first_image).hexdigest()]  # the dropped image is not in the record
     ids = seg.token_ids.tolist()
     assert ids.count(stack["image_token"]) == IMAGE_SEQ_LEN and ids[first["num_tokens"] :][: len(filler)] == filler
+
+
+def test_a_chat_agents_new_images_that_do_not_fit_are_dropped_and_its_text_answered(stack):
+    """A session opened as env workers open a ChatAgent's (``context_full: "length"``): a turn whose new message's
+    images do not fit the context once expanded is answered without them (Molt's rule for feedback images), the
+    record holds its text and not the images, and the client's next turn, which repeats them in its history,
+    still extends the same segment."""
+    a, b, c = image_bytes(6), image_bytes(7), image_bytes(8)
+    sp = {"temperature": 1.0, "seed": 11}
+
+    def chat(max_length: int):
+        r = httpx.post(
+            stack["url"] + "/v1/sessions",
+            json={"max_length": max_length, "context_full": "length", "sampling_params": sp},
+        )
+        assert r.status_code == 201, r.text
+        session = r.json()
+        client = openai.OpenAI(base_url=session["openai_base_url"], api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(a)}}]}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=3)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "and"},
+                    {"type": "image_url", "image_url": {"url": data_url(b)}},
+                    {"type": "image_url", "image_url": {"url": data_url(c)}},
+                ],
+            },
+        ]
+        second = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+        return session["session_id"], client, messages, second
+
+    probe_sid, _, _, probe = chat(512)  # the second turn's prompt with its images expanded
+    httpx.delete(f"{stack['url']}/v1/sessions/{probe_sid}")
+    with_images = probe.usage.prompt_tokens
+    sid, client, messages, second = chat(with_images)  # its text fits, its images once expanded do not
+    run = IMAGE_SEQ_LEN + 3  # each image's tokens once expanded
+    assert second.usage.prompt_tokens == with_images - 2 * run and second.usage.completion_tokens == 1
+    messages += [{"role": "assistant", "content": second.choices[0].message.content}, {"role": "user", "content": "?"}]
+    third = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+    assert third.usage.completion_tokens == 1
+    assert _finish(stack, sid)["written"] is True
+    [seg] = _trajectory(stack, sid).segments  # one segment: every turn extended it
+    assert seg.images == [hashlib.sha256(a).hexdigest()] and len(seg.action_spans) == 3
+    assert list(seg.token_ids).count(stack["image_token"]) == IMAGE_SEQ_LEN and len(seg.token_ids) <= with_images
