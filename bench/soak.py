@@ -10,9 +10,10 @@ on fixed ports. The schedule follows training, not the clock: fault ``k`` fires 
 ``--faults`` (its whole process group), leaves it down ``--down-s``, starts it again with the same command
 (the trainer resumes from its checkpoint, saved every step) and waits for it to be ready, so one service is
 down at a time. With ``--fault-jitter-s`` a kill waits a random time below it (``--seed``) once due, so it
-lands anywhere in a step; each fault records the trainer's phase (``/v1/status``) at that moment. The run ends when the trainer has trained ``--steps`` steps; every wait is bounded
-(``--ready-s`` for a restart, ``--stall-s`` without a new step, ``--minutes`` in all) and a run that hits a
-bound stops and says which (``failure`` in the summary).
+lands anywhere in a step; each fault records the trainer's phase (``/v1/status``) at that moment. The run
+ends when the trainer has trained ``--steps`` steps; every wait is bounded (``--ready-s`` for a restart,
+``--stall-s`` without a new step, ``--minutes`` in all) and a run that hits a bound stops and says which
+(``failure`` in the summary).
 
 The dataset has ``steps x prompts per step`` prompts, which the trainer walks in its seeded order
 (``PromptDataset.row``), so a run that keeps its promise trains the rows of positions ``0 .. 8n - 1`` once
@@ -451,6 +452,9 @@ def soak(
             elif plan and step >= plan[0][0]:
                 at, name = plan.pop(0)
                 time.sleep(rng.uniform(0, jitter_s))
+                if trainer.proc.poll() is not None:  # it finished (or died) meanwhile: the loop's top sees to it
+                    plan.insert(0, (at, name))
+                    continue
                 phase = trainer_phase()
                 kill(name)
                 step = watcher.poll()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,17 @@ def inline_images(messages: list[dict[str, Any]], urls: list[str]) -> list[dict[
             parts.append({"type": "text", "text": text})
         out.append({**message, "content": parts})
     return out
+
+
+_EXPANDED = re.compile(r"the prompt has (\d+) tokens with its images expanded")
+
+
+def expanded_prompt_error(tokens: int, context: int) -> str:
+    """The rollout pod's ``context_length_exceeded`` message for a prompt whose images, expanded by the model's
+    processor, take it past the context; ``expanded_prompt_length`` reads the length back (the gateway)."""
+    return f"the prompt has {tokens} tokens with its images expanded, over the context length {context}"
+
+
+def expanded_prompt_length(message: str) -> int | None:
+    found = _EXPANDED.search(message)
+    return int(found.group(1)) if found else None

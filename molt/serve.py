@@ -203,9 +203,9 @@ async def serve_async(
     while not srv.started and not task.done():  # noqa: ASYNC110 - uvicorn offers a flag, not an event
         await asyncio.sleep(0.02)
     if srv.started:
-        announce_ready(service, sock)
-        if signals:
+        if signals:  # before the ready line: a supervisor may signal as soon as it reads it
             _on_signals(srv, drain)
+        announce_ready(service, sock)
     await task
 
 

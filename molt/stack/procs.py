@@ -99,6 +99,14 @@ class ManagedProcess:
             except ProcessLookupError:
                 pass
 
+    def kill_group(self) -> None:
+        """SIGKILL what is left of its process group once it has exited (children it started)."""
+        if self.proc is not None and not self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def stop(self, grace_s: float = 15.0) -> int | None:
         if self.proc is None:
             return None

@@ -227,15 +227,15 @@ def run_plan(plan: StackPlan) -> dict:
             *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(progress.path)),
             *("--logger.eval_jsonl", str(run_dir / "eval.jsonl")),
         ]
-        if plan.steps:
-            trainer_flags += ["--train.num_steps", str(plan.steps)]
+        steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
 
         def trainer_proc(port: int) -> ManagedProcess:
-            cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer)
+            cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer, *steps)
             trainer_env = {**weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
             return ManagedProcess("trainer", cmd, run_dir / "trainer.log", None, trainer_env)
 
-        listening = _wait_output("molt-trainer listening on", plan.ready_timeout_s)
+        # The trainer listens once its models are loaded, which takes as long as they are large.
+        listening = _wait_output("molt-trainer listening on", None)
         trainer, (metrics_port,) = _start_on_free_ports(sup, 1, trainer_proc, listening)
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         while trainer.alive():
@@ -276,35 +276,37 @@ def _start_on_free_ports(
         ports = [free_port() for _ in range(count)]
         proc = make(*ports)
         try:
+            sup.procs.append(proc)
+            proc.start()
             if callable(ready):
-                sup.procs.append(proc)
-                proc.start()
                 ready(proc)
-            else:
-                sup.start(proc, ready)
+            else:  # its own "listening" line first: /readyz alone could be another server's on a lost port
+                _wait_output("listening on http://", ready)(proc)
+                proc.wait_ready(ready)
             return proc, ports
         except ServiceFailed:
             if attempt == tries or not proc.lost_port_race():
                 raise
+            proc.kill_group()  # what it started (a vLLM engine process) goes with it
             sup.procs.remove(proc)
             print(f"[molt up] {proc.name}: a port it was given was taken first; starting it on new ports", flush=True)
     raise AssertionError("unreachable")
 
 
-def _wait_output(marker: str, timeout_s: float) -> Callable[[ManagedProcess], None]:
+def _wait_output(marker: str, timeout_s: float | None) -> Callable[[ManagedProcess], None]:
     """A wait until the process writes ``marker`` to its log (redis-server's "ready", the trainer's "listening"
     line). Its own line, not a TCP connect: a connect would also succeed against another server that took the
     port first."""
 
     def wait(proc: ManagedProcess) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         while time.monotonic() < deadline:
             if marker in proc.output():
                 return
             if not proc.alive():
                 raise ServiceFailed(f"{proc.name} exited before it was ready; log {proc.log_path}:\n{proc.tail()}")
             time.sleep(0.05)
-        raise ServiceFailed(f"{proc.name} did not write {marker!r} within {timeout_s:.0f}s; log {proc.log_path}")
+        raise ServiceFailed(f"{proc.name} did not write {marker!r} within {timeout_s:.0f} s; log {proc.log_path}")
 
     return wait
 

@@ -157,12 +157,18 @@ async def start_weightsync_server(
     keep_malloc_hot()
     core = WeightSyncCore(engine, metrics=metrics, keep_rollback_copy=keep_rollback_copy, reuse_staging=reuse_staging)
     interceptors = [BearerInterceptor(token)] if token is not None else []
-    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=interceptors)
+    # gRPC's default SO_REUSEPORT would let a second pod on this machine bind the same port and share its
+    # connections (a trainer's pushes split between two pods); off, the second bind fails instead.
+    options = [*grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers([_handler(WeightSyncServicer(core))])
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:  # grpc.aio raises RuntimeError where the sync API returns 0
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if not bound:
-        raise OSError(f"weight-sync gRPC server could not bind {host}:{port}")
+        raise OSError(f"weight-sync gRPC server could not bind {host}:{port} (in use, or not a local address)")
     await server.start()
     server.weightsync_core = core  # for the rollout app's /readyz and tests
     log.info("weight-sync gRPC server on %s:%d", host, bound)

@@ -184,7 +184,7 @@ class Capture:
         if plan.images:
             cur = self.current
             known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
-            plan.image_tokens = known + plan.new_images * model.image_expansion.extra_per_image
+            plan.image_tokens = known + plan.new_images * model.image_expansion.estimate
         return plan
 
     def plan_chat(
@@ -226,7 +226,9 @@ class Capture:
                         shown = full
                         if drop_new and new:
                             rest = [_without_images(m) for m in messages[k + 1 :]]
-                            shown, new = model.render(messages[: k + 1] + rest, tools, generation_prompt=True), []
+                            stripped = model.render(messages[: k + 1] + rest, tools, generation_prompt=True)
+                            if stripped.startswith(through):  # else the template rewrote history: keep them
+                                shown, new = stripped, []
                         delta = model.encode(tail + shown[len(through) :])
                         return TurnPlan(
                             cur.sent_ids + delta,
@@ -260,7 +262,8 @@ class Capture:
     ) -> TurnPlan:
         """``images``: the image parts of the appended input, one per image token in it, in order. An append-only
         turn (nothing generated, so no pod expands them) drops its images and their image tokens, as Molt drops
-        the images of feedback that does not fit; ``drop_images`` drops them in any turn."""
+        the images of feedback that does not fit; ``drop_images`` drops them (and their image tokens) from any
+        appended input. A first turn's ``messages`` keep theirs."""
         return self._count_images(
             model, self._plan_tokens(model, messages, append_text, append_ids, images, append_only or drop_images)
         )
@@ -350,14 +353,9 @@ class Capture:
         seen = gen.extra.get("prompt_token_ids") if plan.images else None
         if seen is None:
             return gen
-        cur = self.current
-        known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
-        model.image_expansion.note(len(seen) - len(plan.prompt_ids) - known, plan.new_images)
-        plan.image_tokens = len(seen) - len(plan.prompt_ids)
-        room = self.remaining(len(seen))
-        if room <= 0:
-            self.check_room(plan, hard)
+        if not self.expanded(model, plan, len(seen), hard):
             return None
+        room = self.remaining(len(seen))
         if len(gen.token_ids) <= room:
             return gen
         extra = dict(gen.extra)
@@ -366,6 +364,16 @@ class Capture:
         return replace(
             gen, token_ids=gen.token_ids[:room], logprobs=gen.logprobs[:room], finish_reason="length", extra=extra
         )
+
+    def expanded(self, model: ChatModel, plan: TurnPlan, length: int, hard: bool) -> bool:
+        """``plan``'s prompt is ``length`` tokens with its images expanded (the pod's answer, or its refusal of a
+        prompt past its own context): learn the new images' run from it, and say whether the turn has room left
+        (False; a 400 when ``hard``)."""
+        cur = self.current
+        known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
+        model.image_expansion.note(length - len(plan.prompt_ids) - known, plan.new_images)
+        plan.image_tokens = length - len(plan.prompt_ids)
+        return self.check_room(plan, hard) > 0
 
     def commit(self, plan: TurnPlan, gen: Generation, events: list[dict]) -> SegmentState:
         seen = gen.extra.get("prompt_token_ids") if plan.images else None

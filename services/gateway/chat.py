@@ -36,16 +36,23 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 class ImageExpansion:
     """How many tokens beyond its one placeholder an image adds in the pod's prompt, learned from the pods'
-    answers (the gateway does not run the model's image processor). The largest seen per image: exact for
-    processors that give every image the same run, an estimate for those whose run grows with the image size,
-    where the capture trims what an estimate let through (``Capture.fit``)."""
+    answers (the gateway does not run the model's image processor). The smallest run seen per image: exact for
+    processors that give every image the same run; for those whose run grows with the image, a turn is refused
+    or its images dropped up front only when they would not fit even at that, and the pod's answer settles the
+    rest (``Capture.fit``)."""
 
     def __init__(self) -> None:
-        self.extra_per_image = 0
+        self.extra_per_image: int | None = None
+        """None: no image seen yet (each counts as its one placeholder)."""
+
+    @property
+    def estimate(self) -> int:
+        return self.extra_per_image or 0
 
     def note(self, extra_tokens: int, images: int) -> None:
-        if images > 0 and extra_tokens > 0:
-            self.extra_per_image = max(self.extra_per_image, -(-extra_tokens // images))
+        if images > 0 and extra_tokens >= 0:
+            per_image = extra_tokens // images
+            self.extra_per_image = per_image if self.extra_per_image is None else min(self.extra_per_image, per_image)
 
 
 class ChatModel:

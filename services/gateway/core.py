@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from molt.images import expanded_prompt_length
 from services.gateway import sampling
 from services.gateway.capture import ChatState, TurnPlan
 from services.gateway.chat import (
@@ -239,36 +240,55 @@ class Gateway(SessionLifecycle):
         """Generate ``plan`` within the session's max_length: the plan generated, the pod's answer held to
         max_length (``Capture.fit``; None: the turn does not fit, which with ``hard`` is a 400 instead) and the
         pod's events. ``replan``: the same turn without its new images (feedback whose images do not fit: Molt
-        drops them with their image tokens and keeps the text), used when the room check or, for images that
-        expand further than estimated, the pod's answer says they do not fit (not for a streamed turn, whose
-        client saw the first answer's tokens)."""
-        remaining = s.capture.check_room(plan, hard)
+        drops them with their image tokens and keeps the text), used when the room check, the pod's answer or
+        its refusal (images that expanded further than estimated) says they do not fit."""
+        events: list[dict] = []
+
+        async def attempt(plan: TurnPlan) -> Generation | None:
+            remaining = s.capture.check_room(plan, hard)
+            if remaining <= 0:
+                return None
+            sp = self._sampling(s, overrides, remaining)
+            try:
+                gen, more = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
+            except GatewayError as exc:
+                length = expanded_prompt_length(str(exc)) if exc.code == "context_length_exceeded" else None
+                if not plan.images or length is None:
+                    raise
+                s.capture.expanded(model, plan, length, hard)  # the pod's context is full: a 400 when hard
+                return None
+            events.extend(more)
+            stopped = self._apply_stop(gen, stop)
+            fitted = s.capture.fit(model, plan, stopped, hard)
+            if on_tokens is not None and fitted is not stopped:
+                # The client saw tokens past what fits (its images expanded further than estimated): nothing is
+                # recorded and the turn is sent again, now planned with the run the pod just showed.
+                raise GatewayError(
+                    502,
+                    "the images of this turn expanded past the session's max_length while it was streamed; "
+                    "nothing was recorded: send the turn again",
+                    code="pod_error",
+                )
+            return fitted
+
         droppable = replan is not None and plan.new_images > 0 and not plan.new_segment
-        if remaining <= 0 and droppable:
+        remaining = s.capture.check_room(plan, hard)  # a 400 when hard, before the request counts as accepted
+        if droppable and remaining <= 0:
             assert replan is not None
             plan, droppable = replan(), False
             remaining = s.capture.check_room(plan, hard)
         resolve_future(ready, value=plan.num_tokens)
-        if remaining <= 0:
-            return plan, None, []
-        gen, events = await self._generate(
-            s, plan.prompt_ids, self._sampling(s, overrides, remaining), on_tokens, plan.image_files
-        )
-        fitted = s.capture.fit(model, plan, self._apply_stop(gen, stop), hard)
-        if fitted is None and droppable and on_tokens is None:
+        fitted = await attempt(plan) if remaining > 0 else None
+        if fitted is None and droppable:
             assert replan is not None
             plan = replan()
-            remaining = s.capture.check_room(plan, hard)
-            if remaining > 0:
-                sp = self._sampling(s, overrides, remaining)
-                gen, events = await self._generate(s, plan.prompt_ids, sp, None, plan.image_files)
-                fitted = s.capture.fit(model, plan, self._apply_stop(gen, stop), hard)
+            fitted = await attempt(plan)
         return plan, fitted, events
 
     def _context_full(self, s: Session, plan: TurnPlan) -> TurnResult:
         """A session's ``context_full="length"`` answer to a turn that does not fit: no tokens, finish "length",
-        nothing committed, the segment it would have extended marked truncated."""
-        if s.capture.current is not None and not plan.new_segment:
+        nothing committed, the session's last segment marked truncated (the episode ran out of context)."""
+        if s.capture.current is not None:
             s.capture.current.truncated = True
         return self._no_room(plan)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from molt.images import expanded_prompt_error
 from services.rollout import checkpoint
 from services.rollout.engine_thread import _NO_RESULT, EngineThread, _Group, _Job
 from services.rollout.images import check_images
@@ -71,6 +73,23 @@ class GenerateResult:
     prompt_token_ids: list[int] | None = None
     """The prompt as the model saw it, when the request had images: each image token expanded by vLLM's
     multimodal processor into the image's run of tokens. None for text-only requests (the prompt as sent)."""
+
+
+_PROMPT_LENGTH = re.compile(r"prompt \(length (\d+)\)")
+
+
+def _input_error(exc: Exception, images: bool, max_model_len: int) -> RolloutInputError:
+    """vLLM's refusal of a request as the pod's 400. A prompt whose images expanded past the context is only
+    found here (the pod checks the prompt as sent, one token per image): ``context_length_exceeded``, with the
+    expanded length in the message (``molt.images.expanded_prompt_error``)."""
+    found = _PROMPT_LENGTH.search(str(exc)) if images else None
+    if found is None:
+        return RolloutInputError(str(exc), param="prompt_token_ids")
+    return RolloutInputError(
+        expanded_prompt_error(int(found.group(1)), max_model_len),
+        param="prompt_token_ids",
+        code="context_length_exceeded",
+    )
 
 
 class RolloutEngine(EngineThread):
@@ -167,7 +186,7 @@ class RolloutEngine(EngineThread):
 
                     client_error = isinstance(exc, (ValueError, VLLMClientError))
                     group.error = (
-                        RolloutInputError(str(exc), param="prompt_token_ids")
+                        _input_error(exc, bool(pil_images), limits.max_model_len)
                         if client_error
                         else RuntimeError(f"rollout engine failed: {exc!r}")
                     )

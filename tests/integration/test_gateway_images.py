@@ -25,6 +25,7 @@ from tests.gateway_testlib import file_server, read_trajectories, start_gateway,
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(300)]
 TOL = 1e-4
+POD_CONTEXT = 1024  # the test pod's --vllm.max_model_len (tests/gateway_testlib.py)
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +381,37 @@ def test_a_chat_agents_new_images_that_do_not_fit_are_dropped_and_its_text_answe
     [seg] = _trajectory(stack, sid).segments  # one segment: every turn extended it
     assert seg.images == [hashlib.sha256(a).hexdigest()] and len(seg.action_spans) == 3
     assert list(seg.token_ids).count(stack["image_token"]) == IMAGE_SEQ_LEN and len(seg.token_ids) <= with_images
+
+
+def test_feedback_images_the_pod_finds_past_its_context_are_dropped(stack, tmp_path):
+    """A gateway that has not seen an image yet counts each as its one token; where the session's max_length is the
+    pod's whole context, the pod itself finds the expanded prompt too long. It says so (with the expanded length),
+    and the gateway treats it as any image that does not fit: feedback is answered without it."""
+    gw, url = start_gateway(
+        [
+            *("--model", str(stack["model"]), "--rollout.urls", stack["pod"], "--redis.url", stack["redis"]),
+            *("--redis.stream", stack["stream"], "--session.max_length", str(POD_CONTEXT)),
+        ],
+        tmp_path / "gateway.log",
+    )
+    try:
+        r = httpx.post(
+            url + "/v1/sessions", json={"sampling_params": {"temperature": 1.0, "seed": 5, "max_tokens": 2}}
+        )
+        assert r.status_code == 201 and r.json()["max_length"] == POD_CONTEXT, r.text
+        sid = r.json()["session_id"]
+        turn = f"{url}/v1/sessions/{sid}/generate"
+        first = httpx.post(turn, json={"append_text": "look"}, timeout=60).json()
+        filler = [100] * (POD_CONTEXT - first["num_tokens"] - 4)  # leaves room for the image's one token, not its run
+        feedback = {"append_token_ids": filler, "append_text": "<image>", "images": [data_url(image_bytes(9))]}
+        r = httpx.post(turn, json=feedback, timeout=120)
+        assert r.status_code == 200, r.text
+        second = r.json()
+        assert second["token_ids"] and second["num_tokens"] <= POD_CONTEXT
+        r = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0}, timeout=60)
+        assert r.status_code == 200 and r.json()["written"], r.text
+    finally:
+        stop(gw)
+    [seg] = _trajectory(stack, sid).segments
+    assert seg.images == [] and stack["image_token"] not in seg.token_ids.tolist()
+    assert len(seg.token_ids) == second["num_tokens"]

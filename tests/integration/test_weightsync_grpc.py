@@ -169,3 +169,12 @@ async def test_gloo_collective_from_a_second_process_equals_grpc(pod, tiny_qwen3
     via_gloo = await engine.prompt_logprobs(PROMPT)
     assert via_gloo == via_grpc
     await _parity(engine, tiny_qwen3_b)
+
+
+async def test_a_second_server_on_a_taken_port_is_refused(pod):
+    """gRPC binds with SO_REUSEPORT by default: a second pod on the same machine and port would bind too and
+    take a share of the trainer's connections. The weight-sync server turns it off, so that bind fails."""
+    engine, target, _ = pod
+    port = int(target.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match="could not bind"):
+        await start_weightsync_server(engine, "127.0.0.1", port)
