@@ -3,7 +3,8 @@
 Start order: Redis (embedded unless --redis-url), rollout pods, gateway, env workers, trainer; each
 must answer /readyz before the next starts. Logs go to one run folder (printed at start and end),
 with `steps.jsonl` (one line per trainer step), `reward.png` and `summary.json` at the end. Ctrl-C or
-a failed service stops everything in reverse order (SIGTERM, then SIGKILL after a grace period).
+a failed service stops everything in reverse order (SIGTERM, then SIGKILL after a grace period). Ports are
+picked free on loopback; a service that loses one to another process before it binds starts again on new ones.
 """
 
 from __future__ import annotations
