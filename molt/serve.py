@@ -197,21 +197,24 @@ async def serve_async(
     SIGINT to the caller (the trainer, whose loop thread serves while the main thread trains): it stops
     the server by ``should_exit``."""
     raise_fd_limit()
+    srv = _Server(uvicorn_config(app, server, graceful_s))
+    if signals:  # from before the first line it prints: a supervisor may signal it at any point of its start
+        srv.on_signal = on_signal = _signal_handling(srv, drain)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
     sock = listening_socket(service, server.host, server.port)
-    srv = uvicorn.Server(uvicorn_config(app, server, graceful_s))
+    host, port = sock.getsockname()[:2]  # now: a stop during start-up closes the socket
     task = asyncio.ensure_future(srv.serve(sockets=[sock]))
     while not srv.started and not task.done():  # noqa: ASYNC110 - uvicorn offers a flag, not an event
         await asyncio.sleep(0.02)
-    if srv.started:
-        if signals:  # before the ready line: a supervisor may signal as soon as it reads it
-            _on_signals(srv, drain)
-        announce_ready(service, sock)
+    if srv.started and not srv.should_exit:
+        announce_ready(service, host, port)
     await task
 
 
-def announce_ready(service: str, sock: socket.socket) -> None:
+def announce_ready(service: str, host: str, port: int) -> None:
     """The line a service prints once its app has started: ``molt-<service> ready http://HOST:PORT``."""
-    host, port = sock.getsockname()[:2]
     print(f"molt-{service} ready http://{host}:{port}", flush=True)
 
 
@@ -224,10 +227,21 @@ def serve(
     uvloop.run(serve_async(service, app, server, drain=drain, graceful_s=graceful_s))
 
 
-def _on_signals(srv: uvicorn.Server, drain: Drain | None) -> None:
-    """SIGTERM: drain, then the graceful shutdown; again, or SIGINT: now. Installed once the server runs, so
-    they replace uvicorn's own (which would re-raise the signal after shutdown: a non-zero exit)."""
-    loop = asyncio.get_running_loop()
+class _Server(uvicorn.Server):
+    """uvicorn's server whose own signal hook (``handle_exit``, installed while it serves) leaves a signal to the
+    event loop's handler (``on_signal``, installed by ``serve_async`` before the service prints anything): the
+    loop still gets the signal through its wakeup fd, so one handling holds throughout, and uvicorn never
+    re-raises a signal after shutdown (its default, which makes a clean stop's exit status the signal's)."""
+
+    on_signal: Callable[[int], None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.on_signal is None:
+            super().handle_exit(sig, frame)
+
+
+def _signal_handling(srv: uvicorn.Server, drain: Drain | None) -> Callable[[int], None]:
+    """SIGTERM: drain, then the graceful shutdown; again, or SIGINT: now."""
     draining: list[asyncio.Task] = []
 
     async def drain_then_exit() -> None:
@@ -236,20 +250,18 @@ def _on_signals(srv: uvicorn.Server, drain: Drain | None) -> None:
         finally:
             srv.should_exit = True
 
-    def on_term() -> None:
-        if drain is not None and not draining:
-            draining.append(loop.create_task(drain_then_exit()))
+    def on_signal(sig: int) -> None:
+        if sig == signal.SIGINT:
+            srv.force_exit = bool(srv.should_exit)
+            srv.should_exit = True
+        elif drain is not None and not draining:
+            draining.append(asyncio.get_running_loop().create_task(drain_then_exit()))
         elif srv.should_exit or draining:
             srv.should_exit = srv.force_exit = True
         else:
             srv.should_exit = True
 
-    def on_int() -> None:
-        srv.force_exit = bool(srv.should_exit)
-        srv.should_exit = True
-
-    loop.add_signal_handler(signal.SIGTERM, on_term)
-    loop.add_signal_handler(signal.SIGINT, on_int)
+    return on_signal
 
 
 def wait_ready(url: str, timeout_s: float, alive: Callable[[], bool] | None = None, what: str = "service") -> None:

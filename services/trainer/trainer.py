@@ -161,7 +161,7 @@ class Trainer:
             if time.monotonic() > deadline:
                 raise RuntimeError("trainer HTTP server did not start")
             time.sleep(0.01)
-        announce_ready("trainer", sock)
+        announce_ready("trainer", *sock.getsockname()[:2])
         return sock.getsockname()[1]
 
     def _bus_outage(self, down: bool) -> None:

@@ -31,3 +31,29 @@ def test_a_service_announces_itself_answers_readyz_and_exits_0_on_sigterm(tmp_pa
 def test_start_service_fails_fast_when_the_service_exits(tmp_path):
     with pytest.raises(RuntimeError, match="exited with 3"):
         start_service([sys.executable, "-c", "raise SystemExit(3)"], log_path=tmp_path / "x.log")
+
+
+def test_a_sigterm_the_moment_a_service_listens_is_a_clean_stop():
+    """A supervisor may signal a service at any point of its start (Kubernetes scaling down a pod still starting):
+    the service's own handling holds from the moment it serves, so the stop is graceful and the exit status 0,
+    never the signal's (uvicorn's own handler re-raises the signal after a shutdown it handled)."""
+    import subprocess
+
+    from molt.serve import cpu_env
+
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.gateway_testlib", "instant-pod"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=cpu_env(),
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if " listening on " in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 0, out
