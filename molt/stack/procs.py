@@ -125,16 +125,6 @@ class Supervisor:
     def __init__(self) -> None:
         self.procs: list[ManagedProcess] = []
 
-    def start(self, proc: ManagedProcess, ready_timeout_s: float = 180.0) -> ManagedProcess:
-        self.procs.append(proc)
-        proc.start()
-        proc.wait_ready(ready_timeout_s)
-        return proc
-
-    def check(self) -> None:
-        for p in self.procs:
-            p.check()
-
     def stop_all(self, grace_s: float = 15.0) -> dict[str, int | None]:
         codes = {}
         for p in reversed(self.procs):

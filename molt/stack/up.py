@@ -164,17 +164,8 @@ def run_plan(plan: StackPlan) -> dict:
             from molt.bus.embedded import find_redis_server
 
             def redis_proc(port: int) -> ManagedProcess:
-                cmd = [
-                    find_redis_server(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ]
+                no_disk = ("--save", "", "--appendonly", "no")
+                cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *no_disk]
                 return ManagedProcess("redis", cmd, run_dir / "redis.log")
 
             _, (port,) = _start_on_free_ports(sup, 1, redis_proc, _wait_output("Ready to accept connections", 10.0))

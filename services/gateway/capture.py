@@ -182,10 +182,13 @@ class Capture:
         """``plan`` with ``image_tokens`` set: what the segment's images already add, plus the estimate for the
         new ones, so the room check counts the prompt the model will see."""
         if plan.images:
-            cur = self.current
-            known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
-            plan.image_tokens = known + plan.new_images * model.image_expansion.estimate
+            plan.image_tokens = self._segment_image_tokens(plan) + plan.new_images * model.image_expansion.estimate
         return plan
+
+    def _segment_image_tokens(self, plan: TurnPlan) -> int:
+        """What the images of the segment ``plan`` extends add to it (0 for a new segment)."""
+        cur = self.current
+        return len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
 
     def plan_chat(
         self,
@@ -369,8 +372,7 @@ class Capture:
         """``plan``'s prompt is ``length`` tokens with its images expanded (the pod's answer, or its refusal of a
         prompt past its own context): learn the new images' run from it, and say whether the turn has room left
         (False; a 400 when ``hard``)."""
-        cur = self.current
-        known = len(cur.token_ids) - len(cur.sent_ids) if cur is not None and not plan.new_segment else 0
+        known = self._segment_image_tokens(plan)
         model.image_expansion.note(length - len(plan.prompt_ids) - known, plan.new_images)
         plan.image_tokens = length - len(plan.prompt_ids)
         return self.check_room(plan, hard) > 0

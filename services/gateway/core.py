@@ -286,13 +286,11 @@ class Gateway(SessionLifecycle):
         return plan, fitted, events
 
     def _context_full(self, s: Session, plan: TurnPlan) -> TurnResult:
-        """A session's ``context_full="length"`` answer to a turn that does not fit: no tokens, finish "length",
-        nothing committed, the session's last segment marked truncated (the episode ran out of context)."""
+        """The answer to a turn that does not fit (token-level turns; chat and completion turns of a session opened
+        with ``context_full="length"``): no tokens, finish "length", nothing committed, the session's last segment
+        marked truncated (the episode ran out of context)."""
         if s.capture.current is not None:
             s.capture.current.truncated = True
-        return self._no_room(plan)
-
-    def _no_room(self, plan: TurnPlan) -> TurnResult:
         return TurnResult([], [], "length", self.policy_version, "", "", "", [], plan.num_tokens, plan.num_tokens, 0)
 
     def _after_turn(self, s: Session, plan: TurnPlan, key: str | None, result: TurnResult) -> None:
