@@ -199,7 +199,8 @@ async def serve_async(
     raise_fd_limit()
     srv = _Server(uvicorn_config(app, server, graceful_s))
     if signals:  # from before the first line it prints: a supervisor may signal it at any point of its start
-        srv.on_signal = on_signal = _signal_handling(srv, drain)
+        srv.loop_handles_signals = True
+        on_signal = _signal_handling(srv, drain)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
@@ -229,14 +230,15 @@ def serve(
 
 class _Server(uvicorn.Server):
     """uvicorn's server whose own signal hook (``handle_exit``, installed while it serves) leaves a signal to the
-    event loop's handler (``on_signal``, installed by ``serve_async`` before the service prints anything): the
-    loop still gets the signal through its wakeup fd, so one handling holds throughout, and uvicorn never
-    re-raises a signal after shutdown (its default, which makes a clean stop's exit status the signal's)."""
+    event loop's handler when ``loop_handles_signals`` (``serve_async`` installs it before the service prints
+    anything): the loop still gets the signal through its wakeup fd, so one handling holds throughout, and
+    uvicorn never re-raises a signal after shutdown (its default, which makes a clean stop's exit status the
+    signal's)."""
 
-    on_signal: Callable[[int], None] | None = None
+    loop_handles_signals = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.on_signal is None:
+        if not self.loop_handles_signals:
             super().handle_exit(sig, frame)
 
 
