@@ -17,9 +17,11 @@ Each side runs in its own process: ours is ``python -m services.trainer.sft`` (`
 non-padding tokens of steps 2..N over their wall time (step 1 warms up); TRL's steps are timed by a
 callback and its tokens counted by ``include_num_input_tokens_seen="non_padding"``. Each side is run
 padded and packed: each micro-batch's samples concatenated into one row (ours ``--fsdp.packing_samples``,
-TRL ``padding_free=True``, which leaves ``max_length`` unenforced: the rows fit it anyway; TRL's
-``packing=True`` would refill rows to max_len and so change the samples per step). Held-out loss: the token-mean
-response loss on 64 unseen rows after the last step, by one definition for both (``heldout_loss``).
+which also lays the samples' common token prefix, here the template's system prompt and header, out once;
+``packed-plain`` turns that off; TRL ``padding_free=True``, which leaves ``max_length`` unenforced: the rows
+fit it anyway; TRL's ``packing=True`` would refill rows to max_len and so change the samples per step).
+Held-out loss: the token-mean response loss on 64 unseen rows after the last step, by one definition for
+both (``heldout_loss``).
 ``--rounds`` repeats each (ours, TRL) pair. Prints one markdown table.
 """
 
@@ -52,8 +54,8 @@ def rows(n: int, seed: int, max_letters: int) -> list[dict]:
     return out
 
 
-def ours(args, work: Path, packed: bool) -> dict:
-    tag = "ours-packed" if packed else "ours"
+def ours(args, work: Path, layout: str) -> dict:
+    tag = f"ours-{layout}"
     steps_file = work / f"{tag}.jsonl"
     flags = [
         "--model.model_name_or_path",
@@ -88,8 +90,10 @@ def ours(args, work: Path, packed: bool) -> dict:
         "--logger.steps_jsonl",
         str(steps_file),
     ]
-    if packed:
+    if layout != "padded":
         flags.append("--fsdp.packing_samples")
+    if layout == "packed-plain":
+        flags += ["--train.pack_shared_prefix", "false"]
     if args.nproc > 1:
         cmd = [
             str(Path(sys.executable).with_name("torchrun")),
@@ -109,7 +113,7 @@ def ours(args, work: Path, packed: bool) -> dict:
     eval_loss = [r["eval_loss"] for r in recs if "eval_loss" in r][-1]
     tokens, secs = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
     return {
-        "impl": f"ours ({args.nproc} proc{'s' if args.nproc > 1 else ''}, {'packed' if packed else 'padded'})",
+        "impl": f"ours ({args.nproc} proc{'s' if args.nproc > 1 else ''}, {layout})",
         "tokens_per_s": tokens / secs,
         "eval_loss": eval_loss,
     }
@@ -292,7 +296,12 @@ def main() -> None:
         help="TRL's rows: rendered prompt + response + stop token (the tokens ours supervises), or chat messages "
         "(TRL then also supervises the newline its template writes after the stop token)",
     )
-    ap.add_argument("--layouts", default="padded,packed", help="padded, packed or both")
+    ap.add_argument(
+        "--layouts",
+        default="padded,packed",
+        help="comma-separated: padded, packed (ours lays the samples' common prefix out once), packed-plain "
+        "(ours without that: --train.pack_shared_prefix false); TRL runs padding-free for both packed ones",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="repeat the pairs (ours, TRL) this many times")
     ap.add_argument("--max-letters", type=int, default=60, help="longest prompt, in letters")
     args = ap.parse_args()
@@ -307,11 +316,11 @@ def main() -> None:
     train = (work / "train.jsonl").read_text().splitlines()
     (work / "train-ordered.jsonl").write_text("".join(train[i] + "\n" for i in epoch_order(len(train), 42, 0)))
     results = []
-    for packed in [x == "packed" for x in args.layouts.split(",") for _ in range(args.rounds)]:
-        results.append(ours(args, work, packed))
+    for layout in [x for x in args.layouts.split(",") for _ in range(args.rounds)]:
+        results.append(ours(args, work, layout))
         print(json.dumps(results[-1]), flush=True)
         if not args.skip_trl:
-            results.append(trl(args, work, packed))
+            results.append(trl(args, work, layout != "padded"))
             print(json.dumps(results[-1]), flush=True)
     print(
         f"\nmodel {args.model.name}, {args.steps} steps of {args.batch_size} rows (micro {args.micro_batch_size}), "

@@ -63,7 +63,9 @@ def build_optimizer(params, cfg, total_steps: int):
         betas=tuple(cfg.adam.betas),
         eps=cfg.adam.eps,
         weight_decay=cfg.adam.weight_decay,
-        foreach=False,
+        # One kernel over all parameters (CPU and CUDA, DTensor shards included): the per-tensor loop costs
+        # several times more per step on a model with hundreds of tensors.
+        fused=True,
     )
     kwargs = {}
     if cfg.lr_scheduler == "cosine_with_min_lr":

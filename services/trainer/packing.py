@@ -64,6 +64,29 @@ def common_prefix_len(seqs: list[np.ndarray]) -> int:
     return int(bad[0]) if bad.size else n
 
 
+def fill_row(ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, seqs: list[np.ndarray], prefix: int) -> list:
+    """Write ``seqs`` into one row as ``[prefix, rest_1, rest_2, ...]`` (``ids``/``pos`` [L], ``mask`` [L, L],
+    zeroed). Returns, per sequence, where each of its tokens sits in the row (its first ``prefix`` tokens are
+    the shared ones)."""
+    if prefix:
+        ids[:prefix] = seqs[0][:prefix]
+        pos[:prefix] = np.arange(prefix)
+        mask[:prefix, :prefix] = np.tri(prefix, dtype=bool)
+    off, wheres = prefix, []
+    for t in seqs:
+        rest = len(t) - prefix
+        ids[off : off + rest] = t[prefix:]
+        pos[off : off + rest] = np.arange(prefix, len(t))
+        mask[off : off + rest, :prefix] = True
+        mask[off : off + rest, off : off + rest] = np.tri(rest, dtype=bool)
+        wheres.append(np.concatenate([np.arange(prefix), np.arange(off, off + rest)]))
+        off += rest
+    # Padding attends to itself only: no all-False mask row (sdpa would turn it into NaN).
+    tail = np.arange(off, len(ids))
+    mask[tail, tail] = True
+    return wheres
+
+
 def _rows_of_group(lengths: list[int], prefix: int, max_row_tokens: int) -> list[list[int]]:
     """Greedy rows of a group's members. A member joins the current row while the row stays within
     ``max_row_tokens`` and its attention work (row length squared: the 4-D mask is dense) stays within what
@@ -106,29 +129,14 @@ def pack(samples: list[Sample], max_row_tokens: int) -> PackedRows:
     flat, targets, sample_row, steps = [], [], [], []
     for r, (prefix, members) in enumerate(rows):
         base = r * width
-        if prefix:
-            ids[r, :prefix] = tokens[members[0]][:prefix]
-            pos[r, :prefix] = np.arange(prefix)
-            mask[r, :prefix, :prefix] = np.tri(prefix, dtype=bool)
-        off = prefix
-        for i in members:
+        wheres = fill_row(ids[r], pos[r], mask[r], [tokens[i] for i in members], prefix)
+        for i, where in zip(members, wheres, strict=True):
             t = tokens[i]
-            rest = len(t) - prefix
-            ids[r, off : off + rest] = t[prefix:]
-            pos[r, off : off + rest] = np.arange(prefix, len(t))
-            mask[r, off : off + rest, :prefix] = True
-            mask[r, off : off + rest, off : off + rest] = np.tri(rest, dtype=bool)
-            # Where token k of this sample sits in the row: the prefix, then its own remainder.
-            where = np.concatenate([np.arange(prefix), np.arange(off, off + rest)])
             k = np.flatnonzero(samples[i].action_mask.numpy())
             flat.append(base + where[k])
             targets.append(t[k + 1])
             sample_row.append(np.full(k.size, i))
             steps.append(k)
-            off += rest
-        # Padding attends to itself only: no all-False mask row (sdpa would turn it into NaN).
-        tail = np.arange(off, width)
-        mask[r, tail, tail] = True
 
     def cat(xs: list[np.ndarray]) -> Tensor:
         return torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.long)

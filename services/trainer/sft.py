@@ -7,7 +7,8 @@ CPU), ``learner.build_optimizer`` / ``optimizer_step`` (AdamW, HF scheduler, cli
 Every rank tokenises the whole dataset (``sft_data``) and derives the same order: a permutation per
 epoch seeded by ``--train.seed`` + epoch. Step k of an epoch takes the next ``--train.batch_size``
 samples; rank r takes every dp-th of them, in micro-batches of ``--train.micro_batch_size``
-(padded, or packed into one row under ``--fsdp.packing_samples``). The loss is the token mean of the
+(padded, or packed into one row under ``--fsdp.packing_samples``, where their common token prefix runs once:
+``--train.pack_shared_prefix``). The loss is the token mean of the
 cross-entropy over the window's response tokens on all ranks: each micro-batch backpropagates
 ``sum(CE) * dp / N_window`` and FSDP averages gradients over dp, so 1 and N processes take the same
 step. Gradient sync waits for the window's last micro-batch. Epoch tails shorter than a batch are
@@ -81,31 +82,48 @@ class SftLearner:
         )
         self.global_step = 0
 
+    def shares_prefix(self) -> bool:
+        """``--train.pack_shared_prefix`` where the model and flags allow its 4-D mask; logged when they do not."""
+        if not self.s.train.pack_shared_prefix:
+            return False
+        attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
+        why = None
+        if attn not in ("sdpa", "eager"):
+            why = f"attention implementation {attn!r} takes no 4-D mask"
+        elif self.s.model.aux_loss_coef > 0:
+            why = "the MoE aux loss counts every token of the plain layout"
+        if why and self.info.is_main:
+            log.info("--train.pack_shared_prefix: off (%s)", why)
+        return why is None
+
     def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(sum of CE over supervised tokens, their count, MoE aux loss or None).
 
         Only the positions that predict a supervised token go through the LM head (``select_hidden``):
         prompt and padding positions never pay for the vocabulary projection and its softmax."""
         batch = {k: v.to(self.info.device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        width = labels.shape[1]
-        target = labels[:, 1:]
-        rows, cols = (target != -100).nonzero(as_tuple=True)
-        flat = rows * width + cols  # position t predicts token t + 1
+        if "targets" in batch:  # a shared-prefix row names its supervised positions itself
+            flat, targets = batch.pop("flat_index"), batch.pop("targets")
+        else:
+            labels = batch.pop("labels")
+            rows, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+            flat = rows * labels.shape[1] + cols  # position t predicts token t + 1
+            targets = labels[rows, cols + 1]
         # At least one position goes through the head, so every parameter is in the graph (FSDP2 reduces all).
         index = flat if flat.numel() else torch.zeros(1, dtype=torch.long, device=flat.device)
         kwargs = {"output_router_logits": True} if self.s.model.aux_loss_coef > 0 else {}
         with select_hidden(self.actor.get_output_embeddings(), index):  # type: ignore[operator]  # nn.Module.__getattr__ types the HF model's methods as Tensor | Module
             out = self.actor(**batch, use_cache=False, **kwargs)
         logits = out.logits[0, : flat.numel()].float()
-        ce = torch.nn.functional.cross_entropy(logits, target[rows, cols], reduction="sum")
+        ce = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
         if not flat.numel():
             ce = 0.0 * out.logits.sum()
         return ce, torch.tensor(flat.numel()), getattr(out, "aux_loss", None)
 
-    def train_step(self, micro: list[dict], n_window: int, n_micro_global: int) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches of a window of ``n_window`` supervised tokens."""
-        ce_sum, tokens, aux_sum = 0.0, 0, 0.0
+    def train_step(self, micro: list[dict], n_window: int, n_micro_global: int, tokens: int) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (holding ``tokens`` tokens of samples) of a window
+        of ``n_window`` supervised tokens."""
+        ce_sum, aux_sum = 0.0, 0.0
         for j, batch in enumerate(micro):
             set_grad_sync(self.actor, j == len(micro) - 1)
             ce, _, aux = self._forward(batch)
@@ -115,9 +133,6 @@ class SftLearner:
                 aux_sum += float(aux.detach())
             loss.backward()
             ce_sum += float(ce.detach())
-            tokens += int(
-                batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum()
-            )
         grad_norm = optimizer_step(self.actor, self.optim, self.sched, self.s.max_norm)
         self.global_step += 1
         vec = torch.tensor([ce_sum, float(tokens), aux_sum], dtype=torch.float64)
@@ -250,6 +265,7 @@ def train(s: SftSettings, info: DistInfo) -> dict:
     packed = s.fsdp.packing_samples
     pad_to = s.data.max_len if s.data.pad_to_max_len else None
     learner = SftLearner(s, info, total)
+    share = packed and learner.shares_prefix()
     if s.ckpt.load_enable:
         checkpoint.load(s.ckpt.path, learner)
     dcp_max = s.ckpt.dcp_max_num if s.ckpt.dcp_max_num is not None else s.ckpt.max_num
@@ -258,7 +274,10 @@ def train(s: SftSettings, info: DistInfo) -> dict:
     if evals:
         mine = evals[info.rank // s.fsdp.tp_size :: dp]
         count = math.ceil(math.ceil(len(evals) / dp) / t.micro_batch_size)
-        eval_batches = [collate(c, pad_id, packed=packed, pad_to=pad_to) for c in chunks(mine, t.micro_batch_size)]
+        eval_batches = [
+            collate(c, pad_id, packed=packed, pad_to=pad_to, share_prefix=share)
+            for c in chunks(mine, t.micro_batch_size)
+        ]
         eval_batches += [None] * (count - len(eval_batches))
     sinks = Sinks(s, info.is_main)
     rank_dp = info.rank // s.fsdp.tp_size
@@ -274,8 +293,12 @@ def train(s: SftSettings, info: DistInfo) -> dict:
             # stride, and the step's gradient is the same (a sum over the window's tokens, whatever the grouping).
             by_len = sorted(window, key=lambda i: data[i].num_tokens)
             mine = [data[i] for i in by_len[rank_dp::dp]]
-            micro = [collate(c, pad_id, packed=packed, pad_to=pad_to) for c in chunks(mine, t.micro_batch_size)]
-            metrics = learner.train_step(micro, n_window, t.batch_size // t.micro_batch_size)
+            micro = [
+                collate(c, pad_id, packed=packed, pad_to=pad_to, share_prefix=share)
+                for c in chunks(mine, t.micro_batch_size)
+            ]
+            tokens = sum(e.num_tokens for e in mine)
+            metrics = learner.train_step(micro, n_window, t.batch_size // t.micro_batch_size, tokens)
             metrics["seconds"] = time.monotonic() - start
             metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["seconds"], 1e-9)
             metrics["epoch"] = epoch

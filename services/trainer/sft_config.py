@@ -94,6 +94,10 @@ class SftTrainConfig(Section):
     """Seed of the data order (shuffled per epoch)."""
     full_determinism_enable: bool = False
     """torch.use_deterministic_algorithms(True) (warn-only where no deterministic kernel exists)."""
+    pack_shared_prefix: bool = True
+    """Under --fsdp.packing_samples, a micro-batch's common token prefix (system prompt, template header) is
+    computed once: the row is the prefix, then each sample's rest, under a 4-D mask (sdpa / eager attention;
+    off with flash attention or an MoE aux loss). Same logits and loss, fewer tokens."""
 
 
 class SftEvalConfig(Section):

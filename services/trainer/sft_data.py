@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from molt.data import read_rows
+from services.trainer.packing import common_prefix_len, fill_row
 
 log = logging.getLogger("molt.trainer")
 
@@ -229,8 +230,21 @@ def read_sft_rows(spec: str, probs: str | None, split: str, max_samples: int, se
     return out[:max_samples]
 
 
-def collate(examples: list[Example], pad_id: int, *, packed: bool = False, pad_to: int | None = None) -> dict:
-    """A model batch with ``labels`` (-100 where not supervised), padded right or packed into one row."""
+def collate(
+    examples: list[Example],
+    pad_id: int,
+    *,
+    packed: bool = False,
+    pad_to: int | None = None,
+    share_prefix: bool = False,
+) -> dict:
+    """A model batch with ``labels`` (-100 where not supervised), padded right or packed into one row. Packed
+    with ``share_prefix``, a common token prefix of the samples is laid out once (``shared_prefix_row``)."""
+    if packed and share_prefix and len(examples) > 1:
+        # Each sample keeps at least one token of its own after the shared part.
+        prefix = min(common_prefix_len([e.input_ids for e in examples]), min(e.num_tokens for e in examples) - 1)
+        if prefix > 0:
+            return shared_prefix_row(examples, prefix, pad_id, pad_to)
     if packed:
         ids = np.concatenate([e.input_ids for e in examples])
         labels = np.concatenate([np.where(e.loss_mask, e.input_ids, -100) for e in examples])
@@ -258,3 +272,27 @@ def collate(examples: list[Example], pad_id: int, *, packed: bool = False, pad_t
         attn[i, :t] = 1
     labels[:, 0] = -100
     return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+
+
+def shared_prefix_row(examples: list[Example], prefix: int, pad_id: int, pad_to: int | None) -> dict:
+    """One row ``[prefix, rest_1, rest_2, ...]`` under a 4-D mask: each sample's tokens see the shared prefix
+    and their own earlier tokens, at the positions they had alone, so every logit equals the unpacked one
+    while the prefix (system prompt, template header) runs once. Supervised positions come as ``flat_index``
+    (position k predicts token k + 1; a prefix position may serve several samples) and ``targets``."""
+    width = max(prefix + sum(e.num_tokens - prefix for e in examples), pad_to or 0)
+    ids = np.full(width, pad_id, dtype=np.int64)
+    pos = np.zeros(width, dtype=np.int64)
+    mask = np.zeros((width, width), dtype=bool)
+    wheres = fill_row(ids, pos, mask, [e.input_ids for e in examples], prefix)
+    flat, targets = [], []
+    for e, where in zip(examples, wheres, strict=True):
+        k = np.flatnonzero(e.loss_mask[1:])
+        flat.append(where[k])
+        targets.append(e.input_ids[k + 1])
+    return {
+        "input_ids": torch.from_numpy(ids)[None],
+        "position_ids": torch.from_numpy(pos)[None],
+        "attention_mask": torch.from_numpy(mask)[None, None],
+        "flat_index": torch.from_numpy(np.concatenate(flat).astype(np.int64)),
+        "targets": torch.from_numpy(np.concatenate(targets).astype(np.int64)),
+    }

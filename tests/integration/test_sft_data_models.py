@@ -1,5 +1,6 @@
 """SFT data on real tokenizers and models: the loss mask per chat template in use, bad-row accounting,
-and sample packing computing the same loss as padding."""
+and sample packing (plain, or with the samples' common prefix laid out once) computing the same loss and
+gradients as padding."""
 
 from __future__ import annotations
 
@@ -95,3 +96,41 @@ def test_packed_rows_give_the_padded_loss(tiny_qwen3):
     assert float(packed) == pytest.approx(float(padded), abs=1e-4)
     assert float(packed) == pytest.approx(float(alone), abs=1e-4)
     assert math.isfinite(float(packed))
+
+
+def test_shared_prefix_row_gives_the_padded_loss_and_gradients(tiny_qwen3):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="sdpa")
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "Reverse the letters."}, {"role": "user", "content": w}],
+            "response": w[::-1],
+        }
+        for w in ("a b", "c d e f g", "h i j", "k l m n o p q")
+    ]
+    examples, _ = Tokenized(tok, 64, "prompt", "response").build(rows, "--data.dataset")
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        if "targets" in batch:
+            flat, targets = batch.pop("flat_index"), batch.pop("targets")
+            logits = model(**batch, use_cache=False).logits[0, flat]
+        else:
+            labels = batch.pop("labels")
+            logits = model(**batch, use_cache=False).logits[:, :-1].reshape(-1, model.config.vocab_size)
+            targets = labels[:, 1:].reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+    shared_batch = collate(examples, 0, packed=True, share_prefix=True, pad_to=120)
+    plain = collate(examples, 0, packed=True)["input_ids"].shape[1]
+    unpadded = collate(examples, 0, packed=True, share_prefix=True)["input_ids"].shape[1]
+    assert shared_batch["input_ids"].shape[1] == 120 and plain - unpadded > 3 * 10  # three copies of the prefix gone
+    shared, g_shared = loss_and_grads(shared_batch)
+    padded, g_padded = loss_and_grads(collate(examples, 0))
+    assert shared == pytest.approx(padded, rel=1e-5)
+    for a, b in zip(g_shared, g_padded, strict=True):  # fp32 summation order apart
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())

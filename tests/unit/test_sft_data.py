@@ -89,6 +89,23 @@ def test_packed_batch_restarts_positions_and_never_predicts_across_samples():
     assert "attention_mask" not in b and b["labels"].dtype == torch.int64
 
 
+def test_shared_prefix_row_lays_the_common_prefix_out_once():
+    b = collate([_ex([1, 2, 3, 4, 5], [3, 4]), _ex([1, 2, 3, 6, 7, 8], [4, 5])], 0, packed=True, share_prefix=True)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]
+    # position k predicts token k + 1: sample 1's token 4 from the shared position 2, sample 2's 7 from its 6
+    assert b["flat_index"].tolist() == [2, 3, 5, 6] and b["targets"].tolist() == [4, 5, 7, 8]
+    mask = b["attention_mask"][0, 0].int().tolist()
+    assert mask[5] == [1, 1, 1, 0, 0, 1, 0, 0]  # sample 2's first own token: the prefix and itself
+    assert mask[4] == [1, 1, 1, 1, 1, 0, 0, 0]
+    # No common prefix, or a single sample: the plain packed row.
+    assert "labels" in collate([_ex([1, 2], [1]), _ex([3, 4], [1])], 0, packed=True, share_prefix=True)
+    # A sample that is all prefix keeps one token of its own.
+    b = collate([_ex([1, 2, 3], [2]), _ex([1, 2, 3, 4], [3])], 0, packed=True, share_prefix=True, pad_to=7)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 3, 4, 0, 0]] and b["targets"].tolist() == [3, 4]
+    assert b["flat_index"].tolist() == [1, 3]
+
+
 def test_several_datasets_are_concatenated_or_mixed_by_weight(tmp_path):
     import json
 
