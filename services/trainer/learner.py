@@ -48,7 +48,13 @@ from services.trainer.model import (
     load_causal_lm,
     load_critic,
 )
-from services.trainer.packing import logprobs_and_entropy, pack, packed_token_logprobs, plan_group_chunks
+from services.trainer.packing import (
+    logprobs_and_entropy,
+    no_4d_mask,
+    pack,
+    packed_token_logprobs,
+    plan_group_chunks,
+)
 
 log = logging.getLogger("molt.trainer")
 
@@ -157,12 +163,9 @@ class Learner:
         """``--train.pack_shared_prefix``, where the model and the flags allow a 4-D mask (module docstring)."""
         if not self.s.train.pack_shared_prefix:
             return False
-        attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
-        why = None
+        why = no_4d_mask(self.actor)
         if self.vision is not None:
             why = "a vision-language model: images need the plain token layout"
-        elif attn not in ("sdpa", "eager"):
-            why = f"attention implementation {attn!r} takes no 4-D mask"
         elif self.replay is not None:
             why = "routing replay needs the plain token layout"
         elif self.s.actor.aux_loss_coef > 0:

@@ -87,6 +87,12 @@ def fill_row(ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, seqs: list[np.n
     return wheres
 
 
+def no_4d_mask(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take the rows' 4-D mask (its attention implementation), or None when it can."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return None if attn in ("sdpa", "eager") else f"attention implementation {attn!r} takes no 4-D mask"
+
+
 def _rows_of_group(lengths: list[int], prefix: int, max_row_tokens: int) -> list[list[int]]:
     """Greedy rows of a group's members. A member joins the current row while the row stays within
     ``max_row_tokens`` and its attention work (row length squared: the 4-D mask is dense) stays within what

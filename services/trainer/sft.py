@@ -36,7 +36,7 @@ from services.trainer import checkpoint
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
 from services.trainer.model import DistInfo, init_distributed, load_causal_lm
-from services.trainer.packing import select_hidden
+from services.trainer.packing import no_4d_mask, select_hidden
 from services.trainer.sft_config import SftSettings, validate_sft
 from services.trainer.sft_data import Example, Tokenized, collate, read_sft_rows
 
@@ -86,11 +86,8 @@ class SftLearner:
         """``--train.pack_shared_prefix`` where the model and flags allow its 4-D mask; logged when they do not."""
         if not self.s.train.pack_shared_prefix:
             return False
-        attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
-        why = None
-        if attn not in ("sdpa", "eager"):
-            why = f"attention implementation {attn!r} takes no 4-D mask"
-        elif self.s.model.aux_loss_coef > 0:
+        why = no_4d_mask(self.actor)
+        if self.s.model.aux_loss_coef > 0:
             why = "the MoE aux loss counts every token of the plain layout"
         if why and self.info.is_main:
             log.info("--train.pack_shared_prefix: off (%s)", why)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from services.trainer.batch import Sample, padding_sample
-from services.trainer.packing import common_prefix_len, pack, plan_group_chunks
+from services.trainer.packing import common_prefix_len, no_4d_mask, pack, plan_group_chunks
 
 
 def _sample(tokens, group, actions_from):
@@ -91,3 +91,13 @@ def test_group_chunks_keep_groups_together_over_ranks():
         groups = [s[i].group_id for i in chunks[0]]
         assert len(set(groups)) == 2 and all(groups.count(g) == 4 for g in set(groups))
     assert sorted(i for chunks, _ in plans for c in chunks for i in c) == list(range(16))
+
+
+def test_only_sdpa_and_eager_take_the_4d_mask():
+    def model(attn):
+        net = torch.nn.Linear(1, 1)
+        net.config = type("Config", (), {"_attn_implementation": attn})()
+        return net
+
+    assert no_4d_mask(model("sdpa")) is None and no_4d_mask(model("eager")) is None
+    assert "'flash_attention_2' takes no 4-D mask" in no_4d_mask(model("flash_attention_2"))
