@@ -69,6 +69,15 @@ def to_data_url(value: Any, where: str) -> str:
     raise ValueError(f"{where}: expected an image (PIL image, bytes, path or data URL), got {type(value).__name__}")
 
 
+def to_bytes(value: Any, where: str) -> bytes:
+    """One dataset image -> its file (re-encoded as PNG where ``to_data_url`` would); ValueError naming ``where``."""
+    url = to_data_url(value, where)
+    try:
+        return base64.b64decode(url.partition(",")[2], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the data URL's payload is not valid base64") from None
+
+
 def from_data_url(url: str, where: str):
     """``data:image/...;base64,...`` -> PIL image; ValueError naming ``where`` otherwise."""
     head, sep, data = url.partition(",")

@@ -2,10 +2,10 @@
 
 ``save_hf`` gathers the full (unsharded) state dict (a collective: every rank calls it), and rank 0
 writes ``model.safetensors`` in the source model's dtype next to the source's config, generation
-config and tokenizer files. The result is what a rollout pod (``--model DIR``), ``transformers`` and
-the RL trainer (``--actor.model_name_or_path DIR``) load. Tied input/output embeddings are written
-once, as HF writes them. The directory is written as ``.<name>.tmp`` and renamed, so a reader never
-sees half a model (into an existing folder, each file is renamed into place).
+config, tokenizer and (vision-language models) image processor files. The result is what a rollout pod
+(``--model DIR``), ``transformers`` and the RL trainer (``--actor.model_name_or_path DIR``) load. Tied
+input/output embeddings are written once, as HF writes them. The directory is written as ``.<name>.tmp``
+and renamed, so a reader never sees half a model (into an existing folder, each file is renamed into place).
 
 The RL trainer writes one at the end of a run to ``--ckpt.output_dir`` unless ``--ckpt.disable_final_save``
 (Molt's final save), and with ``--ckpt.save_hf`` one per checkpoint under ``<ckpt.path>/_hf/<tag>``.
@@ -29,6 +29,17 @@ from services.trainer.model import full_state_dict
 log = logging.getLogger("molt.trainer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+"""A VL model's image (and video) processor settings: copied as they are, so the export takes images as the
+source did (vLLM and ``AutoProcessor`` read them)."""
+
+
+def _copy_processor_files(source_dir: str | Path, out: Path) -> None:
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, out / name)
 
 
 def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, tokenizer=None) -> Path | None:
@@ -65,6 +76,7 @@ def write_hf_dir(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir
     except OSError:  # the source has no generation_config.json
         pass
     (tokenizer or AutoTokenizer.from_pretrained(source_dir)).save_pretrained(tmp)
+    _copy_processor_files(source_dir, tmp)
     if not out.exists():
         os.replace(tmp, out)
     else:  # an existing folder (Molt's ./ckpt also holds the checkpoints): replace the model's files one by one
@@ -85,6 +97,7 @@ def copy_model_files(source_dir: str | Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     AutoConfig.from_pretrained(source_dir).save_pretrained(out)
     AutoTokenizer.from_pretrained(source_dir).save_pretrained(out)
+    _copy_processor_files(source_dir, out)
     try:
         GenerationConfig.from_pretrained(source_dir).save_pretrained(out)
     except OSError:
@@ -95,9 +108,9 @@ def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
     """The actor of one checkpoint (a ``global_step<N>`` folder) as a model directory.
 
     One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
-    config (``hf_files/``)."""
+    config (``hf_files/``), as the trainer built it (a vision-language config as an image-text model)."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(step_dir)
     files = path / HF_FILES
@@ -107,10 +120,11 @@ def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
             "architecture is unknown"
         )
     config = AutoConfig.from_pretrained(files)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        shapes = AutoModelForCausalLM.from_config(config).state_dict()
+        shapes = auto.from_config(config).state_dict()
     state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in shapes.items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    dcp.load({"actor": state}, checkpoint_id=str(path / "model_optim"))
+    dcp.load({"actor": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
     return write_hf_dir(state, files, out)

@@ -14,6 +14,11 @@ cross-entropy over the window's response tokens on all ranks: each micro-batch b
 step. Gradient sync waits for the window's last micro-batch. Epoch tails shorter than a batch are
 dropped, as in Molt.
 
+A vision-language model trains on the rows' images (``--data.image_key``): each micro-batch's images go
+through the model's own image processor next to their expanded tokens, as in the RL learner
+(``vision.VisionInputs``); such micro-batches keep the padded layout, and ``--model.freeze_visual_encoder``
+keeps the vision tower out of the optimizer.
+
 A checkpoint's client state is the number of optimizer steps taken: the order is a pure function of
 seed and epoch, so a resumed run continues with exactly the windows the killed run had not finished.
 """
@@ -35,7 +40,13 @@ import torch.distributed as dist
 from services.trainer import checkpoint
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
-from services.trainer.model import DistInfo, init_distributed, load_causal_lm
+from services.trainer.model import (
+    DistInfo,
+    freeze_visual_encoder,
+    init_distributed,
+    is_vision_language,
+    load_causal_lm,
+)
 from services.trainer.packing import no_4d_mask, select_hidden
 from services.trainer.sft_config import SftSettings, validate_sft
 from services.trainer.sft_data import Example, Tokenized, collate, read_sft_rows
@@ -54,14 +65,45 @@ def load_tokenizer(s: SftSettings):
     return tok
 
 
+def load_vision(s: SftSettings):
+    """The model's ``VisionInputs`` when it is vision-language, else None; image flags on a text model are an
+    error naming them."""
+    path = s.model.model_name_or_path
+    assert path is not None  # SftSettings refuses a run without it
+    if is_vision_language(path):
+        from services.trainer.vision import VisionInputs
+
+        return VisionInputs(path)
+    flags = {"--data.image_key": s.data.image_key, "--model.freeze_visual_encoder": s.model.freeze_visual_encoder}
+    for flag, on in flags.items():
+        if on:
+            raise ValueError(f"{flag}: {path} takes no images (its config has no vision_config); drop the flag")
+    return None
+
+
 def load_examples(
-    s: SftSettings, tok, spec: str, split: str, flag: str, probs: str | None = None, max_samples: int | None = None
+    s: SftSettings,
+    tok,
+    spec: str,
+    split: str,
+    flag: str,
+    probs: str | None = None,
+    max_samples: int | None = None,
+    vision=None,
 ) -> list[Example]:
     d = s.data
     rows = read_sft_rows(spec, probs, split, max_samples or d.max_samples, s.train.seed, flag)
-    examples, report = Tokenized(tok, d.max_len, d.input_key, d.output_key, d.train_on_last_turn_only).build(
-        rows, flag
+    tokenized = Tokenized(
+        tok,
+        d.max_len,
+        d.input_key,
+        d.output_key,
+        d.train_on_last_turn_only,
+        vision=vision,
+        image_key=d.image_key,
+        max_images=d.max_images_per_prompt,
     )
+    examples, report = tokenized.build(rows, flag)
     log.info("%s", report.summary(flag))
     return examples
 
@@ -69,18 +111,39 @@ def load_examples(
 class SftLearner:
     """The policy, its optimizer and scheduler; ``checkpoint.save/load`` read these attributes."""
 
-    def __init__(self, s: SftSettings, info: DistInfo, total_steps: int) -> None:
-        self.s, self.info = s, info
+    def __init__(self, s: SftSettings, info: DistInfo, total_steps: int, vision=None) -> None:
+        self.s, self.info, self.vision = s, info, vision
         self.dp = info.world_size // s.fsdp.tp_size
         assert s.model.model_name_or_path is not None  # SftSettings refuses a run without it
         self.hf_source: str = s.model.model_name_or_path
         self.actor = load_causal_lm(
             self.hf_source, s.fsdp, info, gradient_checkpoint=s.model.gradient_checkpoint == "full"
         )
+        if vision is not None and s.model.freeze_visual_encoder:
+            freeze_visual_encoder(self.actor)
         self.optim, self.sched = build_optimizer(
             [p for p in self.actor.parameters() if p.requires_grad], s, total_steps
         )
         self.global_step = 0
+
+    def packs(self) -> bool:
+        """``--fsdp.packing_samples`` unless the model takes images (their inputs need the padded layout)."""
+        if self.s.fsdp.packing_samples and self.vision is not None and self.info.is_main:
+            log.info("--fsdp.packing_samples: off (a vision-language model: images need the padded layout)")
+        return self.s.fsdp.packing_samples and self.vision is None
+
+    def batch(self, examples: list[Example] | None, pad_id: int, **layout) -> dict:
+        """``collate``d micro-batch with the pixel inputs of its images; None is a padding forward's batch. With
+        several ranks an image-less micro-batch of a VL model feeds a blank image (services/trainer/vision.py)."""
+        batch = collate(examples, pad_id, **layout) if examples else _dummy_batch()
+        if self.vision is None:
+            return batch
+        images = [b for e in examples or [] for b in e.images]
+        if images:
+            batch.update(self.vision.pixel_inputs(images))
+        elif self.info.world_size > 1:
+            batch.update(self.vision.blank_inputs())
+        return batch
 
     def shares_prefix(self) -> bool:
         """``--train.pack_shared_prefix`` where the model and flags allow its 4-D mask; logged when they do not."""
@@ -146,14 +209,15 @@ class SftLearner:
         return out
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[dict | None]) -> float:
-        """Token-mean CE over every rank's batches (None: a padding forward, so all ranks run as many)."""
+    def eval_loss(self, batches: list[tuple[dict, bool]]) -> float:
+        """Token-mean CE over every rank's batches (``(batch, False)``: a padding forward, so all ranks run as
+        many)."""
         self.actor.eval()
         ce_sum, tokens = 0.0, 0
         try:
-            for batch in batches:
-                ce, n, _ = self._forward(batch if batch is not None else _dummy_batch())
-                if batch is not None:
+            for batch, real in batches:
+                ce, n, _ = self._forward(batch)
+                if real:
                     ce_sum, tokens = ce_sum + float(ce), tokens + int(n)
         finally:
             self.actor.train()
@@ -242,8 +306,15 @@ def train(s: SftSettings, info: DistInfo) -> dict:
     tok = load_tokenizer(s)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     assert s.data.dataset is not None  # SftSettings refuses a run without it
-    data = load_examples(s, tok, s.data.dataset, s.data.dataset_split, "--data.dataset", s.data.dataset_probs)
-    evals = load_examples(s, tok, s.eval.dataset, s.eval.split, "--eval.dataset") if s.eval.dataset else None
+    vision = load_vision(s)
+    data = load_examples(
+        s, tok, s.data.dataset, s.data.dataset_split, "--data.dataset", s.data.dataset_probs, vision=vision
+    )
+    evals = (
+        load_examples(s, tok, s.eval.dataset, s.eval.split, "--eval.dataset", vision=vision)
+        if s.eval.dataset
+        else None
+    )
     t = s.train
     dp = info.world_size // s.fsdp.tp_size
     if t.batch_size % (t.micro_batch_size * dp):
@@ -259,23 +330,20 @@ def train(s: SftSettings, info: DistInfo) -> dict:
     total = t.max_epochs * per_epoch
     if t.num_steps:
         total = min(total, t.num_steps)
-    packed = s.fsdp.packing_samples
     pad_to = s.data.max_len if s.data.pad_to_max_len else None
-    learner = SftLearner(s, info, total)
-    share = packed and learner.shares_prefix()
+    learner = SftLearner(s, info, total, vision)
+    packed = learner.packs()
+    layout = {"packed": packed, "pad_to": pad_to, "share_prefix": packed and learner.shares_prefix()}
     if s.ckpt.load_enable:
         checkpoint.load(s.ckpt.path, learner)
     dcp_max = s.ckpt.dcp_max_num if s.ckpt.dcp_max_num is not None else s.ckpt.max_num
     eval_every = s.eval.steps if s.eval.steps > 0 else per_epoch
-    eval_batches: list[dict | None] | None = None
+    eval_batches: list[tuple[dict, bool]] | None = None
     if evals:
         mine = evals[info.rank // s.fsdp.tp_size :: dp]
         count = math.ceil(math.ceil(len(evals) / dp) / t.micro_batch_size)
-        eval_batches = [
-            collate(c, pad_id, packed=packed, pad_to=pad_to, share_prefix=share)
-            for c in chunks(mine, t.micro_batch_size)
-        ]
-        eval_batches += [None] * (count - len(eval_batches))
+        eval_batches = [(learner.batch(c, pad_id, **layout), True) for c in chunks(mine, t.micro_batch_size)]
+        eval_batches += [(learner.batch(None, pad_id), False)] * (count - len(eval_batches))
     sinks = Sinks(s, info.is_main)
     rank_dp = info.rank // s.fsdp.tp_size
     last: dict = {}
@@ -290,10 +358,7 @@ def train(s: SftSettings, info: DistInfo) -> dict:
             # stride, and the step's gradient is the same (a sum over the window's tokens, whatever the grouping).
             by_len = sorted(window, key=lambda i: data[i].num_tokens)
             mine = [data[i] for i in by_len[rank_dp::dp]]
-            micro = [
-                collate(c, pad_id, packed=packed, pad_to=pad_to, share_prefix=share)
-                for c in chunks(mine, t.micro_batch_size)
-            ]
+            micro = [learner.batch(c, pad_id, **layout) for c in chunks(mine, t.micro_batch_size)]
             tokens = sum(e.num_tokens for e in mine)
             metrics = learner.train_step(micro, n_window, t.batch_size // t.micro_batch_size, tokens)
             metrics["seconds"] = time.monotonic() - start

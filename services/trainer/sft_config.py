@@ -3,9 +3,8 @@
 The optimizer block is un-prefixed as in Molt (``--adam.lr`` 5e-6, ``--lr_scheduler``, ``--max_norm``);
 ``--fsdp.*`` and ``--ckpt.*`` extend the RL trainer's blocks with the knobs SFT scripts pass. What
 this build cannot do is refused by ``validate_sft`` with the reason and the fix, never ignored:
-tensor/context/expert parallelism without GPUs, VLM data (``--data.image_key``), LoRA, Muon, the
-ModelScope hub. Additions: ``--train.num_steps`` (stop early), ``--logger.steps_jsonl`` (as the RL
-trainer), ``--log_level``.
+tensor/context/expert parallelism without GPUs, LoRA, Muon, the ModelScope hub. Additions:
+``--train.num_steps`` (stop early), ``--logger.steps_jsonl`` (as the RL trainer), ``--log_level``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class SftModelConfig(Section):
     aux_loss_coef: float = Field(0.0, ge=0.0)
     """MoE load-balancing loss coefficient (HF router aux loss), 0 = off."""
     freeze_visual_encoder: bool = False
-    """VLM only: freeze the vision tower (refused: this trainer is text-only)."""
+    """VLM only: keep the vision tower's weights fixed (the connector and the language model train)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @field_validator("gradient_checkpoint", mode="before")
@@ -70,9 +69,10 @@ class SftDataConfig(Section):
     train_on_last_turn_only: bool = False
     """Supervise only the last assistant turn; earlier assistant turns are context."""
     image_key: str | None = None
-    """VLM column of images (refused: this trainer is text-only)."""
+    """VLM: column of each row's images (one or a list: PIL images, {"bytes", "path"}, bytes, a file path or a
+    data URL); each ``<image>`` in a user string takes the next one."""
     max_images_per_prompt: int = Field(4, ge=0)
-    """VLM: cap on images per sample (only meaningful with --data.image_key)."""
+    """VLM: rows with more images are dropped and counted (only meaningful with --data.image_key)."""
     disable_fast_tokenizer: bool = False
     """Load the slow (Python) tokenizer."""
     dataloader_num_workers: int = Field(0, ge=0)
@@ -199,11 +199,6 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
     if s.model.lora.rank > 0:
         raise ValueError(
             "--model.lora.rank > 0: LoRA is not supported by this trainer; drop --model.lora.* for a full fine-tune"
-        )
-    if s.data.image_key or s.model.freeze_visual_encoder:
-        raise ValueError(
-            "--data.image_key / --model.freeze_visual_encoder: VLM SFT is not supported (text-only "
-            "trainer); drop them to train on the text columns"
         )
     f = s.fsdp
     if f.pp_size != 1:

@@ -12,9 +12,17 @@ prompt, e.g. ``<|im_start|>assistant\\n``) and the token that closes it (``<|im_
 after an opener up to and including its closer is supervised: the reply text and the stop token the
 model must learn to emit. ``--data.train_on_last_turn_only`` keeps only the last such run.
 
+A vision-language model's rows carry images (``--data.image_key``: one or a list, in any form
+``molt.images.to_bytes`` reads). Each literal ``<image>`` of a user string takes the next image, as in
+Molt; the template renders it as the model's image part and the model's processor expands it into the
+image's token run, so the mask and the cut work on the ids the model sees. A cut never splits a run: an
+image it would split is dropped with its run (``vision.cut_at_whole_image``).
+
 Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
-assistant turn, an empty response, or a sample whose response starts past ``--data.max_len`` (nothing
-left to supervise after the cut). Samples longer than ``max_len`` are cut there and counted as truncated.
+assistant turn, an empty response, a sample whose response starts past ``--data.max_len`` (nothing
+left to supervise after the cut), and for images: more than ``--data.max_images_per_prompt``, an
+unreadable image, or ``<image>`` markers that do not match the images one to one. Samples longer than
+``max_len`` are cut there and counted as truncated.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import numpy as np
 import torch
 
 from molt.data import read_rows
+from molt.images import MARKER, count_markers, to_bytes
 from services.trainer.packing import common_prefix_len, fill_row
 
 log = logging.getLogger("molt.trainer")
@@ -142,6 +151,8 @@ class Example:
     """[T] int64 token ids."""
     loss_mask: np.ndarray
     """[T] bool: token t is a supervised target (predicted from tokens < t)."""
+    images: list[bytes] = field(default_factory=list)
+    """Image files, in the order of their token runs in ``input_ids``."""
 
     @property
     def num_tokens(self) -> int:
@@ -163,15 +174,68 @@ class DataReport:
         )
 
 
+def with_image_parts(messages: list[dict]) -> list[dict]:
+    """Each ``<image>`` of a user string becomes an ``{"type": "image"}`` part, the form VLM chat templates
+    render as the model's own image placeholder."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m["role"] != "user" or not isinstance(content, str) or MARKER not in content:
+            out.append(m)
+            continue
+        parts: list[dict] = []
+        for k, piece in enumerate(content.split(MARKER)):
+            if k:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**m, "content": parts})
+    return out
+
+
 class Tokenized:
-    """Chat-template rendering + tokenisation + loss mask, for one tokenizer and one set of flags."""
+    """Chat-template rendering + tokenisation + loss mask, for one tokenizer and one set of flags; with
+    ``vision`` (a VL model's ``VisionInputs``) and ``image_key``, the rows' images too."""
 
     def __init__(
-        self, tokenizer, max_len: int, input_key: str, output_key: str | None, last_turn_only: bool = False
+        self,
+        tokenizer,
+        max_len: int,
+        input_key: str,
+        output_key: str | None,
+        last_turn_only: bool = False,
+        *,
+        vision=None,
+        image_key: str | None = None,
+        max_images: int = 4,
     ) -> None:
         self.tok, self.max_len = tokenizer, max_len
         self.input_key, self.output_key, self.last_turn_only = input_key, output_key, last_turn_only
+        self.vision, self.image_key, self.max_images = vision, image_key, max_images
         self.markers = reply_markers(tokenizer)
+
+    def _images(self, row: dict, messages: list[dict]) -> tuple[list[bytes] | None, str]:
+        value = row.get(self.image_key) if self.image_key else None
+        values = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+        if len(values) > self.max_images:
+            return None, f"more than --data.max_images_per_prompt {self.max_images} images"
+        markers = count_markers(messages)
+        if markers != len(values):
+            return None, f"{len(values)} images for {markers} {MARKER} markers"
+        try:
+            return [to_bytes(v, f"--data.image_key {self.image_key!r}") for v in values], ""
+        except ValueError:
+            return None, "unreadable image"
+
+    def _ids(self, text: str, images: list[bytes]) -> list[int]:
+        if not images:
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+        from services.trainer.vision import open_image
+
+        out = self.vision.processor(
+            text=[text], images=[[open_image(b) for b in images]], add_special_tokens=False, return_tensors="np"
+        )
+        return out["input_ids"][0].tolist()
 
     def example(self, row: dict) -> tuple[Example | None, str, bool]:
         """(example, "", truncated) or (None, reason, False)."""
@@ -180,19 +244,29 @@ class Tokenized:
         messages, why = to_messages(row, self.input_key, self.output_key)
         if messages is None:
             return None, why, False
+        images, why = self._images(row, messages)
+        if images is None:
+            return None, why, False
+        if images:
+            messages = with_image_parts(messages)
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         except TemplateError as exc:
             return None, f"chat template error ({exc.message})", False
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = self._ids(text, images)
         mask = response_mask(ids, self.markers, self.last_turn_only)
         if not mask.any():
             return None, "no response tokens", False
         truncated = len(ids) > self.max_len
-        ids, mask = ids[: self.max_len], mask[: self.max_len]
+        cut = self.max_len
+        if truncated and images:
+            from services.trainer.vision import cut_at_whole_image
+
+            cut, images = cut_at_whole_image(ids, cut, images, self.vision)
+        ids, mask = ids[:cut], mask[:cut]
         if not mask[1:].any():  # token 0 is never a target (nothing predicts it)
             return None, "response past --data.max_len", False
-        return Example(np.asarray(ids, dtype=np.int64), mask), "", truncated
+        return Example(np.asarray(ids, dtype=np.int64), mask, images), "", truncated
 
     def build(self, rows: list[dict], flag: str) -> tuple[list[Example], DataReport]:
         report = DataReport(rows=len(rows))

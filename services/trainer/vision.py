@@ -35,12 +35,12 @@ class VisionInputs:
 
     def _num_tokens(self, image: bytes) -> int:
         """Image tokens the processor expands ``image`` into (what the pod's prompt held for it)."""
-        out = self.processor(text=[self.image_token], images=[[_open(image)]], return_tensors="pt")
+        out = self.processor(text=[self.image_token], images=[[open_image(image)]], return_tensors="pt")
         return int((out["input_ids"] == self.image_token_id).sum())
 
     def pixel_inputs(self, images: list[bytes]) -> dict[str, Tensor]:
         """The model's pixel keyword arguments for ``images`` (in token order over the whole micro-batch)."""
-        return dict(self.processor.image_processor(images=[[_open(b) for b in images]], return_tensors="pt"))
+        return dict(self.processor.image_processor(images=[[open_image(b) for b in images]], return_tensors="pt"))
 
     def blank_inputs(self) -> dict[str, Tensor]:
         """Pixel inputs of one white image: runs the vision tower, touches no token (module docstring)."""
@@ -51,7 +51,7 @@ class VisionInputs:
         return dict(out)
 
 
-def _open(data: bytes):
+def open_image(data: bytes):
     from PIL import Image, UnidentifiedImageError
 
     try:

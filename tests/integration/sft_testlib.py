@@ -53,3 +53,42 @@ def run_sft(flags: list[str], nproc: int = 1, molt_cli: bool = False, timeout: f
 
 def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}
+
+
+def colour_rows(n: int, seed: int) -> list[dict]:
+    """'<image> colour?' -> the picture's colour; every other row is text-only, so length-sorted micro-batches
+    of them carry no image (the blank-image path of several ranks)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    out: list[dict] = []
+    for i in range(n):
+        if i % 2:
+            out.append({"prompt": "say hi", "response": "hi", "images": []})
+            continue
+        name = rng.choice(sorted(COLOURS))
+        image = Image.new("RGB", (24, 16), COLOURS[name])
+        out.append({"prompt": "<image> colour?", "response": name, "images": [image]})
+    return out
+
+
+def save_colour_data(d: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
+    """Training rows as Molt keeps VLM data (a datasets.save_to_disk directory with an image column), eval rows
+    as JSONL naming PNG files."""
+    import datasets
+
+    d.mkdir(parents=True, exist_ok=True)
+    text = datasets.Value("string")
+    features = datasets.Features({"prompt": text, "response": text, "images": datasets.List(datasets.Image())})
+    datasets.Dataset.from_list(colour_rows(n_train, seed=1), features=features).save_to_disk(str(d / "train"))
+    evals = []
+    for k, row in enumerate(colour_rows(n_eval, seed=2)):
+        paths = []
+        for j, image in enumerate(row["images"]):
+            image.save(d / f"eval{k}_{j}.png")
+            paths.append(str(d / f"eval{k}_{j}.png"))
+        evals.append({**row, "images": paths})
+    return d / "train", write_jsonl(d / "eval.jsonl", evals)

@@ -134,3 +134,59 @@ def test_shared_prefix_row_gives_the_padded_loss_and_gradients(tiny_qwen3):
     assert shared == pytest.approx(padded, rel=1e-5)
     for a, b in zip(g_shared, g_padded, strict=True):  # fp32 summation order apart
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
+def _png(colour) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 12), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_expand_in_place_and_bad_image_rows_are_counted(tiny_idefics3):
+    from transformers import AutoTokenizer
+
+    from molt.models.tiny_vl import IMAGE_SEQ_LEN
+    from services.trainer.vision import VisionInputs
+
+    tok, vision = AutoTokenizer.from_pretrained(tiny_idefics3), VisionInputs(str(tiny_idefics3))
+    red, blue = _png((255, 0, 0)), _png((0, 0, 255))
+    two_turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = [
+        {"prompt": "what colour? <image>", "response": "red", "images": [red]},
+        {"prompt": "<image> then <image>", "response": "both", "images": [red, {"bytes": blue, "path": None}]},
+        {"prompt": "text only", "response": "fine"},
+        {"prompt": "no marker", "response": "x", "images": [red]},
+        {"prompt": "<image><image><image>", "response": "x", "images": [red] * 3},
+        {"prompt": "<image>", "response": "x", "images": ["/no/such/file.png"]},
+    ]
+    tokenized = Tokenized(tok, 64, "prompt", "response", vision=vision, image_key="images", max_images=2)
+    examples, report = tokenized.build(rows, "--data.dataset")
+    assert (report.rows, report.used, report.truncated) == (6, 3, 0)
+    assert dict(report.dropped) == {
+        "1 images for 0 <image> markers": 1,
+        "more than --data.max_images_per_prompt 2 images": 1,
+        "unreadable image": 1,
+    }
+    one, two, text = examples
+    for ex, n in ((one, 1), (two, 2), (text, 0)):
+        assert len(ex.images) == n and int((ex.input_ids == vision.image_token_id).sum()) == n * IMAGE_SEQ_LEN
+    assert one.images == [red] and two.images == [red, blue]
+    assert _split(tok, one)[0] == "red<|im_end|>" and "<image>" in _split(tok, one)[1]
+    # the pixel inputs line up with the expanded ids: the model takes them together
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_idefics3, dtype=torch.float32)
+    out = model(input_ids=torch.as_tensor(two.input_ids)[None], **vision.pixel_inputs(two.images))
+    assert out.logits.shape[1] == two.num_tokens
+
+    # a cut inside the second turn's image: the image goes with its run, the first reply stays supervised
+    row = {"prompt": [*two_turns, {"role": "user", "content": "look <image>"}], "response": "ok", "images": [blue]}
+    whole, _, _ = tokenized.example(row)
+    at = whole.input_ids.tolist().index(vision.image_token_id) + 2
+    cut, _, truncated = Tokenized(tok, at, "prompt", "response", vision=vision, image_key="images").example(row)
+    assert truncated and cut.images == [] and vision.image_token_id not in cut.input_ids.tolist()
+    assert _split(tok, cut)[0] == "yo<|im_end|>"

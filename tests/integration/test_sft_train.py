@@ -227,3 +227,57 @@ def test_bad_input_is_a_clear_error(tiny_qwen3, data, tmp_path):
     assert "no usable row" in proc.stderr
     proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "x", "--fsdp.tp_size", "2"), check=False)
     assert proc.returncode != 0 and "need GPUs" in proc.stderr
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "x", "--data.image_key", "images"), check=False)
+    assert proc.returncode != 0 and "--data.image_key: " in proc.stderr and "takes no images" in proc.stderr
+
+
+@pytest.mark.slow
+def test_vision_language_sft_two_processes_equal_one(tiny_idefics3, tmp_path):
+    """Images from a datasets directory and from files: 2 gloo processes (one of them feeding a blank image
+    where its micro-batch has none) equal 1; the export takes images as the source did; a frozen vision
+    tower stays as it was."""
+    from tests.integration.sft_testlib import save_colour_data
+
+    train, evals = save_colour_data(tmp_path / "vl", 32, 6)
+    vl = ["--data.dataset", str(train), "--eval.dataset", str(evals), "--data.image_key", "images"]
+    vl += ["--data.max_images_per_prompt", "1", "--data.max_len", "48", "--model.gradient_checkpoint", "none"]
+    steps = ["--train.num_steps", "2", "--fsdp.packing_samples", "--adam.lr", "1e-4", "--adam.eps", "1e-5"]
+    proc = run_sft(_flags(tiny_idefics3, tmp_path, tmp_path, "one", *vl, *steps))
+    assert "--data.dataset: 32 rows, 32 used, 0 truncated to --data.max_len, dropped: none" in proc.stderr
+    assert "--fsdp.packing_samples: off (a vision-language model" in proc.stderr
+    run_sft(_flags(tiny_idefics3, tmp_path, tmp_path, "two", *vl, *steps), nproc=2)
+    (one, one_eval), (two, two_eval) = _curve(tmp_path / "one.jsonl"), _curve(tmp_path / "two.jsonl")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for k in (1, 2):
+        assert one[k]["loss"] == pytest.approx(two[k]["loss"], abs=1e-5)
+        assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
+    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
+    base = load_file(str(tiny_idefics3 / "model.safetensors"))
+    assert w1.keys() == w2.keys() == base.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+    vision = [n for n in w1 if ".vision_model." in n]
+    assert vision and max(float((w1[n] - base[n]).abs().max()) for n in vision) > 1e-6
+
+    # the export is an image-text model with the source's processor: transformers and the RL trainer's inputs
+    from transformers import AutoModelForImageTextToText
+
+    from services.trainer.vision import VisionInputs
+
+    out = tmp_path / "two" / "hf"
+    AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    png = next((tmp_path / "vl").glob("eval*_0.png")).read_bytes()
+    assert VisionInputs(str(out)).num_tokens(png) == VisionInputs(str(tiny_idefics3)).num_tokens(png)
+    # so is a checkpoint exported offline (molt export)
+    from services.trainer.export import export_checkpoint
+
+    offline = export_checkpoint(tmp_path / "one" / "state" / "global_step2", tmp_path / "offline")
+    assert VisionInputs(str(offline)).num_tokens(png) == VisionInputs(str(tiny_idefics3)).num_tokens(png)
+    w3 = load_file(str(offline / "model.safetensors"))
+    assert w3.keys() == w1.keys() and all(torch.equal(w3[n], w1[n]) for n in w1)
+
+    run_sft(_flags(tiny_idefics3, tmp_path, tmp_path, "frozen", *vl, *steps, "--model.freeze_visual_encoder"))
+    frozen = load_file(str(tmp_path / "frozen" / "hf" / "model.safetensors"))
+    assert all(torch.equal(frozen[n], base[n]) for n in vision)
+    assert max(float((frozen[n] - base[n]).abs().max()) for n in frozen if n not in vision) > 1e-6

@@ -103,7 +103,7 @@ UNHOOK = (
 
 
 async def test_disabling_the_old_hook_frees_nothing(redis_url):
-    """Each turn of the issue's escape: switch the hook off, then talk to the trajectory store (Redis)."""
+    """A tool call that switches the audit hook off, then talks to the trajectory store (Redis)."""
     redis_port = urlparse(redis_url).port
     code = (
         UNHOOK + f"import socket\ns = socket.create_connection(('127.0.0.1', {redis_port}), timeout=2)\n"

@@ -38,7 +38,6 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--fsdp.ep_size", "8"], "need GPUs"),
         (["--fsdp.cp_size", "8"], "need GPUs"),
         (["--fsdp.pp_size", "2"], "pipeline"),
-        (["--data.image_key", "images"], "VLM"),
         (["--model.lora.rank", "16"], "LoRA"),
         (["--optim", "muon"], "muon"),
         (["--use_ms"], "nothing is downloaded"),
@@ -129,6 +128,21 @@ def test_molt_quick_start_flags_parse_and_validate_on_cpu():
     )
     validate_sft(alf)
     assert (alf.logger.wandb.key, alf.logger.tensorboard_dir) == ("local", "tb")
+
+
+def test_molt_vlm_and_lora_script_flags():
+    """sft_qwen3_6_35b.sh / sft_omni3_30b.sh add image columns, padding to max_len, no recompute and no final
+    save: all honoured on CPU (with the CPU's attention kernel and parallel sizes 1). The LoRA scripts are
+    refused for LoRA, naming it."""
+    vlm = ["--data.image_key", "images", "--data.max_images_per_prompt", "1", "--data.pad_to_max_len"]
+    vlm += ["--ckpt.disable_final_save", "--model.gradient_checkpoint", "", "--model.aux_loss_coef", "0.001"]
+    s = parse_settings(SftSettings, QUICK_START + vlm, prog="t")
+    validate_sft(s)
+    assert (s.data.image_key, s.data.max_images_per_prompt, s.data.pad_to_max_len) == ("images", 1, True)
+    assert s.ckpt.disable_final_save and s.model.gradient_checkpoint == "off"
+    lora = ["--model.lora.rank", "16", "--model.lora.alpha", "32"]
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        validate_sft(parse_settings(SftSettings, QUICK_START + vlm + lora, prog="t"))
 
 
 def test_a_logger_whose_package_is_missing_is_a_clear_error(monkeypatch, tmp_path):
