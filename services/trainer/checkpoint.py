@@ -78,6 +78,10 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3) -> 
             from services.trainer.export import HF_FILES, copy_model_files
 
             copy_model_files(learner.hf_source, tmp / HF_FILES)
+            if getattr(learner, "lora", None):  # the adapters' scale: `molt export` folds them in
+                from services.trainer.lora import write_config
+
+                write_config(tmp / HF_FILES, learner.lora.rank, learner.lora.alpha)
         extra = {
             "global_step": learner.global_step,
             "sched": learner.sched.state_dict(),

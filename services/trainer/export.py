@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.trainer import lora
 from services.trainer.model import full_state_dict
 
 log = logging.getLogger("molt.trainer")
@@ -50,6 +51,9 @@ def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, token
     if dist.get_rank() != 0:
         dist.barrier()
         return None
+    scale = lora.scale_of(model)
+    if scale is not None:
+        state = lora.merge(state, scale)
     out = write_hf_dir(state, source_dir, out_dir, tokenizer)
     dist.barrier()
     return out
@@ -107,8 +111,9 @@ def copy_model_files(source_dir: str | Path, out: Path) -> None:
 def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
     """The actor of one checkpoint (a ``global_step<N>`` folder) as a model directory.
 
-    One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
-    config (``hf_files/``), as the trainer built it (a vision-language config as an image-text model)."""
+        One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
+        config (``hf_files/``), as the trainer built it (a vision-language config as an image-text model); LoRA
+    adapters (``hf_files/lora.json`` names their scale) are folded into the weights as ``save_hf`` does."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -126,5 +131,13 @@ def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
     state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in shapes.items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    scale = lora.read_scale(files)
+    if scale is not None:  # the adapters are in the checkpoint next to the frozen base: load them too, then fold
+        reader = dcp.FileSystemReader(str(path / "model_optim"))
+        for key, meta in reader.read_metadata().state_dict_metadata.items():
+            if key.startswith("actor.") and (".lora_A." in key or ".lora_B." in key):
+                state[key[len("actor.") :]] = torch.empty(tuple(meta.size), dtype=torch.float32)  # type: ignore[union-attr]  # tensor entries carry a size
     dcp.load({"actor": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
+    if scale is not None:
+        state = lora.merge(state, scale)
     return write_hf_dir(state, files, out)

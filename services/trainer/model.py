@@ -146,8 +146,9 @@ def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
     return model
 
 
-def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = False) -> nn.Module:
-    """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring)."""
+def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = False, lora=None) -> nn.Module:
+    """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring); LoRA is
+    NeMo's own (the adapters' names and scale are services/trainer/lora.py's)."""
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
@@ -161,17 +162,35 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
     setup = DistributedSetup.build(cfg, sizes, world_size=info.world_size)
     auto = NeMoAutoModelForImageTextToText if is_vision_language(path) else NeMoAutoModelForCausalLM
+    peft = None
+    if lora is not None:
+        from nemo_automodel.components._peft.lora import PeftConfig
+
+        peft = PeftConfig(target_modules=lora.target_modules, dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     return auto.from_pretrained(
-        path, distributed_setup=setup, torch_dtype=torch.float32, attn_implementation=_attn(fsdp, True)
+        path,
+        distributed_setup=setup,
+        torch_dtype=torch.float32,
+        attn_implementation=_attn(fsdp, True),
+        peft_config=peft,
     )
 
 
 def load_causal_lm(
-    path: str, fsdp, info: DistInfo, *, gradient_checkpoint: bool = False, trainable: bool = True
+    path: str,
+    fsdp,
+    info: DistInfo,
+    *,
+    gradient_checkpoint: bool = False,
+    trainable: bool = True,
+    lora=None,
+    seed: int = 0,
 ) -> nn.Module:
-    """A sharded causal LM from a local HF directory (fp32 master weights)."""
+    """A sharded causal LM from a local HF directory (fp32 master weights); ``lora`` (rank, alpha, dropout,
+    target_modules) adds adapters drawn from ``seed`` before sharding and freezes the rest
+    (services/trainer/lora.py)."""
     if info.on_gpu and fsdp.strategy != "torch":
-        model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint)
+        model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint, lora)
     else:
         if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
             raise ValueError(
@@ -183,6 +202,10 @@ def load_causal_lm(
         auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
         model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=_attn(fsdp, False))
         model.to(info.device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to; mypy loses `self`
+        if lora is not None:
+            from services.trainer import lora as lora_mod
+
+            lora_mod.apply(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, seed)
         if gradient_checkpoint:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = shard(model, fsdp, info)

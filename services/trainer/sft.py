@@ -19,6 +19,9 @@ through the model's own image processor next to their expanded tokens, as in the
 (``vision.VisionInputs``); such micro-batches keep the padded layout, and ``--model.freeze_visual_encoder``
 keeps the vision tower out of the optimizer.
 
+``--model.lora.rank N`` trains low-rank adapters on the ``--model.lora.target_modules`` linears and
+nothing else (services/trainer/lora.py); exports fold them into the base weights.
+
 A checkpoint's client state is the number of optimizer steps taken: the order is a pure function of
 seed and epoch, so a resumed run continues with exactly the windows the killed run had not finished.
 """
@@ -116,11 +119,21 @@ class SftLearner:
         self.dp = info.world_size // s.fsdp.tp_size
         assert s.model.model_name_or_path is not None  # SftSettings refuses a run without it
         self.hf_source: str = s.model.model_name_or_path
+        self.lora = s.model.lora if s.model.lora.rank > 0 else None
         self.actor = load_causal_lm(
-            self.hf_source, s.fsdp, info, gradient_checkpoint=s.model.gradient_checkpoint == "full"
+            self.hf_source,
+            s.fsdp,
+            info,
+            gradient_checkpoint=s.model.gradient_checkpoint == "full",
+            lora=self.lora,
+            seed=s.train.seed,
         )
         if vision is not None and s.model.freeze_visual_encoder:
             freeze_visual_encoder(self.actor)
+        if self.lora is not None and info.is_main:
+            n = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in self.actor.parameters())
+            log.info("--model.lora.rank %d: %d of %d parameters train (the adapters)", self.lora.rank, n, total)
         self.optim, self.sched = build_optimizer(
             [p for p in self.actor.parameters() if p.requires_grad], s, total_steps
         )

@@ -3,7 +3,7 @@
 The optimizer block is un-prefixed as in Molt (``--adam.lr`` 5e-6, ``--lr_scheduler``, ``--max_norm``);
 ``--fsdp.*`` and ``--ckpt.*`` extend the RL trainer's blocks with the knobs SFT scripts pass. What
 this build cannot do is refused by ``validate_sft`` with the reason and the fix, never ignored:
-tensor/context/expert parallelism without GPUs, LoRA, Muon, the ModelScope hub. Additions:
+tensor/context/expert parallelism without GPUs, Muon, the ModelScope hub. Additions:
 ``--train.num_steps`` (stop early), ``--logger.steps_jsonl`` (as the RL trainer), ``--log_level``.
 """
 
@@ -20,11 +20,14 @@ from services.trainer.config import AdamConfig, CkptConfig, FsdpConfig, LoggerCo
 
 class LoraConfig(Section):
     rank: int = Field(0, ge=0)
-    """LoRA adapter rank; 0 = full fine-tune (LoRA is refused: not supported by this trainer)."""
-    alpha: float = 32.0
-    """LoRA scaling alpha."""
+    """LoRA adapter rank; 0 = full fine-tune. With a rank only the adapters train; the export is merged."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling alpha: the update is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA branch's input."""
     target_modules: list[str] = Field(default_factory=lambda: ["*_proj"])
-    """Module name patterns that get adapters."""
+    """Linear layers that get adapters: patterns over whole dotted module names, * matching any run of
+    characters (the default takes every attention and MLP projection)."""
 
 
 class SftModelConfig(Section):
@@ -196,10 +199,6 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
         )
     if s.optim != "adam":
         raise ValueError("--optim muon is not offered; use --optim adam")
-    if s.model.lora.rank > 0:
-        raise ValueError(
-            "--model.lora.rank > 0: LoRA is not supported by this trainer; drop --model.lora.* for a full fine-tune"
-        )
     f = s.fsdp
     if f.pp_size != 1:
         raise ValueError(f"--fsdp.pp_size must be 1 (got {f.pp_size}); pipeline parallelism is not supported")

@@ -281,3 +281,51 @@ def test_vision_language_sft_two_processes_equal_one(tiny_idefics3, tmp_path):
     frozen = load_file(str(tmp_path / "frozen" / "hf" / "model.safetensors"))
     assert all(torch.equal(frozen[n], base[n]) for n in vision)
     assert max(float((frozen[n] - base[n]).abs().max()) for n in frozen if n not in vision) > 1e-6
+
+
+@pytest.mark.slow
+def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(tiny_qwen3, data, tmp_path):
+    """Molt's LoRA flags: 2 gloo processes equal 1; the export changes only the targeted projections and
+    scores the eval rows as the trainer did; `molt export` of a checkpoint folds the adapters the same way."""
+    import json
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.trainer.export import export_checkpoint
+    from services.trainer.sft_data import Tokenized
+
+    flags = ["--model.lora.rank", "4", "--model.lora.alpha", "8", "--model.lora.target_modules", "*_proj"]
+    flags += ["--train.num_steps", "2", "--adam.lr", "1e-2", "--adam.eps", "1e-5"]
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "one", *flags))
+    assert "--model.lora.rank 4: " in proc.stderr and "parameters train (the adapters)" in proc.stderr
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "two", *flags), nproc=2)
+    (one, one_eval), (two, two_eval) = _curve(tmp_path / "one.jsonl"), _curve(tmp_path / "two.jsonl")
+    for k in (1, 2):
+        assert one[k]["loss"] == pytest.approx(two[k]["loss"], abs=1e-5)
+        assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
+    assert one_eval[2] < one_eval[1]
+    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
+    base = load_file(str(tiny_qwen3 / "model.safetensors"))
+    assert w1.keys() == w2.keys() == base.keys()
+    assert all(torch.allclose(w1[n], w2[n], atol=1e-5, rtol=0) for n in w1)
+    changed = {n for n in w1 if not torch.equal(w1[n], base[n])}
+    assert changed and all(n.endswith("_proj.weight") for n in changed)
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    rows = [json.loads(x) for x in (data / "eval.jsonl").read_text().splitlines()]
+    examples, _ = Tokenized(tok, 64, "prompt", "response").build(rows, "--eval.dataset")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf", dtype=torch.float32)
+    ce, n = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.as_tensor(e.input_ids)[None]
+            keep = torch.as_tensor(e.loss_mask[1:])
+            ce += float(F.cross_entropy(hf(ids).logits[0, :-1][keep], ids[0, 1:][keep], reduction="sum"))
+            n += int(keep.sum())
+    assert ce / n == pytest.approx(one_eval[2], abs=1e-4)
+
+    offline = export_checkpoint(tmp_path / "one" / "state" / "global_step2", tmp_path / "offline")
+    w3 = load_file(str(offline / "model.safetensors"))
+    assert w3.keys() == w1.keys() and all(torch.allclose(w3[n], w1[n], atol=1e-6, rtol=0) for n in w1)

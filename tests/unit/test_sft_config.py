@@ -38,7 +38,6 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--fsdp.ep_size", "8"], "need GPUs"),
         (["--fsdp.cp_size", "8"], "need GPUs"),
         (["--fsdp.pp_size", "2"], "pipeline"),
-        (["--model.lora.rank", "16"], "LoRA"),
         (["--optim", "muon"], "muon"),
         (["--use_ms"], "nothing is downloaded"),
         (["--model.gradient_checkpoint", "selective"], "selective"),
@@ -132,8 +131,8 @@ def test_molt_quick_start_flags_parse_and_validate_on_cpu():
 
 def test_molt_vlm_and_lora_script_flags():
     """sft_qwen3_6_35b.sh / sft_omni3_30b.sh add image columns, padding to max_len, no recompute and no final
-    save: all honoured on CPU (with the CPU's attention kernel and parallel sizes 1). The LoRA scripts are
-    refused for LoRA, naming it."""
+    save, the LoRA scripts (sft_qwen3_5_35b_lora.sh, sft_qwen3_30b_a3b_lora.sh) rank and alpha: all honoured
+    on CPU (with the CPU's attention kernel and parallel sizes 1)."""
     vlm = ["--data.image_key", "images", "--data.max_images_per_prompt", "1", "--data.pad_to_max_len"]
     vlm += ["--ckpt.disable_final_save", "--model.gradient_checkpoint", "", "--model.aux_loss_coef", "0.001"]
     s = parse_settings(SftSettings, QUICK_START + vlm, prog="t")
@@ -141,8 +140,12 @@ def test_molt_vlm_and_lora_script_flags():
     assert (s.data.image_key, s.data.max_images_per_prompt, s.data.pad_to_max_len) == ("images", 1, True)
     assert s.ckpt.disable_final_save and s.model.gradient_checkpoint == "off"
     lora = ["--model.lora.rank", "16", "--model.lora.alpha", "32"]
-    with pytest.raises(ValueError, match="LoRA is not supported"):
-        validate_sft(parse_settings(SftSettings, QUICK_START + vlm + lora, prog="t"))
+    s = parse_settings(SftSettings, QUICK_START + vlm + lora, prog="t")
+    validate_sft(s)
+    assert (s.model.lora.rank, s.model.lora.alpha, s.model.lora.target_modules) == (16, 32.0, ["*_proj"])
+    targets = ["--model.lora.target_modules", "*_proj", "*.experts", "--model.lora.dropout", "0.1"]
+    s = parse_settings(SftSettings, QUICK_START + lora + targets, prog="t")
+    assert (s.model.lora.target_modules, s.model.lora.dropout) == (["*_proj", "*.experts"], 0.1)
 
 
 def test_a_logger_whose_package_is_missing_is_a_clear_error(monkeypatch, tmp_path):

@@ -1,0 +1,107 @@
+"""LoRA adapters for SFT (``--model.lora.rank/alpha/target_modules``), laid out as NeMo AutoModel lays them.
+
+Each targeted ``nn.Linear`` keeps its weight and bias under their own names, frozen, and gains
+``lora_A`` (rank x in, Xavier-normal) and ``lora_B`` (out x rank, zero, so training starts from the base
+model) whose product, scaled by ``alpha / rank``, adds to the weight; ``--model.lora.dropout`` drops
+the branch's input. Only the adapters train. The same names on CPU (this module) and on GPU (NeMo
+AutoModel's own LoRA) keep checkpoints, ``merge`` and the export alike on both paths. A pattern must match
+a module's whole dotted name, ``*`` standing for any run of characters (dots included), as in Molt:
+``*_proj`` takes every ``...self_attn.q_proj``, ``...mlp.gate_proj``, ...
+
+The export merges: ``W + (alpha / rank) * B @ A`` under the base name, adapters dropped, so what a rollout
+pod, ``transformers`` and the RL trainer load is a plain model of the base architecture.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG_FILE = "lora.json"
+"""Rank and alpha next to a checkpoint's model files, so ``molt export`` merges offline."""
+
+
+class LoraLinear(nn.Linear):
+    """``nn.Linear`` with a frozen base and a trainable low-rank update."""
+
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, generator: torch.Generator | None = None
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
+        nn.init.xavier_normal_(self.lora_A.weight, generator=generator)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def apply(
+    model: nn.Module, rank: int, alpha: float, patterns: list[str], dropout: float = 0.0, seed: int = 0
+) -> list[str]:
+    """Adapters on every ``nn.Linear`` whose name matches; everything else frozen. Returns the adapted names;
+    ValueError naming the flag when none matches. ``A`` is drawn from ``seed`` alone: every rank (each
+    shards its own copy) and every world size start from the same adapters."""
+    model.requires_grad_(False)
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and matches(n, patterns)]
+    if not names:
+        raise ValueError(
+            f"--model.lora.target_modules {' '.join(patterns)}: no linear layer of the model matches "
+            "(patterns take * wildcards over dotted module names, e.g. '*_proj')"
+        )
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, LoraLinear(getattr(owner, child), rank, alpha, dropout, generator))
+    return names
+
+
+def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A full state dict with adapters -> the base model's state dict, each update folded into its weight."""
+    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    for key, a in state.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[: -len(".lora_A.weight")]
+            b = state[f"{module}.lora_B.weight"]
+            w = out[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
+
+
+def scale_of(model: nn.Module) -> float | None:
+    """``alpha / rank`` of the model's adapters, None without LoRA."""
+    for m in model.modules():
+        scale = getattr(m, "scale", None)
+        if hasattr(m, "lora_A") and isinstance(scale, float | int):
+            return float(scale)
+    return None
+
+
+def write_config(out: Path, rank: int, alpha: float) -> None:
+    (out / CONFIG_FILE).write_text(json.dumps({"rank": rank, "alpha": alpha}))
+
+
+def read_scale(files: Path) -> float | None:
+    path = files / CONFIG_FILE
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    return config["alpha"] / config["rank"]
