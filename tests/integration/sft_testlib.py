@@ -58,15 +58,15 @@ def lines(path: Path) -> list[dict]:
 COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}
 
 
-def colour_rows(n: int, seed: int) -> list[dict]:
-    """'<image> colour?' -> the picture's colour; every other row is text-only, so length-sorted micro-batches
-    of them carry no image (the blank-image path of several ranks)."""
+def colour_rows(n: int, seed: int, text_rows: bool = True) -> list[dict]:
+    """'<image> colour?' -> the picture's colour; with ``text_rows`` every other row is text-only, so
+    length-sorted micro-batches of them carry no image (the blank-image path of several ranks)."""
     from PIL import Image
 
     rng = random.Random(seed)
     out: list[dict] = []
     for i in range(n):
-        if i % 2:
+        if text_rows and i % 2:
             out.append({"prompt": "say hi", "response": "hi", "images": []})
             continue
         name = rng.choice(sorted(COLOURS))
@@ -75,7 +75,7 @@ def colour_rows(n: int, seed: int) -> list[dict]:
     return out
 
 
-def save_colour_data(d: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
+def save_colour_data(d: Path, n_train: int, n_eval: int, text_rows: bool = True) -> tuple[Path, Path]:
     """Training rows as Molt keeps VLM data (a datasets.save_to_disk directory with an image column), eval rows
     as JSONL naming PNG files."""
     import datasets
@@ -83,9 +83,10 @@ def save_colour_data(d: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
     d.mkdir(parents=True, exist_ok=True)
     text = datasets.Value("string")
     features = datasets.Features({"prompt": text, "response": text, "images": datasets.List(datasets.Image())})
-    datasets.Dataset.from_list(colour_rows(n_train, seed=1), features=features).save_to_disk(str(d / "train"))
+    rows = colour_rows(n_train, seed=1, text_rows=text_rows)
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(d / "train"))
     evals = []
-    for k, row in enumerate(colour_rows(n_eval, seed=2)):
+    for k, row in enumerate(colour_rows(n_eval, seed=2, text_rows=text_rows)):
         paths = []
         for j, image in enumerate(row["images"]):
             image.save(d / f"eval{k}_{j}.png")

@@ -158,3 +158,71 @@ def test_smollm2_heldout_loss_falls(smollm2, tmp_path):
     )
     after = [x["eval_loss"] for x in lines(tmp_path / "steps.jsonl") if "eval_loss" in x]
     assert len(after) == 1 and after[0] < 0.8 * before, (before, after)
+
+
+@pytest.mark.slow
+def test_vl_sft_teaches_colours_and_a_pod_serving_the_export_sees_them(tiny_idefics3, tmp_path):
+    """SFT on a dataset's images: the tiny VLM learns to name a picture's colour, and a rollout pod serving
+    the exported directory (its vLLM reads the image processor files the export carries) names held-out
+    pictures' colours."""
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from services.rollout.app import build_app
+    from tests.integration.sft_testlib import COLOURS, save_colour_data
+
+    train, _ = save_colour_data(tmp_path / "data", 384, 0, text_rows=False)
+    out = tmp_path / "hf"
+    run_sft(
+        [
+            "--model.model_name_or_path",
+            str(tiny_idefics3),
+            "--data.dataset",
+            str(train),
+            "--data.input_key",
+            "prompt",
+            "--data.output_key",
+            "response",
+            "--data.image_key",
+            "images",
+            "--data.max_len",
+            "64",
+            "--train.batch_size",
+            "32",
+            "--train.micro_batch_size",
+            "16",
+            "--train.max_epochs",
+            "2",
+            "--adam.lr",
+            "3e-3",
+            "--model.gradient_checkpoint",
+            "none",
+            "--ckpt.output_dir",
+            str(out),
+        ],
+        timeout=400,
+    )
+    tok = AutoTokenizer.from_pretrained(out)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " colour?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    with ServerThread(build_app(tiny_settings(out))) as url:
+        answers = {}
+        for name, rgb in COLOURS.items():
+            buf = io.BytesIO()
+            Image.new("RGB", (40, 28), tuple(int(c * 0.9) for c in rgb)).save(buf, format="PNG")  # unseen size, shade
+            body = {
+                "prompt_token_ids": prompt,
+                "images": [{"data": base64.b64encode(buf.getvalue()).decode()}],
+                "sampling_params": {"max_tokens": 4, "temperature": 0.0},
+            }
+            res = httpx.post(f"{url}/v1/generate", json=body, timeout=60)
+            assert res.status_code == 200, res.text
+            answers[name] = tok.decode(res.json()["outputs"][0]["token_ids"], skip_special_tokens=True).strip()
+    assert answers == {name: name for name in COLOURS}, answers
