@@ -286,7 +286,8 @@ def test_vision_language_sft_two_processes_equal_one(tiny_idefics3, tmp_path):
 @pytest.mark.slow
 def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(tiny_qwen3, data, tmp_path):
     """Molt's LoRA flags: 2 gloo processes equal 1; the export changes only the targeted projections and
-    scores the eval rows as the trainer did; `molt export` of a checkpoint folds the adapters the same way."""
+    scores the eval rows as the trainer did; `molt export` of a checkpoint folds the adapters the same way;
+    a resume from the step-2 checkpoint continues as an uninterrupted run."""
     import json
 
     import torch.nn.functional as F
@@ -329,3 +330,13 @@ def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(t
     offline = export_checkpoint(tmp_path / "one" / "state" / "global_step2", tmp_path / "offline")
     w3 = load_file(str(offline / "model.safetensors"))
     assert w3.keys() == w1.keys() and all(torch.allclose(w3[n], w1[n], atol=1e-6, rtol=0) for n in w1)
+
+    three = [*flags, "--train.num_steps", "3"]
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "three", *three))
+    proc = run_sft(_flags(tiny_qwen3, data, tmp_path, "one", *three, "--ckpt.load_enable"))
+    assert "(step 2)" in proc.stderr
+    (whole, _), (resumed, _) = _curve(tmp_path / "three.jsonl"), _curve(tmp_path / "one.jsonl")
+    assert resumed[3]["loss"] == pytest.approx(whole[3]["loss"], abs=1e-5)
+    w4 = load_file(str(tmp_path / "three" / "hf" / "model.safetensors"))
+    w5 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
+    assert all(torch.allclose(w4[n], w5[n], atol=1e-5, rtol=0) for n in w4)
