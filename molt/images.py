@@ -102,7 +102,13 @@ def count_markers(messages: list[dict[str, Any]]) -> int:
 
 def inline_images(messages: list[dict[str, Any]], urls: list[str]) -> list[dict[str, Any]]:
     """Molt's rule: each ``<image>`` in a user string, in order, becomes the next image's ``image_url`` part."""
-    left = list(urls)
+    return inline_parts(messages, [{"type": "image_url", "image_url": {"url": url}} for url in urls])
+
+
+def inline_parts(messages: list[dict[str, Any]], images: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``inline_images`` with the image parts given (``{"type": "image"}`` for a template that renders the
+    model's placeholder with no URL, as SFT's rendering does)."""
+    left = list(images)
     out = []
     for message in messages:
         content = message.get("content")
@@ -118,7 +124,7 @@ def inline_images(messages: list[dict[str, Any]], urls: list[str]) -> list[dict[
                 continue
             if text:
                 parts.append({"type": "text", "text": text})
-            parts.append({"type": "image_url", "image_url": {"url": left.pop(0)}})
+            parts.append(left.pop(0))
             text = piece
         if text:
             parts.append({"type": "text", "text": text})

@@ -111,8 +111,8 @@ def copy_model_files(source_dir: str | Path, out: Path) -> None:
 def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
     """The actor of one checkpoint (a ``global_step<N>`` folder) as a model directory.
 
-        One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
-        config (``hf_files/``), as the trainer built it (a vision-language config as an image-text model); LoRA
+    One process, no process group: DCP reads the saved shards into a model built from the checkpoint's own
+    config (``hf_files/``), as the trainer built it (a vision-language config as an image-text model); LoRA
     adapters (``hf_files/lora.json`` names their scale) are folded into the weights as ``save_hf`` does."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

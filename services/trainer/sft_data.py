@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from molt.data import read_rows
-from molt.images import MARKER, count_markers, to_bytes
+from molt.images import MARKER, count_markers, inline_parts, to_bytes
 from services.trainer.packing import common_prefix_len, fill_row
 
 log = logging.getLogger("molt.trainer")
@@ -174,25 +174,6 @@ class DataReport:
         )
 
 
-def with_image_parts(messages: list[dict]) -> list[dict]:
-    """Each ``<image>`` of a user string becomes an ``{"type": "image"}`` part, the form VLM chat templates
-    render as the model's own image placeholder."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if m["role"] != "user" or not isinstance(content, str) or MARKER not in content:
-            out.append(m)
-            continue
-        parts: list[dict] = []
-        for k, piece in enumerate(content.split(MARKER)):
-            if k:
-                parts.append({"type": "image"})
-            if piece:
-                parts.append({"type": "text", "text": piece})
-        out.append({**m, "content": parts})
-    return out
-
-
 class Tokenized:
     """Chat-template rendering + tokenisation + loss mask, for one tokenizer and one set of flags; with
     ``vision`` (a VL model's ``VisionInputs``) and ``image_key``, the rows' images too."""
@@ -215,7 +196,9 @@ class Tokenized:
         self.markers = reply_markers(tokenizer)
 
     def _images(self, row: dict, messages: list[dict]) -> tuple[list[bytes] | None, str]:
-        value = row.get(self.image_key) if self.image_key else None
+        if not self.image_key:  # text data: an "<image>" in it is text
+            return [], ""
+        value = row.get(self.image_key)
         values = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
         if len(values) > self.max_images:
             return None, f"more than --data.max_images_per_prompt {self.max_images} images"
@@ -247,8 +230,8 @@ class Tokenized:
         images, why = self._images(row, messages)
         if images is None:
             return None, why, False
-        if images:
-            messages = with_image_parts(messages)
+        if images:  # {"type": "image"}: the part VLM chat templates render as the model's own placeholder
+            messages = inline_parts(messages, [{"type": "image"}] * len(images))
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         except TemplateError as exc:

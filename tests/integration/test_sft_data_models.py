@@ -183,6 +183,10 @@ def test_images_expand_in_place_and_bad_image_rows_are_counted(tiny_idefics3):
     out = model(input_ids=torch.as_tensor(two.input_ids)[None], **vision.pixel_inputs(two.images))
     assert out.logits.shape[1] == two.num_tokens
 
+    # without --data.image_key an "<image>" in a row is its text: the row is kept
+    literal, _, _ = Tokenized(tok, 64, "prompt", "response").example({"prompt": "say <image>", "response": "ok"})
+    assert literal is not None and literal.images == []
+
     # a cut inside the second turn's image: the image goes with its run, the first reply stays supervised
     row = {"prompt": [*two_turns, {"role": "user", "content": "look <image>"}], "response": "ok", "images": [blue]}
     whole, _, _ = tokenized.example(row)
