@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt.serve import model_dir_problem
 from services.trainer import checkpoint
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
@@ -68,20 +69,29 @@ def load_tokenizer(s: SftSettings):
     return tok
 
 
-def load_vision(s: SftSettings):
-    """The model's ``VisionInputs`` when it is vision-language, else None; image flags on a text model are an
-    error naming them."""
+def check(s: SftSettings, on_gpu: bool) -> None:
+    """Every start-up check, before anything loads (``--dry-run`` runs them too): the flags (``validate_sft``),
+    the model directory, image flags only on a model that takes images."""
+    validate_sft(s, on_gpu=on_gpu)
     path = s.model.model_name_or_path
-    assert path is not None  # SftSettings refuses a run without it
-    if is_vision_language(path):
-        from services.trainer.vision import VisionInputs
-
-        return VisionInputs(path)
+    problem = model_dir_problem(path, "--model.model_name_or_path")
+    if problem or path is None:
+        raise ValueError(problem)
     flags = {"--data.image_key": s.data.image_key, "--model.freeze_visual_encoder": s.model.freeze_visual_encoder}
     for flag, on in flags.items():
-        if on:
+        if on and not is_vision_language(path):
             raise ValueError(f"{flag}: {path} takes no images (its config has no vision_config); drop the flag")
-    return None
+
+
+def load_vision(s: SftSettings):
+    """The model's ``VisionInputs`` when it is vision-language, else None."""
+    path = s.model.model_name_or_path
+    assert path is not None  # check() refuses a run without it
+    if not is_vision_language(path):
+        return None
+    from services.trainer.vision import VisionInputs
+
+    return VisionInputs(path)
 
 
 def load_examples(
@@ -411,22 +421,21 @@ def train(s: SftSettings, info: DistInfo) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    import torch.cuda
+
     from molt.config import parse_settings
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    s = parse_settings(SftSettings, sys.argv[1:] if argv is None else argv, prog=prog)
+    on_gpu = torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
+    s = parse_settings(
+        SftSettings, sys.argv[1:] if argv is None else argv, prog=prog, validate=lambda x: check(x, on_gpu)
+    )
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=s.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
     )
     if not s.logger.wandb.run_name:
         s.logger.wandb.run_name = time.strftime("sft_%m%dT%H:%M")
-    import torch.cuda
-
-    try:
-        validate_sft(s, on_gpu=torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu")
-    except ValueError as exc:
-        sys.exit(f"{prog}: error: {exc}")
     info = init_distributed()
     try:
         summary = train(s, info)

@@ -160,3 +160,20 @@ def test_a_logger_whose_package_is_missing_is_a_clear_error(monkeypatch, tmp_pat
     with pytest.raises(ValueError, match="tensorboard package is not installed"):
         Sinks(_s("--logger.tensorboard_dir", str(tmp_path)), on=True)
     Sinks(_s("--logger.wandb.key", "k"), on=False).close()  # only rank 0 logs
+
+
+def test_dry_run_runs_every_start_up_check(capsys, tmp_path, monkeypatch):
+    """A dry run rejects what start-up rejects, with the same one line: flags, the model directory."""
+    from services.trainer.sft import main
+
+    monkeypatch.setenv("MOLT_TRAINER_DEVICE", "cpu")
+    model = tmp_path / "m"
+    for flags, needle in (
+        (["--model.model_name_or_path", str(model)], "--model.model_name_or_path"),
+        (["--model.model_name_or_path", str(model), "--fsdp.tp_size", "2"], "need GPUs"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([*flags, "--data.dataset", "d", "--dry-run"])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text("{}")
