@@ -81,6 +81,18 @@ def data(tmp_path):
     return d
 
 
+def _exports_agree(tmp_path, source):
+    """The 1- and 2-process runs' final models: the source's tensor names, equal within 1e-5. Returns the
+    1-process weights and the source's."""
+    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
+    base = load_file(str(source / "model.safetensors"))
+    assert w1.keys() == w2.keys() == base.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+    return w1, base
+
+
 def _curve(path):
     train = {x["step"]: x for x in lines(path) if "loss" in x}
     evals = {x["step"]: x["eval_loss"] for x in lines(path) if "eval_loss" in x}
@@ -104,19 +116,15 @@ def test_two_processes_equal_one_and_the_export_loads_everywhere(tiny_qwen3, dat
         assert one[k]["grad_norm"] == pytest.approx(two[k]["grad_norm"], rel=1e-4)
         assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
     assert (tmp_path / "one" / "state" / "global_step2" / "extra_state.pt").exists()
-    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
-    base = load_file(str(tiny_qwen3 / "model.safetensors"))
-    assert w1.keys() == w2.keys() == base.keys()
-    for name in w1:
-        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+    w1, base = _exports_agree(tmp_path, tiny_qwen3)
     assert max(float((w1[n] - base[n]).abs().max()) for n in w1) > 1e-4
 
     # transformers loads the export: the same weights, the same tokenizer and chat template
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
-    assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], w2["model.embed_tokens.weight"])
+    two = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
+    assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], two["model.embed_tokens.weight"])
     assert (
         AutoTokenizer.from_pretrained(tmp_path / "two" / "hf").chat_template
         == AutoTokenizer.from_pretrained(tiny_qwen3).chat_template
@@ -251,12 +259,7 @@ def test_vision_language_sft_two_processes_equal_one(tiny_idefics3, tmp_path):
     for k in (1, 2):
         assert one[k]["loss"] == pytest.approx(two[k]["loss"], abs=1e-5)
         assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
-    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
-    base = load_file(str(tiny_idefics3 / "model.safetensors"))
-    assert w1.keys() == w2.keys() == base.keys()
-    for name in w1:
-        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+    w1, base = _exports_agree(tmp_path, tiny_idefics3)
     vision = [n for n in w1 if ".vision_model." in n]
     assert vision and max(float((w1[n] - base[n]).abs().max()) for n in vision) > 1e-6
 
@@ -306,11 +309,7 @@ def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(t
         assert one[k]["loss"] == pytest.approx(two[k]["loss"], abs=1e-5)
         assert one_eval[k] == pytest.approx(two_eval[k], abs=1e-5)
     assert one_eval[2] < one_eval[1]
-    w1 = load_file(str(tmp_path / "one" / "hf" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "hf" / "model.safetensors"))
-    base = load_file(str(tiny_qwen3 / "model.safetensors"))
-    assert w1.keys() == w2.keys() == base.keys()
-    assert all(torch.allclose(w1[n], w2[n], atol=1e-5, rtol=0) for n in w1)
+    w1, base = _exports_agree(tmp_path, tiny_qwen3)
     changed = {n for n in w1 if not torch.equal(w1[n], base[n])}
     assert changed and all(n.endswith("_proj.weight") for n in changed)
 
