@@ -285,6 +285,13 @@ def test_vision_language_sft_two_processes_equal_one(tiny_idefics3, tmp_path):
     assert all(torch.equal(frozen[n], base[n]) for n in vision)
     assert max(float((frozen[n] - base[n]).abs().max()) for n in frozen if n not in vision) > 1e-6
 
+    # with LoRA too (Molt's VLM LoRA scripts): '*_proj' also names the tower's projections, which stay frozen
+    lora = ["--model.freeze_visual_encoder", "--model.lora.rank", "4", "--adam.lr", "1e-2"]
+    run_sft(_flags(tiny_idefics3, tmp_path, tmp_path, "lora", *vl, *steps, *lora))
+    adapted = load_file(str(tmp_path / "lora" / "hf" / "model.safetensors"))
+    changed = {n for n in adapted if not torch.equal(adapted[n], base[n])}
+    assert changed and all(n.endswith("_proj.weight") and n not in vision for n in changed)
+
 
 @pytest.mark.slow
 def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(tiny_qwen3, data, tmp_path):
