@@ -76,14 +76,31 @@ def colour_rows(n: int, seed: int, text_rows: bool = True) -> list[dict]:
 
 
 def save_colour_data(d: Path, n_train: int, n_eval: int, text_rows: bool = True) -> tuple[Path, Path]:
-    """Training rows as Molt keeps VLM data (a datasets.save_to_disk directory with an image column), eval rows
-    as JSONL naming PNG files."""
+    """Training rows in the schema Molt's prepare_geo3k.py writes for VLM SFT (a datasets.save_to_disk
+    directory: ``prompt`` and ``response`` as message lists, an ``<image>`` literal in the user's text, an image
+    column, a ``datasource``), eval rows as JSONL with plain strings naming PNG files."""
     import datasets
 
     d.mkdir(parents=True, exist_ok=True)
     text = datasets.Value("string")
-    features = datasets.Features({"prompt": text, "response": text, "images": datasets.List(datasets.Image())})
-    rows = colour_rows(n_train, seed=1, text_rows=text_rows)
+    message = {"role": text, "content": text}
+    features = datasets.Features(
+        {
+            "datasource": text,
+            "prompt": datasets.List(message),
+            "response": datasets.List(message),
+            "images": datasets.List(datasets.Image()),
+        }
+    )
+    rows = [
+        {
+            "datasource": "colours",
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "response": [{"role": "assistant", "content": r["response"]}],
+            "images": r["images"],
+        }
+        for r in colour_rows(n_train, seed=1, text_rows=text_rows)
+    ]
     datasets.Dataset.from_list(rows, features=features).save_to_disk(str(d / "train"))
     evals = []
     for k, row in enumerate(colour_rows(n_eval, seed=2, text_rows=text_rows)):
