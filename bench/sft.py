@@ -1,7 +1,7 @@
 """SFT tokens/s against TRL's ``SFTTrainer``: same model, data, batch, sequence length, steps, in the same run.
 
     .venv/bin/python bench/sft.py [--model .cache/models/smollm2] [--steps 30] [--batch-size 16]
-        [--micro-batch-size 4] [--max-len 256] [--threads 1] [--nproc 1] [--skip-trl]
+        [--micro-batch-size 4] [--max-len 256] [--threads 1] [--nproc 1] [--skip-trl] [--lora-rank 0]
 
 Data: a synthetic reversal task with prompts of 3 to ``--max-letters`` (60) letters (so batches mix lengths, as
 real SFT data does), chat-formatted; the loss is on the response tokens only in both trainers. TRL's rows
@@ -22,7 +22,9 @@ which also lays the samples' common token prefix, here the template's system pro
 fit it anyway; TRL's ``packing=True`` would refill rows to max_len and so change the samples per step).
 Held-out loss: the token-mean response loss on 64 unseen rows after the last step, by one definition for
 both (``heldout_loss``).
-``--rounds`` repeats each (ours, TRL) pair. Prints one markdown table.
+``--rounds`` repeats each (ours, TRL) pair. ``--lora-rank R`` trains LoRA adapters (alpha 2R) on every ``*_proj``
+linear in both: ours' ``--model.lora.*``, TRL with PEFT's ``LoraConfig`` on the same modules.
+Prints one markdown table.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ def ours(args, work: Path, layout: str) -> dict:
         flags.append("--fsdp.packing_samples")
     if layout == "packed-plain":
         flags += ["--train.pack_shared_prefix", "false"]
+    if args.lora_rank:
+        flags += ["--model.lora.rank", str(args.lora_rank), "--model.lora.alpha", str(2 * args.lora_rank)]
     if args.nproc > 1:
         cmd = [
             str(Path(sys.executable).with_name("torchrun")),
@@ -113,7 +117,7 @@ def ours(args, work: Path, layout: str) -> dict:
     eval_loss = [r["eval_loss"] for r in recs if "eval_loss" in r][-1]
     tokens, secs = sum(r["tokens"] for r in train), sum(r["seconds"] for r in train)
     return {
-        "impl": f"ours ({args.nproc} proc{'s' if args.nproc > 1 else ''}, {layout})",
+        "impl": f"ours ({args.nproc} proc{'s' if args.nproc > 1 else ''}, {layout}{lora_tag(args.lora_rank)})",
         "tokens_per_s": tokens / secs,
         "eval_loss": eval_loss,
     }
@@ -130,6 +134,7 @@ def trl_worker(
     lr: float,
     threads: int,
     rendered: bool,
+    lora_rank: int,
 ) -> None:
     import datasets
     import torch
@@ -201,9 +206,16 @@ def trl_worker(
         dataloader_num_workers=0,
         dataset_kwargs={"add_special_tokens": False} if rendered else None,  # the template wrote them
     )
+    peft_config = None
+    if lora_rank:  # the projections ours' default '*_proj' takes
+        from peft import LoraConfig
+
+        targets = sorted({n.rsplit(".", 1)[-1] for n, _ in net.named_modules() if n.endswith("_proj")})
+        peft_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets, lora_dropout=0.0)
     timer = Timer()
     trainer = SFTTrainer(
         model=net,
+        peft_config=peft_config,
         args=cfg,
         train_dataset=chat(Path(work) / "train-ordered.jsonl"),
         eval_dataset=chat(Path(work) / "eval.jsonl"),
@@ -217,7 +229,7 @@ def trl_worker(
         json.dumps(
             {
                 "tokens_per_s": tokens / secs,
-                "eval_loss": heldout_loss(net.eval(), tok, work, max_len),
+                "eval_loss": heldout_loss(trainer.model.eval(), tok, work, max_len),
                 "trl_eval_loss": trainer.evaluate()["eval_loss"],
                 "threads": torch.get_num_threads(),
             }
@@ -244,6 +256,10 @@ def heldout_loss(net, tok, work: str, max_len: int) -> float:
     return float(ce) / int((labels != -100).sum())
 
 
+def lora_tag(rank: int) -> str:
+    return f", LoRA r{rank}" if rank else ""
+
+
 def trl(args, work: Path, packed: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     if args.threads:
@@ -262,6 +278,7 @@ def trl(args, work: Path, packed: bool) -> dict:
         str(args.lr),
         str(args.threads),
         args.trl_data,
+        str(args.lora_rank),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
@@ -269,15 +286,17 @@ def trl(args, work: Path, packed: bool) -> dict:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "impl": f"TRL SFTTrainer ({res['threads']} thread{'s' if res['threads'] > 1 else ''}, "
-        f"{'packed' if packed else 'padded'})",
+        f"{'packed' if packed else 'padded'}{lora_tag(args.lora_rank)})",
         **res,
     }
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        m, w, p, steps, b, mb, ml, lr, th, data = sys.argv[2:12]
-        trl_worker(m, w, p == "1", int(steps), int(b), int(mb), int(ml), float(lr), int(th), data == "rendered")
+        m, w, p, steps, b, mb, ml, lr, th, data, rank = sys.argv[2:13]
+        trl_worker(
+            m, w, p == "1", int(steps), int(b), int(mb), int(ml), float(lr), int(th), data == "rendered", int(rank)
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / ".cache" / "models" / "smollm2")
@@ -303,6 +322,12 @@ def main() -> None:
         "(ours without that: --train.pack_shared_prefix false); TRL runs padding-free for both packed ones",
     )
     ap.add_argument("--rounds", type=int, default=1, help="repeat the pairs (ours, TRL) this many times")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA on every *_proj linear, alpha 2 x rank: ours' --model.lora.* against TRL with PEFT's LoRA",
+    )
     ap.add_argument("--max-letters", type=int, default=60, help="longest prompt, in letters")
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
