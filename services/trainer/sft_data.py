@@ -14,14 +14,15 @@ model must learn to emit. ``--data.train_on_last_turn_only`` keeps only the last
 
 A vision-language model's rows carry images (``--data.image_key``: one or a list, in any form
 ``molt.images.to_bytes`` reads). Each literal ``<image>`` of a user string takes the next image, as in
-Molt; the template renders it as the model's image part and the model's processor expands it into the
+Molt, and so does each ``{"type": "image"}`` content part (TRL's VLM rows); the template renders it as the model's image part and the model's processor expands it into the
 image's token run, so the mask and the cut work on the ids the model sees. A cut never splits a run: an
 image it would split is dropped with its run (``vision.cut_at_whole_image``).
 
 Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
 assistant turn, an empty response, a sample whose response starts past ``--data.max_len`` (nothing
 left to supervise after the cut), and for images: more than ``--data.max_images_per_prompt``, an
-unreadable image, or ``<image>`` markers that do not match the images one to one. Samples longer than
+unreadable image, markers or image parts that do not match the images one to one, image parts without
+``--data.image_key``. Samples longer than
 ``max_len`` are cut there and counted as truncated.
 """
 
@@ -116,6 +117,32 @@ def response_mask(token_ids: list[int], markers: ReplyMarkers, last_turn_only: b
     return mask
 
 
+def _content(content):
+    """A message's content as templates take it: a string, text parts joined into one, or (with an image part) a
+    list of ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts (a datasets column fills a part's
+    absent keys with None, dropped here); None when it is none of these."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    parts: list[dict] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            parts.append({"type": "image"})
+        else:
+            return None
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def image_parts(messages: list[dict]) -> int:
+    return sum(p["type"] == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def to_messages(row: dict, input_key: str, output_key: str | None) -> tuple[list[dict] | None, str]:
     """The row's conversation, or (None, reason) for a bad row."""
     if input_key not in row or row[input_key] is None:
@@ -132,15 +159,18 @@ def to_messages(row: dict, input_key: str, output_key: str | None) -> tuple[list
             messages.append(reply)
         else:
             messages.append({"role": "assistant", "content": reply})
-    for m in messages:
+    for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return None, "malformed messages"
-        if not isinstance(m.get("content"), str) and not (m.get("role") == "assistant" and m.get("tool_calls")):
+        content = _content(m.get("content"))
+        if content is None and not (m.get("role") == "assistant" and m.get("tool_calls")):
             return None, "malformed messages"
+        if content is not m.get("content"):
+            messages[k] = {**m, "content": content}
     replies = [m for m in messages if m["role"] == "assistant"]
     if not replies:
         return None, "no assistant turn"
-    if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in replies):
+    if not any(isinstance(m.get("content"), str) and m["content"].strip() or m.get("tool_calls") for m in replies):
         return None, "empty response"
     return messages, ""
 
@@ -196,15 +226,16 @@ class Tokenized:
         self.markers = reply_markers(tokenizer)
 
     def _images(self, row: dict, messages: list[dict]) -> tuple[list[bytes] | None, str]:
+        parts = image_parts(messages)
         if not self.image_key:  # text data: an "<image>" in it is text
-            return [], ""
+            return ([], "") if not parts else (None, "image parts without --data.image_key")
         value = row.get(self.image_key)
         values = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
         if len(values) > self.max_images:
             return None, f"more than --data.max_images_per_prompt {self.max_images} images"
-        markers = count_markers(messages)
+        markers = count_markers(messages) + parts
         if markers != len(values):
-            return None, f"{len(values)} images for {markers} {MARKER} markers"
+            return None, f"{len(values)} images for {markers} {MARKER} markers or image parts"
         try:
             return [to_bytes(v, f"--data.image_key {self.image_key!r}") for v in values], ""
         except ValueError:

@@ -162,17 +162,24 @@ def test_images_expand_in_place_and_bad_image_rows_are_counted(tiny_idefics3):
         {"prompt": "no marker", "response": "x", "images": [red]},
         {"prompt": "<image><image><image>", "response": "x", "images": [red] * 3},
         {"prompt": "<image>", "response": "x", "images": ["/no/such/file.png"]},
+        # TRL's VLM rows: content parts, as a datasets column returns them (absent keys None)
+        {
+            "prompt": [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "c?"}]}],
+            "response": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
+            "images": [blue],
+        },
     ]
     tokenized = Tokenized(tok, 64, "prompt", "response", vision=vision, image_key="images", max_images=2)
     examples, report = tokenized.build(rows, "--data.dataset")
-    assert (report.rows, report.used, report.truncated) == (6, 3, 0)
+    assert (report.rows, report.used, report.truncated) == (7, 4, 0)
     assert dict(report.dropped) == {
-        "1 images for 0 <image> markers": 1,
+        "1 images for 0 <image> markers or image parts": 1,
         "more than --data.max_images_per_prompt 2 images": 1,
         "unreadable image": 1,
     }
-    one, two, text = examples
-    for ex, n in ((one, 1), (two, 2), (text, 0)):
+    one, two, text, parts = examples
+    assert parts.images == [blue] and _split(tok, parts)[0] == "blue<|im_end|>"
+    for ex, n in ((one, 1), (two, 2), (text, 0), (parts, 1)):
         assert len(ex.images) == n and int((ex.input_ids == vision.image_token_id).sum()) == n * IMAGE_SEQ_LEN
     assert one.images == [red] and two.images == [red, blue]
     assert _split(tok, one)[0] == "red<|im_end|>" and "<image>" in _split(tok, one)[1]
@@ -184,8 +191,10 @@ def test_images_expand_in_place_and_bad_image_rows_are_counted(tiny_idefics3):
     assert out.logits.shape[1] == two.num_tokens
 
     # without --data.image_key an "<image>" in a row is its text: the row is kept
-    literal, _, _ = Tokenized(tok, 64, "prompt", "response").example({"prompt": "say <image>", "response": "ok"})
+    text_only = Tokenized(tok, 64, "prompt", "response")
+    literal, _, _ = text_only.example({"prompt": "say <image>", "response": "ok"})
     assert literal is not None and literal.images == []
+    assert text_only.example(rows[-1])[:2] == (None, "image parts without --data.image_key")
 
     # a cut inside the second turn's image: the image goes with its run, the first reply stays supervised
     row = {"prompt": [*two_turns, {"role": "user", "content": "look <image>"}], "response": "ok", "images": [blue]}

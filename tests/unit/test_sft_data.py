@@ -30,6 +30,17 @@ def test_response_may_be_a_message_dict_or_a_list():
     assert to_messages({"q": "u", "a": [one, {"role": "user", "content": "more"}, one]}, "q", "a")[0][-1] == one
 
 
+def test_content_parts_text_joined_images_kept_as_parts():
+    """TRL-style rows: text parts become one string (any template renders it); with an image part the parts stay,
+    cleaned of the None keys a datasets column adds."""
+    text = [{"type": "text", "text": "a", "image": None}, {"type": "text", "text": "b", "image": None}]
+    with_image = [{"type": "image", "text": None}, {"type": "text", "text": "c?", "image": None}]
+    msgs, _ = to_messages({"q": [{"role": "user", "content": text}], "a": "yo"}, "q", "a")
+    assert msgs[0]["content"] == "ab"
+    msgs, _ = to_messages({"q": [{"role": "user", "content": with_image}], "a": "yo"}, "q", "a")
+    assert msgs[0]["content"] == [{"type": "image"}, {"type": "text", "text": "c?"}]
+
+
 @pytest.mark.parametrize(
     "row, why",
     [
@@ -40,6 +51,8 @@ def test_response_may_be_a_message_dict_or_a_list():
         ({"q": [{"role": "user", "content": "hi"}], "a": [{"role": "user", "content": "again"}]}, "no assistant turn"),
         ({"q": [{"content": "no role"}], "a": "yo"}, "malformed messages"),
         ({"q": "hi", "a": 7}, "malformed messages"),
+        ({"q": [{"role": "user", "content": [{"type": "audio"}]}], "a": "yo"}, "malformed messages"),
+        ({"q": "hi", "a": [{"role": "assistant", "content": [{"type": "text", "text": " "}]}]}, "empty response"),
     ],
 )
 def test_bad_rows_name_their_reason(row, why):
