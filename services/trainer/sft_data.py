@@ -14,8 +14,9 @@ model must learn to emit. ``--data.train_on_last_turn_only`` keeps only the last
 
 A vision-language model's rows carry images (``--data.image_key``: one or a list, in any form
 ``molt.images.to_bytes`` reads). Each literal ``<image>`` of a user string takes the next image, as in
-Molt, and so does each ``{"type": "image"}`` content part (TRL's VLM rows); the template renders it as the model's image part and the model's processor expands it into the
-image's token run, so the mask and the cut work on the ids the model sees. A cut never splits a run: an
+Molt, and so does each ``{"type": "image"}`` content part (TRL's VLM rows); the template renders it as
+the model's image part and the model's processor expands it into the image's token run, so the mask
+and the cut work on the ids the model sees. A cut never splits a run: an
 image it would split is dropped with its run (``vision.cut_at_whole_image``).
 
 Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
