@@ -164,6 +164,9 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     auto = NeMoAutoModelForImageTextToText if is_vision_language(path) else NeMoAutoModelForCausalLM
     peft = None
     if lora is not None:
+        # from_pretrained's documented peft_config reads this class's attributes (a dict, as its docstring
+        # says, fails); the class lives in a private module. nemo-automodel is pinned (requirements/gpu.lock),
+        # so a move shows in scripts/gpu_check.sh, not in a user's run.
         from nemo_automodel.components._peft.lora import PeftConfig
 
         peft = PeftConfig(target_modules=lora.target_modules, dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
