@@ -5,7 +5,7 @@
 #
 # Needs a python with CUDA torch (+ vllm for steps 3-4; + transformers); nothing is downloaded.
 # PYTHON=... picks the interpreter (default: .venv/bin/python if present, else python3). Each step
-# prints PASS/FAIL/SKIP and the script goes on; the last lines summarise. About 2-4 minutes.
+# prints PASS/FAIL/SKIP and the script goes on; the last lines summarise. About 3-6 minutes.
 #   0. the install is requirements/gpu.lock: every pinned version installed, and vllm, torch,
 #      nemo_automodel and quack (both its users) import together on CUDA
 #   1. environment: GPUs, torch/CUDA/NCCL, vllm versions
@@ -15,6 +15,8 @@
 #   3. a real RolloutEngine on the GPU (vllm, tiny Qwen3, fp32) fed over gRPC by WeightPusher:
 #      logprobs after the sync vs transformers, versions
 #   4. with 2+ GPUs: the same sync with --transport nccl (pod on GPU 1, trainer on GPU 0)
+#   5. SFT through NeMo AutoModel on one GPU, full and LoRA (NeMo's own adapters): 2 steps each, the
+#      exports differ from the base (LoRA: only the *_proj weights, the adapters folded in)
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp}
@@ -120,4 +122,25 @@ if [ "$NGPU" -ge 2 ]; then
 else
   RESULTS+=("SKIP 4 NCCL transport end to end (needs 2 GPUs: NCCL refuses two ranks on one GPU)")
 fi
+cat > /tmp/molt-gpu/sft.py <<'EOF'
+import json, subprocess, sys
+from safetensors.torch import load_file
+words = [["a", "b", "c"], ["d", "e"], ["f", "g", "h"], ["b", "a"]] * 4
+rows = [{"prompt": "reverse: " + " ".join(w), "response": " ".join(reversed(w))} for w in words]
+open("/tmp/molt-gpu/sft.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in rows))
+flags = ["--model.model_name_or_path", "/tmp/molt-gpu/a", "--data.dataset", "/tmp/molt-gpu/sft.jsonl",
+         "--data.input_key", "prompt", "--data.output_key", "response", "--train.batch_size", "8",
+         "--train.micro_batch_size", "4", "--train.num_steps", "2", "--adam.lr", "1e-3"]
+base = load_file("/tmp/molt-gpu/a/model.safetensors")
+for tag, extra in (("full", []), ("lora", ["--model.lora.rank", "4"])):
+    out = f"/tmp/molt-gpu/sft-{tag}"
+    cmd = [sys.executable, "-m", "services.trainer.sft", *flags, "--ckpt.path", out + "/state",
+           "--ckpt.output_dir", out + "/hf", *extra]
+    subprocess.run(cmd, check=True)
+    w = load_file(out + "/hf/model.safetensors")
+    changed = sorted(n for n in w if not (w[n].float() == base[n].float()).all())
+    print(tag, len(changed), "tensors changed, e.g.", changed[:3])
+    assert changed and (tag == "full" or all(n.endswith("_proj.weight") for n in changed)), tag
+EOF
+step "5 SFT through NeMo AutoModel: full and LoRA" 600 "$PY" /tmp/molt-gpu/sft.py
 echo "=== summary"; printf '%s\n' "${RESULTS[@]}"
