@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -36,8 +37,6 @@ source did (vLLM and ``AutoProcessor`` read them)."""
 
 
 def _copy_processor_files(source_dir: str | Path, out: Path) -> None:
-    import shutil
-
     for name in PROCESSOR_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copyfile(Path(source_dir) / name, out / name)
@@ -51,20 +50,28 @@ def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, token
     if dist.get_rank() != 0:
         dist.barrier()
         return None
-    scale = lora.scale_of(model)
-    if scale is not None:
-        state = lora.merge(state, scale)
-    out = write_hf_dir(state, source_dir, out_dir, tokenizer)
+    out = write_hf_dir(state, source_dir, out_dir, tokenizer, lora.scale_of(model))
     dist.barrier()
     return out
 
 
-def write_hf_dir(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
-    """Write a full, HF-named ``state`` as a model directory with ``source_dir``'s other files (one process)."""
+def write_hf_dir(
+    state: dict[str, torch.Tensor],
+    source_dir: str | Path,
+    out_dir: str | Path,
+    tokenizer=None,
+    lora_scale: float | None = None,
+) -> Path:
+    """Write a full, HF-named ``state`` as a model directory with ``source_dir``'s other files (one process).
+    With ``lora_scale`` the state holds LoRA adapters: they are folded into the weights, and written alone to
+    ``adapter/`` in PEFT's layout (services/trainer/lora.py)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     out = Path(out_dir)
+    unmerged = state
+    if lora_scale is not None:
+        state = lora.merge(state, lora_scale)
     config = AutoConfig.from_pretrained(source_dir)
     dtype = _DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
     if getattr(config, "tie_word_embeddings", False):
@@ -81,10 +88,14 @@ def write_hf_dir(state: dict[str, torch.Tensor], source_dir: str | Path, out_dir
         pass
     (tokenizer or AutoTokenizer.from_pretrained(source_dir)).save_pretrained(tmp)
     _copy_processor_files(source_dir, tmp)
+    if lora_scale is not None:
+        lora.write_peft_adapter(unmerged, lora_scale, tmp / lora.ADAPTER_DIR, str(source_dir))
     if not out.exists():
         os.replace(tmp, out)
     else:  # an existing folder (Molt's ./ckpt also holds the checkpoints): replace the model's files one by one
         for f in tmp.iterdir():
+            if f.is_dir() and (out / f.name).is_dir():  # a directory is replaced whole (adapter/)
+                shutil.rmtree(out / f.name)
             os.replace(f, out / f.name)
         tmp.rmdir()
     log.info("HF model written to %s", out)
@@ -138,6 +149,4 @@ def export_checkpoint(step_dir: str | Path, out: str | Path) -> Path:
             if key.startswith("actor.") and (".lora_A." in key or ".lora_B." in key):
                 state[key[len("actor.") :]] = torch.empty(tuple(meta.size), dtype=torch.float32)  # type: ignore[union-attr]  # tensor entries carry a size
     dcp.load({"actor": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
-    if scale is not None:
-        state = lora.merge(state, scale)
-    return write_hf_dir(state, files, out)
+    return write_hf_dir(state, files, out, lora_scale=scale)

@@ -9,7 +9,8 @@ a module's whole dotted name, ``*`` standing for any run of characters (dots inc
 ``*_proj`` takes every ``...self_attn.q_proj``, ``...mlp.gate_proj``, ...
 
 The export merges: ``W + (alpha / rank) * B @ A`` under the base name, adapters dropped, so what a rollout
-pod, ``transformers`` and the RL trainer load is a plain model of the base architecture.
+pod, ``transformers`` and the RL trainer load is a plain model of the base architecture. The adapters also
+go alone to ``adapter/`` in HF PEFT's layout (what Molt's LoRA runs write), for PEFT or a LoRA-serving engine.
 """
 
 from __future__ import annotations
@@ -84,6 +85,35 @@ def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tenso
             w = out[f"{module}.weight"]
             out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out
+
+
+ADAPTER_DIR = "adapter"
+
+
+def write_peft_adapter(state: dict[str, torch.Tensor], scale: float, out: Path, base_model: str) -> None:
+    """The adapters of a full state dict as a PEFT adapter directory (``adapter_model.safetensors`` and
+    ``adapter_config.json``; ``PeftModel.from_pretrained(base, out)`` loads it)."""
+    from safetensors.torch import save_file
+
+    modules = sorted(k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight"))
+    rank = int(state[f"{modules[0]}.lora_A.weight"].shape[0])
+    tensors = {
+        f"base_model.model.{m}.lora_{ab}.weight": state[f"{m}.lora_{ab}.weight"].contiguous()
+        for m in modules
+        for ab in "AB"
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": scale * rank,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "bias": "none",
+        "base_model_name_or_path": base_model,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def scale_of(model: nn.Module) -> float | None:

@@ -333,6 +333,16 @@ def test_lora_trains_adapters_alone_and_the_merged_export_is_the_trained_model(t
             n += int(keep.sum())
     assert ce / n == pytest.approx(one_eval[2], abs=1e-4)
 
+    # the adapters alone, in PEFT's layout: PEFT on the base model gives the merged model's logits
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32), tmp_path / "one" / "hf" / "adapter"
+    )
+    ids = torch.as_tensor(examples[0].input_ids)[None]
+    with torch.no_grad():
+        assert torch.allclose(adapted(ids).logits, hf(ids).logits, atol=1e-5)
+
     offline = export_checkpoint(tmp_path / "one" / "state" / "global_step2", tmp_path / "offline")
     w3 = load_file(str(offline / "model.safetensors"))
     assert w3.keys() == w1.keys() and all(torch.allclose(w3[n], w1[n], atol=1e-6, rtol=0) for n in w1)
