@@ -73,7 +73,7 @@ class SftDataConfig(Section):
     """Supervise only the last assistant turn; earlier assistant turns are context."""
     image_key: str | None = None
     """VLM: column of each row's images (one or a list: PIL images, {"bytes", "path"}, bytes, a file path or a
-    data URL); each ``<image>`` in a user string takes the next one."""
+    data URL); each ``<image>`` in a user string and each ``{"type": "image"}`` content part takes the next one."""
     max_images_per_prompt: int = Field(4, ge=0)
     """VLM: rows with more images are dropped and counted (only meaningful with --data.image_key)."""
     disable_fast_tokenizer: bool = False

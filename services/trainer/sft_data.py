@@ -16,15 +16,14 @@ A vision-language model's rows carry images (``--data.image_key``: one or a list
 ``molt.images.to_bytes`` reads). Each literal ``<image>`` of a user string takes the next image, as in
 Molt, and so does each ``{"type": "image"}`` content part (TRL's VLM rows); the template renders it as
 the model's image part and the model's processor expands it into the image's token run, so the mask
-and the cut work on the ids the model sees. A cut never splits a run: an
-image it would split is dropped with its run (``vision.cut_at_whole_image``).
+and the cut work on the ids the model sees. A cut never splits a run: an image it would split is dropped
+with its run (``vision.cut_at_whole_image``).
 
 Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
 assistant turn, an empty response, a sample whose response starts past ``--data.max_len`` (nothing
 left to supervise after the cut), and for images: more than ``--data.max_images_per_prompt``, an
 unreadable image, markers or image parts that do not match the images one to one, image parts without
-``--data.image_key``. Samples longer than
-``max_len`` are cut there and counted as truncated.
+``--data.image_key``. Samples longer than ``max_len`` are cut there and counted as truncated.
 """
 
 from __future__ import annotations
