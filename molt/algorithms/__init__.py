@@ -23,6 +23,8 @@ Stable entry points (the trainer service codes against these signatures)::
     # every micro-batch of an optimizer-step window with N action tokens over all micro-batches and ranks
     out = policy_loss(logp, old_logp, advantages, mask, num_window_tokens=N, dp_size=dp, rollout_logp=rlp)
     total = out.loss                                                  # global token-mean share
+    # (--actor.loss_agg_mode seq-/prompt-mean-token-mean: pass row_scale=row_scales(mode, n_actions, groups)
+    #  per window, and aggregate the other terms with scaled_sum)
     total = total + kl_ctl.value * token_mean(approx_kl(logp, ref_logp, "k3"), mask, num_window_tokens=N,
                                               dp_size=dp)            # --algo.kl.use_loss
     total = total - entropy_coef * token_mean(entropy, mask, num_window_tokens=N, dp_size=dp)
@@ -57,6 +59,7 @@ from molt.algorithms.advantages import (
     register_advantage_estimator,
     whiten_advantages,
 )
+from molt.algorithms.aggregation import LOSS_AGG_MODES, row_scales
 from molt.algorithms.config import (
     ActorLossConfig,
     AdvantageConfig,
@@ -80,10 +83,12 @@ from molt.algorithms.loss import (
     policy_loss_names,
     register_policy_loss,
 )
-from molt.algorithms.tensor_ops import entropy_from_logits, masked_mean, sanitize_log_ratio, token_mean
+from molt.algorithms.tensor_ops import entropy_from_logits, masked_mean, sanitize_log_ratio, scaled_sum, token_mean
 from molt.algorithms.value_loss import ValueLossOutput, value_loss
 
 __all__ = [
+    "LOSS_AGG_MODES",
+    "row_scales",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
@@ -123,6 +128,7 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "sanitize_log_ratio",
+    "scaled_sum",
     "token_mean",
     "validate_algo",
     "value_loss",

@@ -5,10 +5,10 @@ estimator:
 
 1. rewards are clipped to ``reward_clip`` (``--reward.clip_range``) *before* the estimator;
 2. the batch is indexed into rollouts and groups. *Grouped* estimators (``grpo``, ``dr_grpo``, ``rloo``,
-   ``reinforce_baseline``) merge the samples of one ``rollout_id`` (a multi-segment rollout: first-seen
-   reward) so it counts once in its group's baseline, group rollouts by ``group_id``, and broadcast each
-   rollout's scalar advantage to every action token of each of its segments. The other estimators treat
-   each sample as its own rollout and group;
+   ``reinforce_baseline``) and *per-rollout* ones (``flash_reinforce``) merge the samples of one
+   ``rollout_id`` (a multi-segment rollout: first-seen reward) so it counts once in its baseline, group
+   rollouts by ``group_id``, and broadcast each rollout's scalar advantage to every action token of each of
+   its segments. The other estimators treat each sample as its own rollout and group;
 3. the estimator returns ``(advantages, returns)`` with ``returns`` = advantages before whitening;
 4. estimators registered with ``whitens=True`` (``reinforce``, ``reinforce_baseline``, ``gae``) are
    whitened over all action tokens of the batch unless ``whiten=False`` (``--algo.advantage.no_whiten``).
@@ -78,18 +78,24 @@ class AdvantageEstimator:
     """Needs groups of several rollouts per prompt (``--rollout.n_samples_per_prompt > 1``)."""
     whitens: bool
     """Whitened over the batch unless ``--algo.advantage.no_whiten``."""
+    per_rollout: bool = False
+    """One scalar per rollout (segments merged) without needing groups, e.g. a batch-mean baseline."""
 
 
 _ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage_estimator(name: str, *, grouped: bool = False, whitens: bool = False):
+def register_advantage_estimator(
+    name: str, *, grouped: bool = False, whitens: bool = False, per_rollout: bool = False
+):
     """Decorator adding an estimator under ``name``; re-registering a name is an error."""
 
     def deco(fn: AdvantageFn) -> AdvantageFn:
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = AdvantageEstimator(name=name, fn=fn, grouped=grouped, whitens=whitens)
+        _ESTIMATORS[name] = AdvantageEstimator(
+            name=name, fn=fn, grouped=grouped, whitens=whitens, per_rollout=per_rollout
+        )
         return fn
 
     return deco
@@ -224,7 +230,7 @@ def compute_advantages(
     mask = is_action.to(dtype)
     off_mask_zero = lambda t: torch.where(is_action, t.to(dtype), 0.0)  # noqa: E731 (garbage off the mask)
     batch_size = rewards.shape[0]
-    if spec.grouped:
+    if spec.grouped or spec.per_rollout:
         index = _index_rollouts(group_ids, rollout_ids, batch_size)
         sample_rollout, rollout_group, first_sample = (t.to(rewards.device) for t in index)
     else:  # every sample is its own rollout and group: multi-segment rollouts are not merged

@@ -36,8 +36,8 @@ def _pair(value: list[float], flag: str) -> list[float]:
 
 class AdvantageConfig(Section):
     estimator: str = "reinforce"
-    """Advantage estimator: reinforce, rloo, reinforce_baseline, grpo, dr_grpo, on_policy_distill, gae, or a name
-    registered with molt.algorithms.register_advantage_estimator."""
+    """Advantage estimator: reinforce, rloo, reinforce_baseline, grpo, dr_grpo, on_policy_distill, gae,
+    flash_reinforce, or a name registered with molt.algorithms.register_advantage_estimator."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount factor (reinforce, gae)."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
@@ -49,13 +49,19 @@ class AdvantageConfig(Section):
     is_correction_mode: Literal["mask", "clip", "trunc"] = "mask"
     """What to do outside the threshold band: mask (drop), clip (clamp to band) or trunc (cap at HIGH);
     seq/geo support only mask."""
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    """What is compared to the band: the IS ratio itself, or the binary KL / total variation between the
+    rollout and trainer probabilities of each sampled token (a trust region; mask mode, upper bound only)."""
     is_correction_threshold: list[float] = [0.5, 5.0]
-    """IS band LOW HIGH for the unit ratio."""
+    """IS band LOW HIGH for the unit (ratio or divergence); one value is an upper bound only: 0 HIGH."""
 
     @field_validator("is_correction_threshold")
     @classmethod
     def _threshold(cls, v: list[float]) -> list[float]:
-        _pair(v, "--algo.advantage.is_correction_threshold")
+        if len(v) == 1:
+            v = [0.0, v[0]]
+        if len(v) != 2:
+            raise ValueError(f"--algo.advantage.is_correction_threshold takes LOW HIGH, or HIGH alone, got {v}")
         if not 0 <= v[0] <= v[1] or v[1] <= 0:
             raise ValueError(f"needs 0 <= LOW <= HIGH and HIGH > 0, got {v}")
         return v
@@ -107,6 +113,10 @@ class ActorLossConfig(Section):
     """PPO dual clip c > 1 (bounds the loss of tokens with negative advantage). Unset: off."""
     entropy_coef: float | None = None
     """Entropy bonus coefficient (subtracted times the token-mean entropy). Unset/0: entropy not computed."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"] = "token-mean"
+    """How the actor's per-token losses are averaged over a step: every token weighs the same (token-mean),
+    every trajectory segment (seq-mean-token-mean: token mean per segment, then mean) or every prompt group
+    (prompt-mean-token-mean)."""
 
     def resolved_eps_clip(self) -> tuple[float, float]:
         eps = self.eps_clip_low_high
@@ -196,7 +206,9 @@ def validate_algo(
             f"log-probs are renormalised over the nucleus and no longer match the trainer's; "
             f"set --rollout.top_p 1.0 or {LEVEL_FLAG} off"
         )
-    check_is_correction(adv.is_correction_level, adv.is_correction_mode, adv.is_correction_threshold)
+    check_is_correction(
+        adv.is_correction_level, adv.is_correction_mode, adv.is_correction_threshold, adv.is_correction_gating
+    )
     check_policy_loss(actor.loss_mode, actor.resolved_eps_clip(), actor.dual_clip)
     return hints
 
@@ -210,6 +222,7 @@ def build_policy_loss(actor: ActorLossConfig, algo: AlgoConfig) -> PolicyLoss:
         is_level=algo.advantage.is_correction_level,
         is_mode=algo.advantage.is_correction_mode,
         is_threshold=algo.advantage.is_correction_threshold,
+        is_gating=algo.advantage.is_correction_gating,
     )
 
 

@@ -9,6 +9,8 @@ beta = ``kl_coef``, gamma / lambda from ``--algo.advantage.gamma`` / ``--algo.ad
 - Grouped (one scalar per rollout, broadcast to its tokens): ``reinforce_baseline`` and ``dr_grpo``
   (r_i - mean_G), ``grpo`` ((r_i - mean_G) / (sample std_G + 1e-9), singletons get 0) and ``rloo``
   (leave-one-out mean baseline; singletons keep the raw reward).
+- Per rollout without groups: ``flash_reinforce`` (r_i - mean of r over every rollout of the batch; no
+  std scaling, no whitening: FlashREINFORCE's baseline for one rollout per prompt).
 
 Only ``reinforce``, ``reinforce_baseline`` and ``gae`` are whitened (see ``advantages.py``).
 The reverse recursions loop over the step axis with the batch vectorised: T iterations of a few
@@ -118,6 +120,13 @@ def rloo(batch: AdvantageBatch) -> tuple[Tensor, Tensor]:
     leave_one_out = (group_mean(r, g) * n - r) / (n - 1).clamp(min=1)
     per_rollout = torch.where(n > 1, r - leave_one_out, r)
     advantages = batch.broadcast(per_rollout)
+    return advantages, advantages
+
+
+@register_advantage_estimator("flash_reinforce", per_rollout=True)
+def flash_reinforce(batch: AdvantageBatch) -> tuple[Tensor, Tensor]:
+    r = batch.rollout_rewards
+    advantages = batch.broadcast(r - r.mean()) if r.numel() else batch.action_mask * 0.0
     return advantages, advantages
 
 

@@ -13,7 +13,8 @@ start-up) and called once per micro-batch on step-axis tensors:
      straight-through ratio exp(logp - sg(logp) + S), then PPO clipping without dual clip;
    - ``cispo``: -sg(min(r, eps_high)) * A * logp with ``eps_high`` an absolute ceiling >= 1;
 3. the IS coefficient (``is_correction.py``) multiplies the per-token loss;
-4. ``loss`` = global token-mean share (``tensor_ops.token_mean``): backprop it as is.
+4. ``loss`` = global token-mean share (``tensor_ops.token_mean``), or the rows weighted by ``row_scale``
+   (``--actor.loss_agg_mode``, see ``aggregation``): backprop it as is.
 
 Metrics are detached 0-dim tensors (reduce across ranks before ``.item()``): ``policy_loss`` (plain
 masked mean of the per-token loss, not the gradient quantity), ``policy_clip_ratio``, ``policy_kl``
@@ -43,6 +44,7 @@ from molt.algorithms.tensor_ops import (
     at_least_fp32,
     masked_mean,
     sanitize_log_ratio,
+    scaled_sum,
     token_mean,
 )
 
@@ -199,13 +201,15 @@ class PolicyLoss:
         is_level: str = "off",
         is_mode: str = "mask",
         is_threshold: Sequence[float] = (0.5, 5.0),
+        is_gating: str = "ratio",
     ) -> None:
         check_policy_loss(loss_mode, eps_clip, dual_clip)
-        check_is_correction(is_level, is_mode, is_threshold)
+        check_is_correction(is_level, is_mode, is_threshold, is_gating)
         self.spec = get_policy_loss(loss_mode)
         self.eps_low, self.eps_high = float(eps_clip[0]), float(eps_clip[1])
         self.dual_clip = dual_clip
         self.is_level, self.is_mode, self.is_threshold = is_level, is_mode, tuple(is_threshold)
+        self.is_gating = is_gating
 
     def __call__(
         self,
@@ -218,9 +222,12 @@ class PolicyLoss:
         dp_size: int = 1,
         rollout_logp: Tensor | None = None,
         entropy: Tensor | None = None,
+        row_scale: Tensor | None = None,
     ) -> PolicyLossOutput:
         """Per-micro-batch loss; ``num_window_tokens`` counts the action tokens of the whole
-        optimizer-step window over micro-batches and DP ranks (see ``tensor_ops.token_mean``)."""
+        optimizer-step window over micro-batches and DP ranks (see ``tensor_ops.token_mean``). With
+        ``row_scale`` [B] (``aggregation.row_scales`` of another ``--actor.loss_agg_mode``) the rows are
+        weighted by it instead of the global token mean."""
         mask = as_bool_mask(action_mask)
         logp = at_least_fp32(logp)  # ratios of bf16 log-probs are too coarse; the cast keeps the graph
         zeros = torch.zeros_like(logp)
@@ -247,7 +254,13 @@ class PolicyLoss:
                     "request logprobs from vLLM or set --algo.advantage.is_correction_level off"
                 )
             correction = is_correction(
-                old_logp, rollout_logp, mask, level=self.is_level, mode=self.is_mode, threshold=self.is_threshold
+                old_logp,
+                rollout_logp,
+                mask,
+                level=self.is_level,
+                mode=self.is_mode,
+                threshold=self.is_threshold,
+                gating=self.is_gating,
             )
             assert correction is not None  # None only for level "off"
             is_coef = correction.coef.to(token_loss.dtype)
@@ -255,7 +268,10 @@ class PolicyLoss:
             metrics["vllm_kl"] = correction.vllm_kl
             metrics["is_filter_ratio"] = correction.filter_ratio
         token_loss = torch.where(mask, token_loss, torch.zeros_like(token_loss))
-        loss = token_mean(token_loss, mask, num_window_tokens=num_window_tokens, dp_size=dp_size)
+        if row_scale is None:
+            loss = token_mean(token_loss, mask, num_window_tokens=num_window_tokens, dp_size=dp_size)
+        else:
+            loss = scaled_sum(token_loss, mask, row_scale, dp_size=dp_size)
         with torch.no_grad():
             metrics["policy_loss"] = masked_mean(token_loss, mask)
             metrics["policy_clip_ratio"] = masked_mean(was_clipped.to(logp.dtype), mask)
@@ -267,7 +283,7 @@ class PolicyLoss:
     def __repr__(self) -> str:
         return (
             f"PolicyLoss({self.spec.name}, eps=({self.eps_low}, {self.eps_high}), dual_clip={self.dual_clip}, "
-            f"is={self.is_level}/{self.is_mode}{list(self.is_threshold)})"
+            f"is={self.is_level}/{self.is_mode}/{self.is_gating}{list(self.is_threshold)})"
         )
 
 

@@ -72,6 +72,17 @@ def token_mean(token_loss: Tensor, action_mask: Tensor, *, num_window_tokens: in
     return total * (dp_size / num_window_tokens)
 
 
+def scaled_sum(token_loss: Tensor, action_mask: Tensor, row_scale: Tensor, *, dp_size: int = 1) -> Tensor:
+    """This micro-batch's share of a window loss with per-row weights: ``sum_i s_i * sum_t loss_it * dp_size``.
+
+    ``row_scale`` [B] comes from ``aggregation.row_scales``, computed once over the whole window (all
+    micro-batches and ranks; ``sum_i s_i * n_i = 1`` for n_i action tokens per row), so accumulation and DP
+    averaging give the window's loss exactly, as ``token_mean`` does for the token mean.
+    """
+    per_row = torch.where(as_bool_mask(action_mask), token_loss, torch.zeros_like(token_loss)).sum(dim=-1)
+    return (per_row * row_scale.to(per_row.dtype)).sum() * dp_size
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Per-position entropy (nats) of softmax(logits) over the last axis: ``[..., V] -> [...]``.
 
@@ -92,5 +103,6 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "sanitize_log_ratio",
+    "scaled_sum",
     "token_mean",
 ]

@@ -35,6 +35,7 @@ POD_FLAGS = {
     "vllm.distributed_executor_backend",
     "vllm.dtype",
     "vllm.max_num_batched_tokens",
+    "vllm.disable_custom_all_reduce",
 }
 
 # Molt flags about Ray placement, and what each means for the services.
@@ -200,6 +201,8 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
                 r.rollout += ["--rollout.max_images_per_prompt", *values]
             if name == "train.routing_replay" and _true(values):  # the trajectories must carry the pods' routing
                 r.gateway += ["--rollout.return_routed_experts"]
+            if name == "train.full_determinism_enable" and _true(values):  # as Molt: vLLM's engine in-process
+                r.rollout += ["--vllm.multiprocessing", "false"]
         else:
             match = difflib.get_close_matches(name, sorted(every), n=1, cutoff=0.6)
             errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match[0]}?" if match else ""))

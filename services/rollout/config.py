@@ -52,6 +52,8 @@ class VllmKnobs(Section):
     no IPC), multiprocess elsewhere."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """vLLM executor backend. Unset: uni in-process, mp otherwise."""
+    disable_custom_all_reduce: bool = False
+    """Use NCCL's all-reduce instead of vLLM's custom kernel between tensor-parallel GPUs."""
 
 
 class RolloutSettingsBlock(Section):

@@ -274,6 +274,7 @@ class EngineThread:
             logprobs_mode=k.logprobs_mode,
             enable_return_routed_experts=k.enable_return_routed_experts or None,
             distributed_executor_backend=backend,
+            disable_custom_all_reduce=k.disable_custom_all_reduce,
             disable_log_stats=False,
             worker_extension_cls="services.rollout.worker_ext.RolloutWorkerExtension",
         )

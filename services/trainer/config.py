@@ -52,11 +52,18 @@ class OptimizerConfig(Section):
     """Gradient clipping max norm."""
 
 
+def checkpoint_mode(value) -> str:
+    """Molt's activation-checkpoint spellings -> full, selective or off (``--actor/--model.gradient_checkpoint``)."""
+    v = "" if value is None else str(value).strip().lower()
+    return "full" if v in ("full", "true", "1") else ("selective" if v == "selective" else "off")
+
+
 class ActorConfig(ActorLossConfig, OptimizerConfig):
     model_name_or_path: str | None = None
     """Local HF model directory of the policy (required)."""
-    gradient_checkpoint: Literal["full", "off"] = "full"
-    """Activation checkpointing of every decoder layer: full (recompute in backward) or off."""
+    gradient_checkpoint: str = "full"
+    """Activation checkpointing of every decoder layer: full (recompute in backward) or none/off/false/0/''
+    (off), as Molt spells them; Molt's 'selective' (per-op) is not offered."""
     freeze_moe_router: bool = False
     """Exclude MoE router (gate) weights from the optimizer and from weight sync."""
     freeze_visual_encoder: bool = False
@@ -65,6 +72,11 @@ class ActorConfig(ActorLossConfig, OptimizerConfig):
     """gae only: the actor is not updated for the first N steps (critic warmup)."""
     aux_loss_coef: float = Field(0.0, ge=0.0)
     """MoE load-balancing loss coefficient (HF router aux loss), 0 = off."""
+
+    @field_validator("gradient_checkpoint", mode="before")
+    @classmethod
+    def _ac(cls, v):
+        return checkpoint_mode(v)
 
 
 class CriticAdam(AdamConfig):
@@ -108,6 +120,10 @@ class TrainConfig(Section):
     """Let rollouts continue across weight updates (the pods swap weights under running requests)."""
     force_sync_mode: bool = False
     """Strictly on-policy dispatch: batch k is dispatched only after step k-1's weights are pushed."""
+    full_determinism_enable: bool = False
+    """Reproducible training: every seed from --train.seed and deterministic torch kernels (warn-only where
+    none exists; transformers.enable_full_determinism). `molt train-rl` also runs the pods' engines in-process,
+    whose scheduling is then deterministic."""
     routing_replay: bool = False
     """Replay the rollout's MoE top-k expert choice (Trajectory routed_experts) in training forwards."""
     check_weight_update_equal: bool = False
@@ -380,6 +396,11 @@ def validate_settings(s: TrainerSettings) -> list[str]:
     if t.batch_size % t.micro_batch_size:
         raise ValueError(
             f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size {t.micro_batch_size}"
+        )
+    if s.actor.gradient_checkpoint == "selective":
+        raise ValueError(
+            "--actor.gradient_checkpoint selective (per-op activation checkpointing) is not offered; use full "
+            "(every decoder layer) or none"
         )
     for name, opt in (("actor", s.actor), ("critic", s.critic)):
         if len(opt.adam.betas) != 2:

@@ -35,6 +35,8 @@ from molt.algorithms import (
     build_kl_controller,
     build_policy_loss,
     compute_advantages,
+    row_scales,
+    scaled_sum,
     token_mean,
     value_loss,
 )
@@ -282,16 +284,21 @@ class Learner:
         for epoch in range(s.train.max_epochs):
             for window in windows:
                 n_window = sum(samples[i].num_actions for i in window)
+                scales = self._row_scales(samples, window)
                 chunks = self._my_chunks(samples, window)
                 for j, chunk in enumerate(chunks):
                     last = j == len(chunks) - 1
                     batch = [samples[i] for i in chunk] or [padding_sample()]
                     mb = collate(batch).to(self.info.device)
                     if train_actor:
+                        row_scale = None
+                        if scales is not None:
+                            row_scale = torch.tensor([scales.get(i, 0.0) for i in chunk] or [0.0])
+                            row_scale = row_scale.to(self.info.device)
                         self._actor_micro(
                             mb,
                             batch,
-                            n_window,
+                            (n_window, row_scale),
                             last,
                             sums,
                             pods if epoch == 0 else None,
@@ -324,11 +331,26 @@ class Learner:
         self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
         return metrics
 
-    def _actor_micro(self, mb, batch, n_window, last, sums, pods, samples, chunk, num_micro: int = 1) -> None:
+    def _row_scales(self, samples: list[Sample], window: list[int]) -> dict[int, float] | None:
+        """Per-sample weights of the window for ``--actor.loss_agg_mode`` (None: the global token mean)."""
+        mode = self.s.actor.loss_agg_mode
+        if mode == "token-mean":
+            return None
+        weights = row_scales(mode, [samples[i].num_actions for i in window], [samples[i].group_id for i in window])
+        return dict(zip(window, weights, strict=True))
+
+    def _actor_micro(self, mb, batch, window, last, sums, pods, samples, chunk, num_micro: int = 1) -> None:
         s, world = self.s, self.dp_size
+        n_window, row_scale = window
         set_grad_sync(self.actor, last)
         logp, entropy, aux = self._logp(self.actor, mb, replay=True, chunk=batch)
         mask = mb.action_mask
+
+        def aggregate(tok: torch.Tensor) -> torch.Tensor:  # every actor loss term, by --actor.loss_agg_mode
+            if row_scale is None:
+                return token_mean(tok, mask, num_window_tokens=n_window, dp_size=world)
+            return scaled_sum(tok, mask, row_scale, dp_size=world)
+
         out = self.policy_loss(
             logp,
             mb.old_logp,
@@ -338,15 +360,15 @@ class Learner:
             dp_size=world,
             rollout_logp=mb.rollout_logp,
             entropy=entropy.detach(),
+            row_scale=row_scale,
         )
         loss = out.loss
         if self.ref is not None and s.algo.kl.use_loss:
             kl_tok = approx_kl(logp, mb.ref_logp, s.algo.kl.estimator)
-            kl_loss = token_mean(kl_tok, mask, num_window_tokens=n_window, dp_size=world)
-            loss = loss + self.kl_ctl.value * kl_loss
+            loss = loss + self.kl_ctl.value * aggregate(kl_tok)
             sums["kl_loss"] += float((kl_tok.detach() * mask).sum())
         if s.actor.entropy_coef:
-            loss = loss - s.actor.entropy_coef * token_mean(entropy, mask, num_window_tokens=n_window, dp_size=world)
+            loss = loss - s.actor.entropy_coef * aggregate(entropy)
         if aux is not None and s.actor.aux_loss_coef > 1e-8:
             loss = loss + moe_aux_term(aux, s.actor.aux_loss_coef, num_micro)
         loss.backward()

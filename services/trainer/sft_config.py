@@ -15,7 +15,14 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from molt.config import Section
-from services.trainer.config import AdamConfig, CkptConfig, FsdpConfig, LoggerConfig, OptimizerConfig
+from services.trainer.config import (
+    AdamConfig,
+    CkptConfig,
+    FsdpConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    checkpoint_mode,
+)
 
 
 class LoraConfig(Section):
@@ -45,8 +52,7 @@ class SftModelConfig(Section):
     @field_validator("gradient_checkpoint", mode="before")
     @classmethod
     def _ac(cls, v):
-        v = "" if v is None else str(v).strip().lower()
-        return "full" if v in ("full", "true", "1") else ("selective" if v == "selective" else "off")
+        return checkpoint_mode(v)
 
 
 class SftDataConfig(Section):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+import transformers
 
 from molt.bus import open_queue
 from molt.schema import Trajectory, decode, encode
@@ -60,6 +61,8 @@ class Trainer:
         self, settings: TrainerSettings, info: DistInfo, *, publisher: WeightPublisher | None = None, queue=None
     ) -> None:
         self.s, self.info = settings, info
+        if settings.train.full_determinism_enable:  # before any model is built, as the seeds must be
+            transformers.enable_full_determinism(settings.train.seed, warn_only=True)
         self.metrics = trainer_metrics()
         self.status = TrainerStatus(world_size=info.world_size)
         self.learner = Learner(settings, info, total_steps=planned_optimizer_steps(settings, self._num_prompts()))

@@ -158,3 +158,45 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         assert r.status_code == 200, r.text
     finally:
         pod.stop()
+
+
+def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_path):
+    """The algorithm flags of Molt's rl_flash_reinforce_r1d_1p5b.sh, unchanged, with its async queue and partial
+    rollouts, at tiny sizes: one rollout per prompt, reward minus the batch mean, the binary-KL trust region
+    (delta 5e-3) against vLLM's own log-probs. Rollouts of the weights being trained (step 1) are all admitted."""
+    import datasets
+
+    rows = [
+        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": str(2 * a)} for a in range(8)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    run = tmp_path / "run"
+    flags = [
+        *("--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", str(MATH)),
+        *("--data.prompt_dataset", str(tmp_path / "data"), "--data.input_key", "prompt"),
+        *("--data.label_key", "reward_model", "--data.apply_chat_template", "--data.max_samples", "8"),
+        *("--data.max_len", "128", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "1"),
+        *("--rollout.max_new_tokens", "12", "--rollout.temperature", "1.0", "--rollout.top_p", "1.0"),
+        *("--train.batch_size", "4", "--train.micro_batch_size", "2", "--train.max_epochs", "1"),
+        *("--train.async_queue_size", "8", "--train.partial_rollout_enable", "--train.force_on_policy"),
+        *("--vllm.num_engines", "1", "--vllm.enforce_eager", "--actor.adam.lr", "1e-6"),
+        *("--actor.adam.weight_decay", "0.1", "--actor.lr_scheduler", "cosine_with_min_lr"),
+        *("--actor.loss_agg_mode", "seq-mean-token-mean", "--algo.advantage.estimator", "flash_reinforce"),
+        *("--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating", "binary_kl"),
+        *("--algo.advantage.is_correction_threshold", "5e-3", "--algo.kl.init_coef", "0"),
+        *("--reward.clip_range", "-10", "10", "--ckpt.output_dir", str(run / "hf"), "--ckpt.save_steps", "-1"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    first = steps[0]
+    assert first["samples"] == 4 and first["is_filter_ratio"] == 0.0, first
+    assert abs(first["vllm_kl"]) < 1e-3, first
+    assert (run / "hf" / "config.json").exists()

@@ -113,6 +113,44 @@ CASES = {
         ],
         ["vllm_kl", "is_filter_ratio"],
     ),
+    # FlashREINFORCE as Molt's quick-start composes it (the trust region wide open: these rollout log-probs are
+    # random, so a real delta would reject every sequence)
+    "flash_reinforce_binary_kl_seq_mean": (
+        [
+            "--algo.advantage.estimator",
+            "flash_reinforce",
+            "--train.force_on_policy",
+            "--algo.advantage.is_correction_level",
+            "seq",
+            "--algo.advantage.is_correction_gating",
+            "binary_kl",
+            "--algo.advantage.is_correction_threshold",
+            "inf",
+            "--actor.loss_agg_mode",
+            "seq-mean-token-mean",
+            "--algo.kl.init_coef",
+            "0",
+        ],
+        ["vllm_kl", "is_filter_ratio"],
+    ),
+    "grpo_tv_token_prompt_mean_kl_loss": (
+        [
+            "--algo.advantage.estimator",
+            "grpo",
+            "--algo.advantage.is_correction_level",
+            "token",
+            "--algo.advantage.is_correction_gating",
+            "tv",
+            "--algo.advantage.is_correction_threshold",
+            "1",
+            "--actor.loss_agg_mode",
+            "prompt-mean-token-mean",
+            "--algo.kl.use_loss",
+            "--algo.kl.estimator",
+            "k3",
+        ],
+        ["vllm_kl", "kl_loss"],
+    ),
     "reinforce_baseline_dual_clip_epochs": (
         [
             "--algo.advantage.estimator",

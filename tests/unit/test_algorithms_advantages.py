@@ -237,7 +237,9 @@ def test_registry_add_and_unknown():
             register_advantage_estimator("test_median_baseline")(median_baseline)
     finally:
         del adv_module._ESTIMATORS["test_median_baseline"]
-    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; known: dr_grpo, gae, grpo"):
+    with pytest.raises(
+        ValueError, match="unknown advantage estimator 'nope'; known: dr_grpo, flash_reinforce, gae, grpo"
+    ):
         get_advantage_estimator("nope")
     with pytest.raises(ValueError, match="--algo.advantage.estimator"):
         compute_advantages("nope", torch.ones(1), torch.ones(1, 1))

@@ -85,7 +85,7 @@ def test_dotted_flags_and_help_text():
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: AlgoConfig(advantage={"is_correction_threshold": [0.5]}), "two values LOW HIGH"),
+        (lambda: AlgoConfig(advantage={"is_correction_threshold": [0.5, 1, 2]}), "takes LOW HIGH, or HIGH alone"),
         (lambda: AlgoConfig(advantage={"is_correction_threshold": [2.0, 1.0]}), "LOW <= HIGH"),
         (lambda: AlgoConfig(dynamic_filtering_range=[1.0, 0.0]), "LOW < HIGH"),
         (lambda: AlgoConfig(kl={"target": 0.0}), "greater than 0"),
