@@ -115,6 +115,9 @@ def finish_report(
         "final_policy_version": rows[-1].get("policy_version") if rows else None,
         "pod_policy_versions": [None if v is None else int(v) for v in (pod_versions or [])],
     }
+    evals = run_dir / "eval.jsonl"
+    if evals.exists() and evals.read_text().strip():  # the last evaluation (the only one with --eval.eval_only)
+        summary["last_eval"] = json.loads(evals.read_text().strip().splitlines()[-1])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(run_dir / "reward.png", rows, recipe)
     return summary

@@ -274,6 +274,9 @@ class EvalConfig(Section):
     """Eval per-turn cap. Unset: --rollout.max_new_tokens."""
     eval_at_start: bool = False
     """Also evaluate before the first step of a fresh run (a baseline)."""
+    eval_only: bool = False
+    """Evaluate the policy once on --eval.dataset and exit without training: the model at
+    --actor.model_name_or_path, or the checkpoint --ckpt.load_enable resumes. No --data.prompt_dataset needed."""
 
 
 class FsdpConfig(Section):
@@ -407,8 +410,10 @@ def validate_settings(s: TrainerSettings) -> list[str]:
             raise ValueError(f"--{name}.adam.betas takes two values B1 B2, got {opt.adam.betas}")
     if s.algo.advantage.estimator == "on_policy_distill" and not s.ref.model_name_or_path:
         raise ValueError("--algo.advantage.estimator on_policy_distill needs a teacher: set --ref.model_name_or_path")
+    if s.eval.eval_only and not s.eval.dataset:
+        raise ValueError("--eval.eval_only evaluates --eval.dataset: set it (same formats as --data.prompt_dataset)")
     if t.dispatch:
-        if not s.data.prompt_dataset:
+        if not s.data.prompt_dataset and not s.eval.eval_only:
             raise ValueError(
                 "--train.dispatch needs --data.prompt_dataset (a dataset directory or file); or pass "
                 "--train.dispatch false to train only on what others put on the stream"
@@ -417,13 +422,19 @@ def validate_settings(s: TrainerSettings) -> list[str]:
             raise ValueError("--train.dispatch needs --envs.urls (env worker base URLs); or --train.dispatch false")
     if s.eval.dataset and not t.dispatch:
         raise ValueError("--eval.dataset runs episodes on --envs.urls, which needs --train.dispatch")
-    if s.eval.dataset and s.eval.steps <= 0 and not s.eval.eval_at_start:
+    if s.eval.dataset and s.eval.steps <= 0 and not (s.eval.eval_at_start or s.eval.eval_only):
         raise ValueError("--eval.dataset is set but never used: add --eval.steps N (evaluate every N steps)")
     if s.actor.freezing_steps and s.algo.advantage.estimator != "gae":
         raise ValueError("--actor.freezing_steps is a critic warmup and needs --algo.advantage.estimator gae")
     get_advantage_estimator(s.algo.advantage.estimator)
     return validate_algo(
-        s.algo, s.actor, s.rollout.n_samples_per_prompt, t.async_queue_size, t.partial_rollout_enable, s.rollout.top_p
+        s.algo,
+        s.actor,
+        s.rollout.n_samples_per_prompt,
+        t.async_queue_size,
+        t.partial_rollout_enable,
+        s.rollout.top_p,
+        eval_only=s.eval.eval_only,
     )
 
 

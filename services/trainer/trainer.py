@@ -113,9 +113,8 @@ class Trainer:
         return self._controller
 
     def _num_prompts(self) -> int | None:
-        if not self.s.train.dispatch or self.s.train.num_steps:
-            return None
-        assert self.s.data.prompt_dataset is not None  # validated with --train.dispatch
+        if not self.s.train.dispatch or self.s.train.num_steps or self.s.data.prompt_dataset is None:
+            return None  # (no prompt dataset: --eval.eval_only)
         from molt.data import read_rows
 
         # every rank reads it: the scheduler must agree
@@ -127,7 +126,9 @@ class Trainer:
         from services.trainer.dispatch import EpisodeDispatcher, PromptDataset
 
         d = self.s.data
-        assert d.prompt_dataset is not None  # validated with --train.dispatch
+        dispatcher = EpisodeDispatcher(self.s.envs, self.s.rollout, d.max_len)
+        if d.prompt_dataset is None:  # --eval.eval_only: episodes of the eval set only
+            return None, dispatcher
         dataset = PromptDataset(
             d.prompt_dataset,
             d.input_key,
@@ -139,7 +140,7 @@ class Trainer:
             image_key=d.image_key,
             max_images=d.max_images_per_prompt,
         )
-        return dataset, EpisodeDispatcher(self.s.envs, self.s.rollout, d.max_len)
+        return dataset, dispatcher
 
     # ---- lifecycle
 
@@ -192,6 +193,10 @@ class Trainer:
         # Push before the first dispatch, resumed or not: pods may still serve a previous run's (or a lost
         # step's) weights, and rollouts of those must not reach this run. The first push is forced.
         self._publish(self.learner.global_step)
+        if self.s.eval.eval_only:
+            if self.info.is_main:
+                self._evaluate()
+            return {"steps": self.learner.global_step, "version": self.learner.global_step, "eval_only": True}
         if self.info.is_main:
             self.io.run(self.controller.resume(client_state))
             self._maybe_evaluate(at_start=True)
@@ -413,10 +418,15 @@ class Trainer:
         ev = self.evaluator
         step = self.learner.global_step
         if ev is not None and (ev.due(step) or (at_start and step == 0 and self.s.eval.eval_at_start)):
-            with phase(self.metrics, "eval"):
-                metrics = self.io.run(ev.run(step))
-            log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
-            self.steplog.log_eval(step, metrics)
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        assert self.evaluator is not None  # built on rank 0 whenever --eval.dataset is set
+        step = self.learner.global_step
+        with phase(self.metrics, "eval"):
+            metrics = self.io.run(self.evaluator.run(step))
+        log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
+        self.steplog.log_eval(step, metrics)
 
     def _probe_check(self):
         """``--train.check_weight_update_equal``: the probe's prompt logprobs under the weights being pushed (a

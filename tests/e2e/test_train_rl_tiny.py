@@ -200,3 +200,34 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
     assert first["samples"] == 4 and first["is_filter_ratio"] == 0.0, first
     assert abs(first["vllm_kl"]) < 1e-3, first
     assert (run / "hf" / "config.json").exists()
+
+
+def test_eval_only_scores_the_eval_set_once_and_trains_nothing(tiny_qwen3, tmp_path):
+    """Molt's `--eval.eval_only --eval.dataset`: one evaluation of the model, no training, no prompt dataset."""
+    import datasets
+
+    rows = [
+        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": str(2 * a)} for a in range(4)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "eval"))
+    run = tmp_path / "run"
+    flags = [
+        *("--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", str(MATH)),
+        *("--data.input_key", "prompt", "--data.label_key", "reward_model", "--data.apply_chat_template"),
+        *("--rollout.max_new_tokens", "8", "--vllm.num_engines", "1", "--vllm.enforce_eager"),
+        *("--eval.eval_only", "--eval.dataset", str(tmp_path / "eval"), "--eval.n_samples_per_prompt", "2"),
+        *("--ckpt.path", str(run / "ckpt"), "--ckpt.output_dir", str(run / "hf")),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert ev["step"] == 0 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["trajectories_trained"] == 0 and summary["last_eval"] == ev
+    assert not (run / "ckpt").exists() and not (run / "hf").exists()

@@ -125,3 +125,24 @@ def test_selective_activation_checkpointing_is_refused_with_the_alternatives():
     ]
     with pytest.raises(ValueError, match="selective .* is not offered; use full"):
         validate_settings(parse_settings(TrainerSettings, flags, environ={}))
+
+
+def test_eval_only_needs_the_eval_set_and_nothing_to_train_on():
+    base = ["--actor.model_name_or_path", "m", "--envs.urls", "http://envs:8002", "--eval.eval_only"]
+    with pytest.raises(ValueError, match="--eval.eval_only evaluates --eval.dataset"):
+        validate_settings(parse_settings(TrainerSettings, base, environ={}))
+    # no --data.prompt_dataset, no --eval.steps, and a group estimator with one sample per prompt: all fine
+    s = parse_settings(
+        TrainerSettings,
+        [
+            *base,
+            "--eval.dataset",
+            "e.jsonl",
+            "--algo.advantage.estimator",
+            "grpo",
+            "--rollout.n_samples_per_prompt",
+            "1",
+        ],
+        environ={},
+    )
+    validate_settings(s)
