@@ -9,6 +9,7 @@ back as plain dicts in file order; ``max_samples`` stops early without reading t
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,3 +84,24 @@ def _file_rows(f: Path, flag: str) -> Iterator[dict]:
             if not isinstance(row, dict):
                 raise ValueError(f"{flag} {f}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
             yield row
+
+
+def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:
+    """Rows of one or several comma-separated datasets; with ``probs`` (comma-separated weights, one per dataset),
+    mixed by weight: each dataset gives its share of ``max_samples`` drawn at random with ``seed`` (Molt's
+    blending, --data.prompt_probs / --data.dataset_probs)."""
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    parts = [read_rows(p, split=split, flag=flag) for p in paths]
+    if probs is None or len(parts) == 1:
+        return [r for part in parts for r in part][:max_samples]
+    weights = [float(p) for p in probs.split(",")]
+    if len(weights) != len(parts) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"{flag}: {len(parts)} datasets need as many non-negative sampling weights, got {probs!r}")
+    total = sum(weights)
+    rng = random.Random(seed)
+    out = []
+    for part, w in zip(parts, weights):
+        want = min(len(part), round(max_samples * w / total))
+        out += rng.sample(part, want) if want < len(part) else part
+    rng.shuffle(out)
+    return out[:max_samples]

@@ -36,6 +36,14 @@ POD_FLAGS = {
     "vllm.dtype",
     "vllm.max_num_batched_tokens",
     "vllm.disable_custom_all_reduce",
+    "vllm.block_size",
+    "vllm.enable_chunked_prefill",
+    "vllm.async_scheduling",
+    "vllm.decode_context_parallel_size",
+    "vllm.attention_backend",
+    "vllm.mm_encoder_attn_backend",
+    "vllm.gdn_prefill_backend",
+    "vllm.mamba_ssm_cache_dtype",
 }
 
 # Molt flags about Ray placement, and what each means for the services.
@@ -47,6 +55,11 @@ PLACEMENT = {
     "vllm.sync_backend": "weights travel to the pods over gRPC (molt.weightsync), whatever the backend",
     "ckpt.warm_resume_rollouts": "finished but untrained rollouts are kept in the Redis stream and trained after "
     "a resume anyway",
+    "data.dataloader_num_workers": "the trainer reads the prompt dataset once at start; there are no loader workers",
+    "vllm.router_policy": "the gateway routes every session to one pod (least loaded, then sticky), whatever the "
+    "policy",
+    "train.max_tokens_per_gpu": "only read with --train.dynamic_batch_enable, which is not offered yet",
+    "rollout.max_tokens_per_gpu": "only read with --train.dynamic_batch_enable, which is not offered yet",
 }
 
 # Molt flags the services do not offer (yet), with the reason; docs/trainer.md lists them too.
@@ -56,19 +69,23 @@ MISSING = {
     "actor.muon.momentum": "only AdamW is offered (Molt's muon is experimental)",
     "actor.muon.ns_steps": "only AdamW is offered (Molt's muon is experimental)",
     "actor.muon.weight_decay": "only AdamW is offered (Molt's muon is experimental)",
-    "vllm.mm_encoder_attn_backend": "not passed to the rollout pods yet (vLLM picks the vision encoder's attention)",
-    "vllm.attention_backend": "not passed to the rollout pods yet (vLLM picks its attention backend)",
-    "vllm.gdn_prefill_backend": "not passed to the rollout pods yet (vLLM picks the GDN prefill kernel)",
-    "vllm.mamba_ssm_cache_dtype": "not passed to the rollout pods yet (vLLM's default SSM cache dtype)",
     "vllm.data_parallel_size": "scale rollout with more pods (--vllm.num_engines) instead",
     "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
     "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
+    "train.dynamic_batch_enable": "micro-batches hold --train.micro_batch_size samples; token-budget batching "
+    "is not offered yet",
+    "data.disable_fast_tokenizer": "the gateway tokenizes with the model's fast tokenizer (transformers' default)",
+    "train.rollout_dump_dir": "dumping rollout batches to files is not offered yet",
+    "train.rollout_replay_dir": "replaying dumped rollout batches is not offered yet",
+    "fsdp.bf16_master_weights": "master weights stay fp32 (bf16 compute with --fsdp.param_dtype bf16)",
 }
 # Values these flags take when they ask for nothing (accepted even where the feature is missing).
 NEUTRAL = {
     "vllm.data_parallel_size": "1",
     "vllm.pipeline_parallel_size": "1",
     "actor.optim": "adam",
+    "train.dynamic_batch_enable": "false",
+    "data.disable_fast_tokenizer": "false",
 }
 
 WIRING = {"actor.model_name_or_path", "train.agent_path", "vllm.num_engines", "rollout.num_runners"}
@@ -144,6 +161,8 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
             return f"{name.split('.')[1][:2].upper()} > 1 shards the model over GPUs; this machine has none"
     if name == "vllm.tensor_parallel_size" and target == "local" and v not in ("", "1") and gpus < int(v):
         return f"tensor-parallel rollout needs {v} GPUs per pod; this machine has {gpus}"
+    if name == "vllm.decode_context_parallel_size" and target == "local" and v not in ("", "1") and gpus == 0:
+        return "decode context parallelism shards the KV cache over GPUs; this machine has none"
     if name == "vllm.enable_expert_parallel" and target == "local" and _true(values) and gpus == 0:
         return "expert-parallel rollout shards experts over GPUs; this machine has none"
     if name == "vllm.sync_backend" and v == "nccl" and target == "local" and gpus == 0:
@@ -167,11 +186,16 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
     r = Routed()
     errors: list[str] = []
-    for name, values in split_flags(argv):
+    flags = split_flags(argv)
+    muon = any(n == "actor.optim" and v[:1] == ["muon"] for n, v in flags)
+    for name, values in flags:
         r.raw[name] = values
+        if name.startswith("actor.muon.") and not muon:  # Molt's scripts pass them with --actor.optim adam too
+            r.notes.append(f"--{name}: only read with --actor.optim muon; AdamW runs")
+            continue
         why = _refuse(name, values, target, gpus)
         if why:
-            errors.append(f"--{name} {' '.join(values)}: {why}".replace("  ", " "))
+            errors.append(f"{' '.join(['--' + name, *values])}: {why}")
             continue
         if name == "actor.model_name_or_path":
             r.model = values[0] if values else None

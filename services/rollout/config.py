@@ -54,6 +54,23 @@ class VllmKnobs(Section):
     """vLLM executor backend. Unset: uni in-process, mp otherwise."""
     disable_custom_all_reduce: bool = False
     """Use NCCL's all-reduce instead of vLLM's custom kernel between tensor-parallel GPUs."""
+    block_size: int | None = Field(None, gt=0)
+    """KV-cache block size in tokens. Unset: vLLM's choice for the model and platform."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prefills across engine steps. Unset: vLLM's default."""
+    async_scheduling: bool | None = None
+    """Schedule the next engine step while the current one runs. Unset: vLLM's default."""
+    decode_context_parallel_size: int = Field(1, gt=0)
+    """Shard the KV cache of long contexts across this many of the pod's tensor-parallel GPUs (GPU only)."""
+    attention_backend: str | None = None
+    """vLLM attention backend (e.g. TRITON_ATTN, FLASH_ATTN, FLASHINFER). Unset: vLLM picks for the platform."""
+    mm_encoder_attn_backend: str | None = None
+    """Attention backend of a vision-language model's image encoder (e.g. TORCH_SDPA). Unset: vLLM picks."""
+    gdn_prefill_backend: Literal["flashinfer", "triton"] | None = None
+    """Prefill kernel of gated-delta-net (Qwen3-Next / Qwen3.5 linear attention) layers. Unset: vLLM picks."""
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Dtype of recurrent (Mamba2 / GDN) state caches. float32 keeps a long rollout's log-probs close to the
+    trainer's fp32 recompute; auto: the model's dtype."""
 
 
 class RolloutSettingsBlock(Section):

@@ -275,12 +275,18 @@ class EngineThread:
             enable_return_routed_experts=k.enable_return_routed_experts or None,
             distributed_executor_backend=backend,
             disable_custom_all_reduce=k.disable_custom_all_reduce,
+            decode_context_parallel_size=k.decode_context_parallel_size,
+            mamba_ssm_cache_dtype=k.mamba_ssm_cache_dtype,
             disable_log_stats=False,
             worker_extension_cls="services.rollout.worker_ext.RolloutWorkerExtension",
         )
         assert self.settings.model.path is not None  # parse() exits without --model.path
         if checkpoint.is_vision_language(self.settings.model.path):
             args["limit_mm_per_prompt"] = {"image": self.settings.rollout.max_images_per_prompt, "video": 0}
+        unset_is_vllms = ("block_size", "enable_chunked_prefill", "async_scheduling", "attention_backend")
+        for name in (*unset_is_vllms, "mm_encoder_attn_backend", "gdn_prefill_backend"):  # unset: vLLM decides
+            if getattr(k, name) not in (None, ""):  # Molt's scripts pass an empty value for "vLLM's choice"
+                args[name] = getattr(k, name)
         if k.mtp_num_speculative_tokens:
             args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k.mtp_num_speculative_tokens}
         if on_cpu and k.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 log = logging.getLogger("molt.trainer")
 LATEST = "latest"
+BEST_PREFIX = "best_"
+"""Prefix of the --ckpt.best_metric_key checkpoint's directory (best_global_step<N>)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -61,10 +63,12 @@ def _stateful(learner) -> dict[str, Any]:
     return state
 
 
-def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3) -> Path:
-    """Collective: every rank calls it. Returns the final directory once it is durable."""
+def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3, *, best: bool = False) -> Path:
+    """Collective: every rank calls it. Returns the final directory once it is durable. ``best``: the
+    ``--ckpt.best_metric_key`` checkpoint, best_global_step<N>, which replaces the previous best and is not
+    what a resume loads."""
     base = Path(root)
-    tag = f"global_step{learner.global_step}"
+    tag = f"{BEST_PREFIX if best else ''}global_step{learner.global_step}"
     final, tmp = base / tag, base / f".tmp-{tag}"
     if dist.get_rank() == 0:
         base.mkdir(parents=True, exist_ok=True)
@@ -99,8 +103,13 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3) -> 
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(base)
-        _write_atomic(base / LATEST, tag.encode())
-        prune(base, max_num, keep=tag)
+        if best:
+            for old in base.glob(BEST_PREFIX + "global_step*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+        else:
+            _write_atomic(base / LATEST, tag.encode())
+            prune(base, max_num, keep=tag)
     dist.barrier()
     return final
 
@@ -113,6 +122,14 @@ def prune(base: Path, max_num: int, keep: str) -> None:
     for p in dirs[:-max_num]:
         if p.name != keep:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def best_state(root: str) -> dict[str, Any] | None:
+    """The client state of the best checkpoint under ``root`` (its ``best`` entry names the metric), or None."""
+    found = sorted(Path(root).glob(BEST_PREFIX + "global_step*/extra_state.pt")) if Path(root).is_dir() else []
+    if not found:
+        return None
+    return torch.load(found[-1], weights_only=False).get("client_state")
 
 
 def latest_dir(root: str) -> Path | None:

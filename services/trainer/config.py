@@ -90,6 +90,8 @@ class CriticConfig(CriticLossConfig, OptimizerConfig):
     """Critic backbone (a value head is added). Unset: the actor's path."""
     freeze_moe_router: bool = False
     """Freeze the critic's MoE routers."""
+    max_epochs: int | None = Field(None, gt=0)
+    """Passes the critic makes over each step's batch. Unset: --train.max_epochs (a PPO critic often wants more)."""
 
 
 class RefConfig(Section):
@@ -237,7 +239,12 @@ class EnvsConfig(Section):
 
 class DataConfig(Section):
     prompt_dataset: str | None = None
-    """Prompt dataset: a datasets.save_to_disk directory, a parquet / JSONL / JSON file, or a folder of them."""
+    """Prompt dataset: a datasets.save_to_disk directory, a parquet / JSONL / JSON file, or a folder of them;
+    several comma-separated are concatenated (or mixed by --data.prompt_probs)."""
+    prompt_probs: str | None = None
+    """Comma-separated sampling weights, one per prompt dataset (each gives its share of --data.max_samples)."""
+    prompt_split: str = "train"
+    """Split to read from a DatasetDict directory."""
     input_key: str = "input"
     """Key of the prompt (a string or a list of chat messages)."""
     label_key: str | None = None
@@ -274,6 +281,8 @@ class EvalConfig(Section):
     """Eval per-turn cap. Unset: --rollout.max_new_tokens."""
     eval_at_start: bool = False
     """Also evaluate before the first step of a fresh run (a baseline)."""
+    batch_size: int | None = Field(None, gt=0)
+    """Eval prompts whose episodes run at once. Unset: --rollout.batch_size."""
     eval_only: bool = False
     """Evaluate the policy once on --eval.dataset and exit without training: the model at
     --actor.model_name_or_path, or the checkpoint --ckpt.load_enable resumes. No --data.prompt_dataset needed."""
@@ -319,6 +328,9 @@ class CkptConfig(Section):
     """Do not write the final HF model directory."""
     save_hf: bool = False
     """Also write an HF model directory with every checkpoint, to <path>/_hf/global_step<N> (pruned like them)."""
+    best_metric_key: str = ""
+    """Eval metric whose best value so far is kept as a checkpoint, <path>/best_global_step<N> (only the best one;
+    resuming ignores it). Empty: the first eval_*_pass1 metric; 'none': no best checkpoint."""
 
     def final_dir(self) -> str:
         return self.output_dir or os.path.dirname(os.path.abspath(self.path))

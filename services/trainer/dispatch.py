@@ -72,13 +72,15 @@ class PromptDataset:
         split: str = "train",
         image_key: str = "images",
         max_images: int = 0,
+        probs: str | None = None,
     ) -> None:
         """``max_images`` > 0 reads each row's ``image_key`` (one image or a list; a row with more than
-        ``max_images`` is an error naming it); 0 reads no images (Molt's --data.max_images_per_prompt)."""
-        from molt.data import read_rows
+        ``max_images`` is an error naming it); 0 reads no images (Molt's --data.max_images_per_prompt).
+        ``path`` may name several comma-separated datasets, mixed by ``probs`` (``molt.data.read_mixed_rows``)."""
+        from molt.data import read_mixed_rows
 
         rows = []
-        for n, row in enumerate(read_rows(path, max_samples=max_samples, flag=flag, split=split)):
+        for n, row in enumerate(read_mixed_rows(path, probs, split, max_samples, seed, flag)):
             if input_key not in row:
                 raise ValueError(
                     f"{flag} {path}: row {n} has no {input_key!r} (--data.input_key); keys: {sorted(row)}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from services.trainer.dispatch import EpisodeDispatcher, PromptDataset
+from services.trainer.dispatch import EpisodeDispatcher, Prompt, PromptDataset
 
 
 class Evaluator:
@@ -38,6 +38,7 @@ class Evaluator:
         self.agent = settings.envs.agent
         self.max_len = d.max_len
         self.n = e.n_samples_per_prompt or r.n_samples_per_prompt
+        self.groups_in_flight = e.batch_size or r.batch_size
         self.sampling = {
             "temperature": e.temperature if e.temperature is not None else r.temperature,
             "top_p": e.top_p if e.top_p is not None else r.top_p,
@@ -50,24 +51,34 @@ class Evaluator:
         return self.cfg.steps > 0 and step > 0 and step % self.cfg.steps == 0
 
     async def run(self, step: int) -> dict[str, float]:
-        bodies = []
-        for row in self.dataset.rows:
-            extra = row.episode_fields()
-            for k in range(self.n):
-                body = {
-                    "agent": self.agent,
-                    "prompt": row.prompt,
-                    "label": row.label,
-                    "eval": True,
-                    "group_id": f"eval-{step}-{row.index}",
-                    "sample_index": k,
-                    "sampling_params": self.sampling,
-                    "max_length": self.max_len,
-                }
-                body.update(extra)
-                bodies.append((row, body))
-        results = await asyncio.gather(*(self.dispatcher.run_episode(b) for _, b in bodies))
-        return eval_metrics([(row.datasource, row.index, res) for (row, _), res in zip(bodies, results)], self.n)
+        """Every eval prompt's ``n`` episodes, at most ``--eval.batch_size`` prompts' groups at a time."""
+        gate = asyncio.Semaphore(self.groups_in_flight)
+
+        async def group(row: Prompt) -> list[tuple[Prompt, dict]]:
+            async with gate:
+                results = await asyncio.gather(*(self.dispatcher.run_episode(b) for b in self._bodies(row, step)))
+            return [(row, res) for res in results]
+
+        done = await asyncio.gather(*(group(row) for row in self.dataset.rows))
+        return eval_metrics([(row.datasource, row.index, res) for part in done for row, res in part], self.n)
+
+    def _bodies(self, row: Prompt, step: int) -> list[dict]:
+        """The ``n`` episode requests of one eval prompt (one group)."""
+        extra = row.episode_fields()
+        return [
+            {
+                "agent": self.agent,
+                "prompt": row.prompt,
+                "label": row.label,
+                "eval": True,
+                "group_id": f"eval-{step}-{row.index}",
+                "sample_index": k,
+                "sampling_params": self.sampling,
+                "max_length": self.max_len,
+                **extra,
+            }
+            for k in range(self.n)
+        ]
 
 
 def eval_metrics(outcomes: list[tuple[str, int, dict]], n: int) -> dict[str, float]:

@@ -150,8 +150,12 @@ class Learner:
             self.critic = load_critic(settings.critic.model_name_or_path or a.model_name_or_path, settings.fsdp, info)
             if settings.critic.freeze_moe_router or a.freeze_moe_router:  # Molt: the critic inherits the actor flag
                 freeze_router(self.critic)
+            # total_steps counts --train.max_epochs passes; the critic's schedule spans its own number of passes
+            critic_steps = total_steps * (settings.critic.max_epochs or settings.train.max_epochs)
             self.critic_optim, self.critic_sched = build_optimizer(
-                [p for p in self.critic.parameters() if p.requires_grad], settings.critic, total_steps
+                [p for p in self.critic.parameters() if p.requires_grad],
+                settings.critic,
+                max(1, critic_steps // settings.train.max_epochs),
             )
         self.packing = self._packing_usable()
         self.policy_loss = build_policy_loss(a, settings.algo)
@@ -281,7 +285,10 @@ class Learner:
         windows = plan_windows(
             len(samples), s.train.batch_size, one_window=s.train.force_on_policy, seed=s.train.seed + self.global_step
         )
-        for epoch in range(s.train.max_epochs):
+        critic_epochs = s.critic.max_epochs or s.train.max_epochs
+        for epoch in range(max(s.train.max_epochs, critic_epochs if self.critic is not None else 0)):
+            actor_epoch = train_actor and epoch < s.train.max_epochs
+            critic_epoch = self.critic is not None and epoch < critic_epochs
             for window in windows:
                 n_window = sum(samples[i].num_actions for i in window)
                 scales = self._row_scales(samples, window)
@@ -290,7 +297,7 @@ class Learner:
                     last = j == len(chunks) - 1
                     batch = [samples[i] for i in chunk] or [padding_sample()]
                     mb = collate(batch).to(self.info.device)
-                    if train_actor:
+                    if actor_epoch:
                         row_scale = None
                         if scales is not None:
                             row_scale = torch.tensor([scales.get(i, 0.0) for i in chunk] or [0.0])
@@ -306,11 +313,11 @@ class Learner:
                             chunk,
                             num_micro=len(chunks),
                         )
-                    if self.critic is not None:
+                    if critic_epoch:
                         self._critic_micro(mb, n_window, last, sums)
-                if train_actor:
+                if actor_epoch:
                     grad_norms.append(self._opt_step(self.actor, self.optim, self.sched, s.actor.max_norm))
-                if self.critic is not None:
+                if critic_epoch:
                     critic_norms.append(
                         self._opt_step(self.critic, self.critic_optim, self.critic_sched, s.critic.max_norm)
                     )

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt.data import read_mixed_rows
 from molt.serve import model_dir_problem
 from services.trainer import checkpoint
 from services.trainer.export import save_hf
@@ -53,7 +54,7 @@ from services.trainer.model import (
 )
 from services.trainer.packing import no_4d_mask, select_hidden
 from services.trainer.sft_config import SftSettings, validate_sft
-from services.trainer.sft_data import Example, Tokenized, collate, read_sft_rows
+from services.trainer.sft_data import Example, Tokenized, collate
 
 log = logging.getLogger("molt.trainer")
 PROG = "python -m services.trainer.sft"
@@ -105,7 +106,7 @@ def load_examples(
     vision=None,
 ) -> list[Example]:
     d = s.data
-    rows = read_sft_rows(spec, probs, split, max_samples or d.max_samples, s.train.seed, flag)
+    rows = read_mixed_rows(spec, probs, split, max_samples or d.max_samples, s.train.seed, flag)
     tokenized = Tokenized(
         tok,
         d.max_len,

@@ -29,14 +29,12 @@ unreadable image, markers or image parts that do not match the images one to one
 from __future__ import annotations
 
 import logging
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from molt.data import read_rows
 from molt.images import MARKER, count_markers, inline_parts, to_bytes
 from services.trainer.packing import common_prefix_len, fill_row
 
@@ -299,23 +297,6 @@ class Tokenized:
                 "against the dataset's columns)"
             )
         return out, report
-
-
-def read_sft_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:
-    """Rows of one or several comma-separated datasets; with ``probs``, mixed by weight (Molt's blending)."""
-    paths = [p.strip() for p in spec.split(",") if p.strip()]
-    parts = [read_rows(p, split=split, flag=flag) for p in paths]
-    if probs is None or len(parts) == 1:
-        return [r for part in parts for r in part][:max_samples]
-    weights = [float(p) for p in probs.split(",")]
-    total = sum(weights)
-    rng = random.Random(seed)
-    out = []
-    for part, w in zip(parts, weights):
-        want = min(len(part), round(max_samples * w / total))
-        out += rng.sample(part, want) if want < len(part) else part
-    rng.shuffle(out)
-    return out[:max_samples]
 
 
 def collate(

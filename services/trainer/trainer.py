@@ -74,6 +74,8 @@ class Trainer:
         self._controller: Controller | None = None
         self.server: uvicorn.Server | None = None
         self.evaluator: Evaluator | None = None
+        self.best: dict | None = None  # rank 0: the --ckpt.best_metric_key metric's best evaluation so far
+        self._best_pending: dict | None = None  # rank 0: an evaluation that beat it, saved at the next plan
         self._batch: concurrent.futures.Future | None = None  # rank 0's pending next_batch, kept across catch-ups
         self.last_saved_step = -1
         self._last_step_end = time.monotonic()
@@ -115,10 +117,15 @@ class Trainer:
     def _num_prompts(self) -> int | None:
         if not self.s.train.dispatch or self.s.train.num_steps or self.s.data.prompt_dataset is None:
             return None  # (no prompt dataset: --eval.eval_only)
-        from molt.data import read_rows
+        from molt.data import read_mixed_rows
 
-        # every rank reads it: the scheduler must agree
-        return len(read_rows(self.s.data.prompt_dataset, max_samples=self.s.data.max_samples))
+        d = self.s.data  # every rank reads it: the scheduler must agree
+        assert d.prompt_dataset is not None  # returned above without one
+        return len(
+            read_mixed_rows(
+                d.prompt_dataset, d.prompt_probs, d.prompt_split, d.max_samples, 0, "--data.prompt_dataset"
+            )
+        )
 
     def _dispatch_parts(self):
         if not self.s.train.dispatch:
@@ -139,6 +146,8 @@ class Trainer:
             tools_key=d.tools_key,
             image_key=d.image_key,
             max_images=d.max_images_per_prompt,
+            split=d.prompt_split,
+            probs=d.prompt_probs,
         )
         return dataset, dispatcher
 
@@ -185,6 +194,8 @@ class Trainer:
         client_state = checkpoint.load(self.s.ckpt.path, self.learner) if self.s.ckpt.load_enable else None
         if client_state is not None:
             self.last_saved_step = self.learner.global_step
+            best = checkpoint.best_state(self.s.ckpt.path)
+            self.best = best.get("best") if best else None
         if self.info.is_main and self.publisher is not None:
             # Pods may start after the trainer (any order in Kubernetes, or one restarting): waited for here,
             # with /readyz answering 503 meanwhile; the other ranks wait in the push's collective.
@@ -287,9 +298,14 @@ class Trainer:
 
     def _one_step(self) -> bool:
         box = [self._plan() if self.info.is_main else None]
+        if box[0] is not None and self._best_pending is not None:
+            box[0]["best"], self._best_pending = self._best_pending, None
         dist.broadcast_object_list(box, src=0)
         plan = box[0]
         assert plan is not None  # every rank holds rank 0's plan after the broadcast
+        if plan.get("best"):  # the weights evaluated are still the learner's: no step has run since
+            with phase(self.metrics, "checkpoint"):
+                checkpoint.save(self.s.ckpt.path, self.learner, {"best": plan["best"]}, best=True)
         if plan["stop"]:
             self._finish()
             return False
@@ -307,12 +323,13 @@ class Trainer:
         train_s = time.perf_counter() - t0
         if self.info.is_main:
             self._record(trajs, samples, stats, version, train_s)
-            self._maybe_evaluate()
         if plan["save"]:
             self._save()
         elif self.s.ckpt.save_steps <= 0 and self.info.is_main:
             self.io.run(self.controller.commit())
         self._publish(self.learner.global_step)
+        if self.info.is_main:  # after the push: the pods serve the weights of the step being evaluated
+            self._maybe_evaluate()
         return True
 
     def _record(self, trajs, samples, stats, version, train_s) -> None:
@@ -427,6 +444,23 @@ class Trainer:
             metrics = self.io.run(self.evaluator.run(step))
         log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
         self.steplog.log_eval(step, metrics)
+        if step > 0 and not self.s.eval.eval_only:
+            self._note_best(step, metrics)
+
+    def _note_best(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0: an evaluation that beats the best so far on --ckpt.best_metric_key is saved at the next plan
+        (Molt's best checkpoint; empty key: the first eval_*_pass1 metric)."""
+        key = self.s.ckpt.best_metric_key
+        if key == "none":
+            return
+        if not key:
+            key = self.best["key"] if self.best else next((k for k in sorted(metrics) if k.endswith("_pass1")), "")
+        if key not in metrics:
+            return
+        if self.best is None or metrics[key] > self.best["value"]:
+            self.best = {"key": key, "value": metrics[key], "step": step}
+            self._best_pending = self.best
+            log.info("best %s so far: %.4f at step %d", key, metrics[key], step)
 
     def _probe_check(self):
         """``--train.check_weight_update_equal``: the probe's prompt logprobs under the weights being pushed (a

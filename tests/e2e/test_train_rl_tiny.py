@@ -6,7 +6,8 @@ prompt directory, Molt's data / estimator / IS / checkpoint / logger flags. Chec
 - --eval.* evaluates the eval set at step 2 without training on it (eval.jsonl, eval_<datasource>_pass<n>);
 - TensorBoard event files under --logger.tensorboard_dir;
 - --train.check_weight_update_equal: the pod accepted every push after its probe check;
-- a checkpoint every --ckpt.save_steps and the final policy in --ckpt.output_dir as an HF model directory
+- a checkpoint every --ckpt.save_steps, the best one by eval_default_pass1 (Molt's --ckpt.best_metric_key), and the
+  final policy in --ckpt.output_dir as an HF model directory
   that transformers and a rollout pod load, equal to `molt export` of the last checkpoint.
 """
 
@@ -120,6 +121,9 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     assert {"eval_default_pass1", "eval_default_pass2", "eval_truncated_rate"} <= set(ev)
     assert ev["eval_response_length_mean"] == ev["eval_default_response_length_mean"] > 0
     assert sorted(p.name for p in (run / "ckpt").glob("global_step*")) == ["global_step1", "global_step2"]
+    # Molt's best checkpoint (--ckpt.best_metric_key unset: the first eval_*_pass1 metric) after the one evaluation
+    best = torch.load(run / "ckpt" / "best_global_step2" / "extra_state.pt", weights_only=False)["client_state"]
+    assert best["best"] == {"key": "eval_default_pass1", "value": ev["eval_default_pass1"], "step": 2}
 
     hf = run / "hf"
     tok = AutoTokenizer.from_pretrained(hf)

@@ -50,7 +50,11 @@ MAX_TOKENS = 160
 def stack(tiny_qwen3, redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gw")
     stream = f"molt:test:gateway-constrained:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
+    # Engine choices Molt's launch scripts pass (`molt train-rl` routes them to the pods) start and serve as usual;
+    # an empty backend is vLLM's own choice.
+    engine = ["--vllm.block_size", "32", "--vllm.enable_chunked_prefill", "--vllm.mamba_ssm_cache_dtype", "float32"]
+    engine += ["--vllm.attention_backend", "", "--vllm.disable_custom_all_reduce"]
+    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log", extra=engine)
     gw = None
     try:
         gw, url = start_gateway(

@@ -295,3 +295,22 @@ def test_checkpoint_retention_and_latest_fallback(world, tiny_qwen3, tmp_path):
     assert checkpoint.latest_dir(str(tmp_path)).name == "global_step4"
     assert checkpoint.load(str(tmp_path), learner) == {"version": 4}
     assert checkpoint.load(str(tmp_path / "none"), learner) is None
+    # --ckpt.best_metric_key: one best checkpoint, replaced by a better one; never what a resume loads
+    for step in (3, 4):
+        learner.global_step = step
+        best = {"key": "eval_default_pass1", "value": step / 10, "step": step}
+        checkpoint.save(str(tmp_path), learner, {"best": best}, max_num=2, best=True)
+    assert sorted(p.name for p in tmp_path.glob("best_*")) == ["best_global_step4"]
+    assert checkpoint.best_state(str(tmp_path)) == {"best": best}
+    assert (tmp_path / "latest").read_text() == "global_step9" and checkpoint.latest_dir(
+        str(tmp_path)
+    ).name == "global_step4"
+    assert sorted(p.name for p in tmp_path.glob("global_step*")) == ["global_step3", "global_step4"]
+
+
+def test_critic_max_epochs_gives_the_critic_its_own_passes(world, tiny_qwen3):
+    flags = ["--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0", "--critic.max_epochs", "3"]
+    learner = Learner(_settings(tiny_qwen3, *flags), world)
+    stats = learner.train_step(_samples())
+    assert math.isfinite(stats["value_loss"]) and learner.sched.last_epoch > 0
+    assert learner.critic_sched.last_epoch == 3 * learner.sched.last_epoch  # one optimizer step per window and pass

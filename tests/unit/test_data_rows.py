@@ -76,3 +76,44 @@ def test_prompt_dataset_walks_every_row_once_per_episode_in_a_seeded_order(tmp_p
     assert [ds.get(p).prompt for p in range(10)] == [f"p{r}" for r in first + second]
     again = PromptDataset(str(path), "input", None, chat=False, max_samples=9, seed=3)
     assert [again.row(p) for p in reversed(range(10))] == list(reversed(first + second))
+
+
+def test_prompt_datasets_mix_by_molts_prompt_probs_and_split(tmp_path):
+    """--data.prompt_dataset a,b --data.prompt_probs 3,1 --data.prompt_split test: each dataset gives its share of
+    --data.max_samples, drawn with the seed; a DatasetDict is read at the named split."""
+    from molt.config import parse_settings
+    from services.trainer.config import TrainerSettings
+    from services.trainer.dispatch import PromptDataset
+
+    a = datasets.Dataset.from_list([{"input": f"a{i}"} for i in range(40)])
+    datasets.DatasetDict({"test": a}).save_to_disk(str(tmp_path / "a"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"input": f"b{i}"} for i in range(40)])}).save_to_disk(
+        str(tmp_path / "b")
+    )
+    s = parse_settings(
+        TrainerSettings,
+        ["--data.prompt_dataset", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--data.prompt_probs", "3,1"]
+        + ["--data.prompt_split", "test", "--data.max_samples", "20", "--actor.model_name_or_path", "m"],
+        environ={},
+    )
+    d = s.data
+    assert d.prompt_dataset is not None
+
+    def build():
+        return PromptDataset(
+            d.prompt_dataset,
+            "input",
+            None,
+            chat=False,
+            max_samples=20,
+            seed=1,
+            split=d.prompt_split,
+            probs=d.prompt_probs,
+        )
+
+    ds = build()
+    prompts = [ds.get(p).prompt for p in range(20)]
+    assert sum(p.startswith("a") for p in prompts) == 15 and sum(p.startswith("b") for p in prompts) == 5
+    assert [build().get(p).prompt for p in range(20)] == prompts  # the same mix after a restart
+    with pytest.raises(ValueError, match="2 datasets need as many non-negative sampling weights"):
+        PromptDataset(d.prompt_dataset, "input", None, chat=False, max_samples=20, seed=1, split="test", probs="1")

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.sft_data import Example, ReplyMarkers, collate, read_sft_rows, response_mask, to_messages
+from molt.data import read_mixed_rows
+from services.trainer.sft_data import Example, ReplyMarkers, collate, response_mask, to_messages
 
 # Opener [5, 6] (say "<|im_start|>assistant\n"), closer 2 ("<|im_end|>").
 MARKERS = ReplyMarkers(opener=(5, 6), closer=2, supervise_closer=True)
@@ -125,8 +126,8 @@ def test_several_datasets_are_concatenated_or_mixed_by_weight(tmp_path):
     for name, n in (("a", 30), ("b", 30)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"src": name, "i": i}) + "\n" for i in range(n)))
     spec = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
-    both = read_sft_rows(spec, None, "train", 1000, 0, "--data.dataset")
+    both = read_mixed_rows(spec, None, "train", 1000, 0, "--data.dataset")
     assert [r["src"] for r in both] == ["a"] * 30 + ["b"] * 30
-    mixed = read_sft_rows(spec, "0.75,0.25", "train", 40, 0, "--data.dataset")
+    mixed = read_mixed_rows(spec, "0.75,0.25", "train", 40, 0, "--data.dataset")
     # 40 rows at 3:1 -> 30 from a (all of it), 10 from b
     assert len(mixed) == 40 and sum(r["src"] == "a" for r in mixed) == 30

@@ -146,3 +146,67 @@ def test_eval_only_needs_the_eval_set_and_nothing_to_train_on():
         environ={},
     )
     validate_settings(s)
+
+
+# Every flag of Molt 0.1.6's train_rl_ray that no launch script passes: routed, noted or refused with the reason.
+def _route(*flags):
+    return tr.route(["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", *flags], "local", gpus=0)
+
+
+def test_vllm_engine_flags_reach_the_pods():
+    r = _route(
+        *("--vllm.block_size", "32", "--vllm.enable_chunked_prefill", "--vllm.async_scheduling"),
+        *("--vllm.decode_context_parallel_size", "1"),
+    )
+    pods = parse_settings(RolloutSettings, r.rollout, prog="rollout").vllm
+    assert (pods.block_size, pods.enable_chunked_prefill, pods.async_scheduling) == (32, True, True)
+    with pytest.raises(ValueError, match="decode context parallelism shards the KV cache over GPUs"):
+        _route("--vllm.decode_context_parallel_size", "2")
+
+
+def test_data_and_critic_flags_reach_the_trainer():
+    r = _route(
+        *("--data.prompt_dataset", "/a,/b", "--data.prompt_probs", "0.7,0.3", "--data.prompt_split", "test"),
+        *("--critic.max_epochs", "4", "--eval.batch_size", "8", "--ckpt.best_metric_key", "eval_default_pass1"),
+    )
+    s = parse_settings(TrainerSettings, r.trainer + ["--train.dispatch", "false"], prog="trainer", environ={})
+    assert (s.data.prompt_probs, s.data.prompt_split, s.critic.max_epochs) == ("0.7,0.3", "test", 4)
+    assert (s.eval.batch_size, s.ckpt.best_metric_key) == (8, "eval_default_pass1")
+
+
+def test_flags_without_a_counterpart_are_noted_or_refused_with_the_reason():
+    r = _route(
+        *("--data.dataloader_num_workers", "4", "--vllm.router_policy", "round_robin"),
+        *("--train.max_tokens_per_gpu", "16192", "--rollout.max_tokens_per_gpu", "8192"),
+    )
+    notes = "\n".join(r.notes)
+    assert "--vllm.router_policy: the gateway routes every session to one pod" in notes
+    assert "--data.dataloader_num_workers" in notes and "--train.max_tokens_per_gpu" in notes
+    with pytest.raises(ValueError) as err:
+        _route("--train.dynamic_batch_enable", "--data.disable_fast_tokenizer", "--train.rollout_dump_dir", "/d")
+    msg = str(err.value)
+    assert "--train.dynamic_batch_enable: micro-batches hold --train.micro_batch_size samples" in msg
+    assert "--data.disable_fast_tokenizer: the gateway tokenizes with the model's fast tokenizer" in msg
+    assert "--train.rollout_dump_dir /d: dumping rollout batches to files is not offered yet" in msg
+
+
+def test_muon_settings_under_adamw_are_inert_and_muon_itself_is_refused():
+    """Molt's slurm scripts pass --actor.muon.* on every run, with --actor.optim adam."""
+    r = _route("--actor.optim", "adam", "--actor.muon.lr", "0.02", "--actor.muon.ns_steps", "5")
+    assert "--actor.muon.lr: only read with --actor.optim muon; AdamW runs" in r.notes
+    with pytest.raises(ValueError, match="--actor.muon.lr 0.02: only AdamW is offered"):
+        _route("--actor.optim", "muon", "--actor.muon.lr", "0.02")
+
+
+def test_vllm_kernel_choices_reach_the_pods():
+    r = _route(
+        *("--vllm.attention_backend", "TRITON_ATTN", "--vllm.mm_encoder_attn_backend", "TORCH_SDPA"),
+        *("--vllm.gdn_prefill_backend", "triton", "--vllm.mamba_ssm_cache_dtype", "float32"),
+        "--fsdp.param_dtype",
+        "bf16",
+    )
+    v = parse_settings(RolloutSettings, r.rollout, prog="rollout").vllm
+    assert (v.attention_backend, v.mm_encoder_attn_backend) == ("TRITON_ATTN", "TORCH_SDPA")
+    assert (v.gdn_prefill_backend, v.mamba_ssm_cache_dtype) == ("triton", "float32")
+    with pytest.raises(ValueError, match="--fsdp.bf16_master_weights: master weights stay fp32"):
+        _route("--fsdp.bf16_master_weights")
