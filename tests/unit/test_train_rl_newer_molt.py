@@ -210,3 +210,40 @@ def test_vllm_kernel_choices_reach_the_pods():
     assert (v.gdn_prefill_backend, v.mamba_ssm_cache_dtype) == ("triton", "float32")
     with pytest.raises(ValueError, match="--fsdp.bf16_master_weights: master weights stay fp32"):
         _route("--fsdp.bf16_master_weights")
+
+
+# The name of every option of Molt 0.1.6's `python -m molt.cli.train_rl_ray` (its argparse parser).
+MOLT_0_1_6_FLAGS = (
+    "actor.aux_loss_coef actor.dual_clip actor.entropy_coef actor.eps_clip_low_high actor.freeze_moe_router "
+    "actor.freeze_visual_encoder actor.freezing_steps actor.gradient_checkpoint actor.loss_mode "
+    "actor.model_name_or_path actor.num_gpus_per_node actor.num_nodes algo.advantage.estimator "
+    "algo.advantage.gamma algo.advantage.is_correction_level algo.advantage.is_correction_mode "
+    "algo.advantage.is_correction_threshold algo.advantage.lam algo.advantage.no_whiten "
+    "algo.dynamic_filtering_enable algo.dynamic_filtering_range algo.kl.estimator algo.kl.horizon "
+    "algo.kl.init_coef algo.kl.target algo.kl.use_loss ckpt.best_metric_key ckpt.warm_resume_rollouts "
+    "critic.freeze_moe_router critic.max_epochs critic.model_name_or_path critic.value_clip "
+    "data.apply_chat_template data.dataloader_num_workers data.disable_fast_tokenizer data.image_key "
+    "data.input_key data.label_key data.max_images_per_prompt data.max_len data.max_samples data.prompt_dataset "
+    "data.prompt_probs data.prompt_split data.tools_key eval.batch_size eval.dataset eval.eval_at_start "
+    "eval.eval_only eval.max_new_tokens eval.n_samples_per_prompt eval.split eval.steps eval.temperature "
+    "eval.top_p ref.model_name_or_path ref.num_gpus_per_node ref.num_nodes reward.clip_range rollout.batch_size "
+    "rollout.max_new_tokens rollout.max_tokens_per_gpu rollout.micro_batch_size rollout.n_samples_per_prompt "
+    "rollout.num_runners rollout.temperature rollout.top_p rollout.vllm_generate_batch_size train.agent_path "
+    "train.async_queue_size train.batch_size train.check_weight_update_equal train.colocate_fsdp_models "
+    "train.dynamic_batch_enable train.force_on_policy train.force_sync_mode train.full_determinism_enable "
+    "train.max_epochs train.max_tokens_per_gpu train.micro_batch_size train.num_episodes "
+    "train.partial_rollout_enable train.rollout_dump_dir train.rollout_replay_dir train.routing_replay train.seed "
+    "vllm.async_scheduling vllm.attention_backend vllm.block_size vllm.data_parallel_size "
+    "vllm.decode_context_parallel_size vllm.disable_custom_all_reduce vllm.distributed_executor_backend "
+    "vllm.dtype vllm.enable_chunked_prefill vllm.enable_expert_parallel vllm.enable_prefix_caching "
+    "vllm.enforce_eager vllm.gdn_prefill_backend vllm.gpu_memory_utilization vllm.mamba_ssm_cache_dtype "
+    "vllm.max_num_batched_tokens vllm.mm_encoder_attn_backend vllm.mtp_num_speculative_tokens vllm.num_engines "
+    "vllm.pipeline_parallel_size vllm.router_policy vllm.sync_backend vllm.tensor_parallel_size"
+).split()
+
+
+def test_every_option_of_molt_0_1_6_train_rl_ray_is_known():
+    every = tr.trainer_flag_names() | tr.POD_FLAGS | set(tr.PLACEMENT) | set(tr.MISSING) | tr.WIRING
+    every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
+    assert len(MOLT_0_1_6_FLAGS) == 109
+    assert sorted(set(MOLT_0_1_6_FLAGS) - every) == []
