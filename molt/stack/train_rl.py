@@ -75,8 +75,6 @@ MISSING = {
     "train.dynamic_batch_enable": "micro-batches hold --train.micro_batch_size samples; token-budget batching "
     "is not offered yet",
     "data.disable_fast_tokenizer": "the gateway tokenizes with the model's fast tokenizer (transformers' default)",
-    "train.rollout_dump_dir": "dumping rollout batches to files is not offered yet",
-    "train.rollout_replay_dir": "replaying dumped rollout batches is not offered yet",
     "fsdp.bf16_master_weights": "master weights stay fp32 (bf16 compute with --fsdp.param_dtype bf16)",
 }
 # Values these flags take when they ask for nothing (accepted even where the feature is missing).

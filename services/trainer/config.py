@@ -122,6 +122,12 @@ class TrainConfig(Section):
     """Let rollouts continue across weight updates (the pods swap weights under running requests)."""
     force_sync_mode: bool = False
     """Strictly on-policy dispatch: batch k is dispatched only after step k-1's weights are pushed."""
+    rollout_dump_dir: str | None = None
+    """Also write each step's trajectories to <dir>/rollout_step<N>.msgpack (N: the step they train), for
+    --train.rollout_replay_dir."""
+    rollout_replay_dir: str | None = None
+    """Train on <dir>/rollout_step<N>.msgpack, step after step, instead of generating: no episodes are
+    dispatched and the stream is not read; the run ends at the first step without a file."""
     full_determinism_enable: bool = False
     """Reproducible training: every seed from --train.seed and deterministic torch kernels (warn-only where
     none exists; transformers.enable_full_determinism). `molt train-rl` also runs the pods' engines in-process,

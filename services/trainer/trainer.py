@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch.distributed as dist
 import transformers
 
@@ -211,7 +212,7 @@ class Trainer:
         if self.info.is_main:
             self.io.run(self.controller.resume(client_state))
             self._maybe_evaluate(at_start=True)
-            if self.s.train.dispatch:
+            if self.s.train.dispatch and not self.s.train.rollout_replay_dir:
                 self.io.call(self.controller.start_dispatch)
             self.status.update(
                 ready=True, phase="collecting", step=self.learner.global_step, policy_version=self.controller.version
@@ -243,6 +244,15 @@ class Trainer:
         max_steps = self.s.train.num_steps
         if max_steps is not None and self.learner.global_step >= max_steps:
             return {"stop": True}
+        step = self.learner.global_step + 1
+        save_steps = self.s.ckpt.save_steps
+        save = save_steps > 0 and step % save_steps == 0
+        if self.s.train.rollout_replay_dir:
+            path = Path(self.s.train.rollout_replay_dir) / f"rollout_step{step}.msgpack"
+            if not path.exists():
+                log.info("--train.rollout_replay_dir: no %s, the replay ends", path.name)
+                return {"stop": True}
+            return {"stop": False, "trajs": msgspec.msgpack.decode(path.read_bytes()), "wait_s": 0.0, "save": save}
         t0 = time.perf_counter()
         trajs: list[Trajectory] = []
         while not trajs:  # a batch of only unusable trajectories is skipped (they are acked with the next commit)
@@ -263,14 +273,14 @@ class Trainer:
             if not groups:
                 return {"stop": True}
             trajs = [t for g in groups for t in g.trajectories if self._usable(t)]
-        step = self.learner.global_step + 1
-        save_steps = self.s.ckpt.save_steps
-        return {
-            "stop": False,
-            "trajs": [encode(t, validate=False) for t in trajs],
-            "wait_s": time.perf_counter() - t0,
-            "save": save_steps > 0 and step % save_steps == 0,
-        }
+        encoded = [encode(t, validate=False) for t in trajs]
+        if self.s.train.rollout_dump_dir:
+            dump = Path(self.s.train.rollout_dump_dir)
+            dump.mkdir(parents=True, exist_ok=True)
+            tmp = dump / f".rollout_step{step}.msgpack.tmp"
+            tmp.write_bytes(msgspec.msgpack.encode(encoded))
+            os.replace(tmp, dump / f"rollout_step{step}.msgpack")  # a replay never reads half a file
+        return {"stop": False, "trajs": encoded, "wait_s": time.perf_counter() - t0, "save": save}
 
     def _usable(self, traj) -> bool:
         """Token ids outside the policy's vocabulary (a producer on another model), or images for a text-only

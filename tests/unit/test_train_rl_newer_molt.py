@@ -183,11 +183,10 @@ def test_flags_without_a_counterpart_are_noted_or_refused_with_the_reason():
     assert "--vllm.router_policy: the gateway routes every session to one pod" in notes
     assert "--data.dataloader_num_workers" in notes and "--train.max_tokens_per_gpu" in notes
     with pytest.raises(ValueError) as err:
-        _route("--train.dynamic_batch_enable", "--data.disable_fast_tokenizer", "--train.rollout_dump_dir", "/d")
+        _route("--train.dynamic_batch_enable", "--data.disable_fast_tokenizer")
     msg = str(err.value)
     assert "--train.dynamic_batch_enable: micro-batches hold --train.micro_batch_size samples" in msg
     assert "--data.disable_fast_tokenizer: the gateway tokenizes with the model's fast tokenizer" in msg
-    assert "--train.rollout_dump_dir /d: dumping rollout batches to files is not offered yet" in msg
 
 
 def test_muon_settings_under_adamw_are_inert_and_muon_itself_is_refused():
