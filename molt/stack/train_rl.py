@@ -58,8 +58,6 @@ PLACEMENT = {
     "data.dataloader_num_workers": "the trainer reads the prompt dataset once at start; there are no loader workers",
     "vllm.router_policy": "the gateway routes every session to one pod (least loaded, then sticky), whatever the "
     "policy",
-    "train.max_tokens_per_gpu": "only read with --train.dynamic_batch_enable, which is not offered yet",
-    "rollout.max_tokens_per_gpu": "only read with --train.dynamic_batch_enable, which is not offered yet",
 }
 
 # Molt flags the services do not offer (yet), with the reason; docs/trainer.md lists them too.
@@ -72,8 +70,6 @@ MISSING = {
     "vllm.data_parallel_size": "scale rollout with more pods (--vllm.num_engines) instead",
     "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
     "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
-    "train.dynamic_batch_enable": "micro-batches hold --train.micro_batch_size samples; token-budget batching "
-    "is not offered yet",
     "data.disable_fast_tokenizer": "the gateway tokenizes with the model's fast tokenizer (transformers' default)",
     "fsdp.bf16_master_weights": "master weights stay fp32 (bf16 compute with --fsdp.param_dtype bf16)",
 }
@@ -82,7 +78,6 @@ NEUTRAL = {
     "vllm.data_parallel_size": "1",
     "vllm.pipeline_parallel_size": "1",
     "actor.optim": "adam",
-    "train.dynamic_batch_enable": "false",
     "data.disable_fast_tokenizer": "false",
 }
 

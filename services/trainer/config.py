@@ -104,7 +104,13 @@ class TrainConfig(Section):
     batch_size: int = Field(128, gt=0)
     """Samples per optimizer step (one window of micro-batches over all ranks)."""
     micro_batch_size: int = Field(1, gt=0)
-    """Samples per forward/backward on one rank."""
+    """Samples per forward/backward on one rank (without --train.dynamic_batch_enable)."""
+    dynamic_batch_enable: bool = False
+    """Cut each rank's micro-batches by tokens instead of samples: as many samples as fit --train.max_tokens_per_gpu
+    (a longer sample alone). The loss is the same; memory follows the budget, not the longest sample."""
+    max_tokens_per_gpu: int = Field(16192, gt=0)
+    """Token budget of one training forward/backward with --train.dynamic_batch_enable (packed: the samples' tokens;
+    padded: rows x the longest)."""
     max_epochs: int = Field(1, gt=0)
     """Passes over each rollout batch (PPO epochs)."""
     num_episodes: int = Field(1, gt=0)
@@ -201,6 +207,9 @@ class RolloutConfig(Section):
     """Nucleus sampling (must be 1.0 with IS correction)."""
     max_new_tokens: int | None = Field(None, gt=0)
     """Max tokens per generation turn. Unset: the remaining context."""
+    max_tokens_per_gpu: int | None = Field(None, gt=0)
+    """Token budget of the no-grad forwards (old and reference log-probs, values) with --train.dynamic_batch_enable.
+    Unset: --train.max_tokens_per_gpu."""
     vllm_generate_batch_size: int | None = Field(None, gt=0)
     """Most prompt groups in flight at once (Molt's in-flight capacity). Unset: as many as the policy-version
     bound (--train.async_queue_size) lets dispatch run ahead."""

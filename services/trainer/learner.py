@@ -8,7 +8,8 @@ broadcasts it). Work is split by ``batch.partition``; every rank runs the same n
    reference log-probs when beta > 0, critic values for ``gae``. Results are all-gathered so that
    every rank computes the advantages of the *whole* batch (group baselines, whitening) identically.
 2. Windows of ``--train.batch_size`` samples (the whole batch under force-on-policy), for
-   ``--train.max_epochs`` passes: micro-batches of ``--train.micro_batch_size`` per rank; the loss is
+   ``--train.max_epochs`` passes: micro-batches of ``--train.micro_batch_size`` per rank (or of
+   ``--train.max_tokens_per_gpu`` tokens with ``--train.dynamic_batch_enable``); the loss is
    molt.algorithms' global token-mean over the window's action tokens on all ranks; gradient sync is
    deferred to the window's last micro-batch; grad clip ``--actor.max_norm``; AdamW.
 3. Metrics are token-weighted over micro-batches and ranks (one all-reduce per step).
@@ -51,6 +52,7 @@ from services.trainer.model import (
     load_critic,
 )
 from services.trainer.packing import (
+    budget_chunks,
     logprobs_and_entropy,
     no_4d_mask,
     pack,
@@ -207,12 +209,25 @@ class Learner:
             return {}
         return {k: v.to(self.info.device) for k, v in pixels.items()}
 
-    def _my_chunks(self, samples: list[Sample], indices: list[int]) -> list[list[int]]:
-        """This rank's micro-batches of ``indices``, padded to the count of the busiest rank."""
-        mbs = self.s.train.micro_batch_size
+    def _my_chunks(self, samples: list[Sample], indices: list[int], *, grad: bool = True) -> list[list[int]]:
+        """This rank's micro-batches of ``indices``, padded to the count of the busiest rank; by token budget
+        with --train.dynamic_batch_enable (``grad`` False: the no-grad forwards' --rollout.max_tokens_per_gpu)."""
+        t = self.s.train
+        mbs = t.micro_batch_size
+        budget = None
+        if t.dynamic_batch_enable:
+            budget = t.max_tokens_per_gpu if grad else (self.s.rollout.max_tokens_per_gpu or t.max_tokens_per_gpu)
         if self.packing:  # keep each group's samples in one micro-batch, so they share a prefix row
-            mine, count = plan_group_chunks(samples, indices, self.dp_size, self.dp_rank, mbs)
+            mine, count = plan_group_chunks(samples, indices, self.dp_size, self.dp_rank, mbs, budget)
             return mine + [[] for _ in range(count - len(mine))]
+        if budget is not None:
+            tokens = [samples[i].num_tokens for i in indices]
+            per_rank = [
+                budget_chunks([[indices[j]] for j in r], [tokens[j] for j in r], budget, padded=True)
+                for r in partition(tokens, self.dp_size)
+            ]
+            count = max(len(c) for c in per_rank)
+            return per_rank[self.dp_rank] + [[] for _ in range(count - len(per_rank[self.dp_rank]))]
         ranks = partition([samples[i].num_tokens for i in indices], self.dp_size)
         count = max(math.ceil(len(r) / mbs) for r in ranks)
         return micro_batches([indices[j] for j in ranks[self.dp_rank]], mbs, count)
@@ -223,7 +238,7 @@ class Learner:
         beta = self.kl_ctl.value
         want_old = not (s.train.force_on_policy and beta == 0)
         mine: dict[int, dict] = {}
-        for chunk in self._my_chunks(samples, list(range(len(samples)))):
+        for chunk in self._my_chunks(samples, list(range(len(samples))), grad=False):
             batch = [samples[i] for i in chunk] or [padding_sample()]
             mb = collate(batch).to(self.info.device)
             res = {}

@@ -206,17 +206,48 @@ def packed_token_logprobs(
 
 
 def plan_group_chunks(
-    samples: list[Sample], indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int
+    samples: list[Sample],
+    indices: list[int],
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    max_tokens: int | None = None,
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches of ``indices`` with each group's samples kept together (so they share a
-    row), groups dealt over ranks by token count; returns (chunks, the busiest rank's chunk count)."""
+    row), groups dealt over ranks by token count; returns (chunks, the busiest rank's chunk count). With
+    ``max_tokens`` whole groups are cut by tokens (``budget_chunks``) instead of samples by count."""
     groups: dict[str, list[int]] = {}
     for i in indices:
         groups.setdefault(samples[i].group_id, []).append(i)
     units = list(groups.values())
-    ranks = partition([sum(samples[i].num_tokens for i in u) for u in units], dp_size)
+    sizes = [sum(samples[i].num_tokens for i in u) for u in units]
+    ranks = partition(sizes, dp_size)
     per_rank = []
     for r in ranks:
+        if max_tokens is not None:
+            per_rank.append(budget_chunks([units[u] for u in r], [sizes[u] for u in r], max_tokens))
+            continue
         flat = [i for u in r for i in units[u]]
         per_rank.append([flat[j : j + micro_batch_size] for j in range(0, len(flat), micro_batch_size)])
     return per_rank[dp_rank], max(len(c) for c in per_rank)
+
+
+def budget_chunks(
+    units: list[list[int]], sizes: list[int], max_tokens: int, *, padded: bool = False
+) -> list[list[int]]:
+    """``units`` (lists of sample indices, kept whole) cut in order into micro-batches of at most ``max_tokens``:
+    the sum of ``sizes`` (packed rows), or with ``padded`` the rows times the longest unit (padded batches).
+    A unit over the budget is a micro-batch of its own."""
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    rows = used = longest = 0
+    for unit, size in zip(units, sizes, strict=True):
+        cost = (rows + len(unit)) * max(longest, size) if padded else used + size
+        if cur and cost > max_tokens:
+            chunks.append(cur)
+            cur, rows, used, longest = [], 0, 0, 0
+        cur += unit
+        rows, used, longest = rows + len(unit), used + size, max(longest, size)
+    if cur:
+        chunks.append(cur)
+    return chunks

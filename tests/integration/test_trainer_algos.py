@@ -314,3 +314,26 @@ def test_critic_max_epochs_gives_the_critic_its_own_passes(world, tiny_qwen3):
     stats = learner.train_step(_samples())
     assert math.isfinite(stats["value_loss"]) and learner.sched.last_epoch > 0
     assert learner.critic_sched.last_epoch == 3 * learner.sched.last_epoch  # one optimizer step per window and pass
+
+
+@pytest.mark.parametrize(("packed", "tokens"), [(False, "12"), (True, "50")])
+def test_dynamic_batches_by_token_budget_train_the_same_step(world, tiny_qwen3, packed, tokens):
+    """--train.dynamic_batch_enable cuts micro-batches by --train.max_tokens_per_gpu instead of sample count; the
+    loss is the window's either way, so the step (and the weights it leaves) is the same."""
+    flags = ["--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--train.seed", "3"]
+    flags += [] if packed else ["--train.pack_shared_prefix", "false"]  # packed: a group's samples share a row
+    fixed = Learner(_settings(tiny_qwen3, *flags, "--train.micro_batch_size", "2"), world)
+    # padded: one sample's tokens, so one sample per micro-batch; packed: both groups' tokens, so one micro-batch
+    budget = ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", tokens]
+    dynamic = Learner(_settings(tiny_qwen3, *flags, "--train.micro_batch_size", "2", *budget), world)
+    assert dynamic.packing == fixed.packing == packed
+    samples = _samples()
+    window = list(range(len(samples)))
+    assert dynamic._my_chunks(samples, window) != fixed._my_chunks(samples, window)
+    a, b = fixed.train_step(_samples()), dynamic.train_step(samples)
+    assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-6)
+    assert a["actor_grad_norm"] == pytest.approx(b["actor_grad_norm"], rel=1e-5)
+    # AdamW's first step is ~lr * sign(grad): where a gradient is ~0, summing in another order can move that
+    # weight by a fraction of lr (1e-3), so the weights agree to lr / 10 while the gradients agree to 1e-5
+    wa, wb = full_state_dict(fixed.actor), full_state_dict(dynamic.actor)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-4, rtol=0) for k in wa)

@@ -168,24 +168,34 @@ def test_data_and_critic_flags_reach_the_trainer():
     r = _route(
         *("--data.prompt_dataset", "/a,/b", "--data.prompt_probs", "0.7,0.3", "--data.prompt_split", "test"),
         *("--critic.max_epochs", "4", "--eval.batch_size", "8", "--ckpt.best_metric_key", "eval_default_pass1"),
+        *(
+            "--train.dynamic_batch_enable",
+            "--train.max_tokens_per_gpu",
+            "4096",
+            "--rollout.max_tokens_per_gpu",
+            "8192",
+        ),
     )
     s = parse_settings(TrainerSettings, r.trainer + ["--train.dispatch", "false"], prog="trainer", environ={})
     assert (s.data.prompt_probs, s.data.prompt_split, s.critic.max_epochs) == ("0.7,0.3", "test", 4)
     assert (s.eval.batch_size, s.ckpt.best_metric_key) == (8, "eval_default_pass1")
+    assert (s.train.dynamic_batch_enable, s.train.max_tokens_per_gpu, s.rollout.max_tokens_per_gpu) == (
+        True,
+        4096,
+        8192,
+    )
 
 
 def test_flags_without_a_counterpart_are_noted_or_refused_with_the_reason():
     r = _route(
         *("--data.dataloader_num_workers", "4", "--vllm.router_policy", "round_robin"),
-        *("--train.max_tokens_per_gpu", "16192", "--rollout.max_tokens_per_gpu", "8192"),
     )
     notes = "\n".join(r.notes)
     assert "--vllm.router_policy: the gateway routes every session to one pod" in notes
-    assert "--data.dataloader_num_workers" in notes and "--train.max_tokens_per_gpu" in notes
+    assert "--data.dataloader_num_workers" in notes
     with pytest.raises(ValueError) as err:
-        _route("--train.dynamic_batch_enable", "--data.disable_fast_tokenizer")
+        _route("--data.disable_fast_tokenizer")
     msg = str(err.value)
-    assert "--train.dynamic_batch_enable: micro-batches hold --train.micro_batch_size samples" in msg
     assert "--data.disable_fast_tokenizer: the gateway tokenizes with the model's fast tokenizer" in msg
 
 
