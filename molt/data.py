@@ -4,6 +4,7 @@
 ``datasets.Dataset.save_to_disk`` (or a ``DatasetDict``: its ``train`` split unless ``split`` names
 another), a parquet / JSONL / JSON file, or a folder of such files (read in name order). Rows come
 back as plain dicts in file order; ``max_samples`` stops early without reading the rest.
+``read_mixed_rows`` reads several comma-separated datasets, concatenated or mixed by weight.
 """
 
 from __future__ import annotations

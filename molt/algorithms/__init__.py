@@ -87,11 +87,10 @@ from molt.algorithms.tensor_ops import entropy_from_logits, masked_mean, sanitiz
 from molt.algorithms.value_loss import ValueLossOutput, value_loss
 
 __all__ = [
-    "LOSS_AGG_MODES",
-    "row_scales",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "ActorLossConfig",
     "AdvantageBatch",
     "AdvantageConfig",
@@ -127,6 +126,7 @@ __all__ = [
     "policy_loss_names",
     "register_advantage_estimator",
     "register_policy_loss",
+    "row_scales",
     "sanitize_log_ratio",
     "scaled_sum",
     "token_mean",

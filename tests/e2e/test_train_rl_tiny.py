@@ -23,17 +23,35 @@ ROOT = Path(__file__).resolve().parents[2]
 MATH = ROOT / "tests" / "fixtures" / "molt_examples" / "agents" / "math.py"
 
 
-def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3, tmp_path):
+def _sums(path: Path, n: int) -> Path:
+    """n "a + a" prompts with Molt's reward_model label, as a datasets.save_to_disk directory."""
     import datasets
+
+    rows = [
+        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": {"ground_truth": str(2 * a)}}
+        for a in range(n)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def _train_rl(run: Path, flags: list[str], timeout: float = 800) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3, tmp_path):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rows = [
-        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": {"ground_truth": str(2 * a)}}
-        for a in range(8)
-    ]
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    _sums(tmp_path / "data", 8)
     run = tmp_path / "run"
     flags = [
         "--actor.model_name_or_path",
@@ -100,14 +118,7 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         "0.5",
         "--train.check_weight_update_equal",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    _train_rl(run, flags)
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]  # 4 prompts / 2 per step: the dataset ends the run
     for s in steps:
@@ -168,16 +179,10 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
     """The algorithm flags of Molt's rl_flash_reinforce_r1d_1p5b.sh, unchanged, with its async queue and partial
     rollouts, at tiny sizes: one rollout per prompt, reward minus the batch mean, the binary-KL trust region
     (delta 5e-3) against vLLM's own log-probs. Rollouts of the weights being trained (step 1) are all admitted."""
-    import datasets
-
-    rows = [
-        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": str(2 * a)} for a in range(8)
-    ]
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
     run = tmp_path / "run"
     flags = [
         *("--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", str(MATH)),
-        *("--data.prompt_dataset", str(tmp_path / "data"), "--data.input_key", "prompt"),
+        *("--data.prompt_dataset", str(_sums(tmp_path / "data", 8)), "--data.input_key", "prompt"),
         *("--data.label_key", "reward_model", "--data.apply_chat_template", "--data.max_samples", "8"),
         *("--data.max_len", "128", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "1"),
         *("--rollout.max_new_tokens", "12", "--rollout.temperature", "1.0", "--rollout.top_p", "1.0"),
@@ -190,14 +195,7 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
         *("--algo.advantage.is_correction_threshold", "5e-3", "--algo.kl.init_coef", "0"),
         *("--reward.clip_range", "-10", "10", "--ckpt.output_dir", str(run / "hf"), "--ckpt.save_steps", "-1"),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    _train_rl(run, flags)
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     first = steps[0]
@@ -208,28 +206,15 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
 
 def test_eval_only_scores_the_eval_set_once_and_trains_nothing(tiny_qwen3, tmp_path):
     """Molt's `--eval.eval_only --eval.dataset`: one evaluation of the model, no training, no prompt dataset."""
-    import datasets
-
-    rows = [
-        {"prompt": f"What is {a} + {a}? Put the answer in \\boxed{{}}.", "reward_model": str(2 * a)} for a in range(4)
-    ]
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "eval"))
     run = tmp_path / "run"
     flags = [
         *("--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", str(MATH)),
         *("--data.input_key", "prompt", "--data.label_key", "reward_model", "--data.apply_chat_template"),
         *("--rollout.max_new_tokens", "8", "--vllm.num_engines", "1", "--vllm.enforce_eager"),
-        *("--eval.eval_only", "--eval.dataset", str(tmp_path / "eval"), "--eval.n_samples_per_prompt", "2"),
+        *("--eval.eval_only", "--eval.dataset", str(_sums(tmp_path / "eval", 4)), "--eval.n_samples_per_prompt", "2"),
         *("--ckpt.path", str(run / "ckpt"), "--ckpt.output_dir", str(run / "hf")),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    _train_rl(run, flags, timeout=600)
     (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert ev["step"] == 0 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2
     summary = json.loads((run / "summary.json").read_text())
