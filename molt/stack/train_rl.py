@@ -162,6 +162,8 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
         return "NCCL needs GPUs (this machine has none); weights travel over gRPC here: drop the flag"
     if name == "fsdp.attn_implementation" and v in GPU_ATTENTION and target == "local" and gpus == 0:
         return f"{v} kernels need a GPU; use sdpa (the CPU default) or drop the flag"
+    if name == "fsdp.use_liger_kernel" and _true(values) and target == "local" and gpus == 0:
+        return "Liger's kernels are Triton (GPU only); drop the flag on CPU"
     gpu_count = name in ("actor.num_gpus_per_node", "ref.num_gpus_per_node")
     if gpu_count and target == "local" and _int(name, values) > gpus:
         return f"asks for {v} GPUs per node; this machine has {gpus} (the local trainer then runs on CPU: drop it)"

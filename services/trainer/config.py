@@ -110,7 +110,11 @@ class TrainConfig(Section):
     (a longer sample alone). The loss is the same; memory follows the budget, not the longest sample."""
     max_tokens_per_gpu: int = Field(16192, gt=0)
     """Token budget of one training forward/backward with --train.dynamic_batch_enable (packed: the samples' tokens;
-    padded: rows x the longest)."""
+    padded: rows x the longest, rounded up by --train.dynamic_batch_pad_to_multiple)."""
+    dynamic_batch_pad_to_multiple: int = Field(1, gt=0)
+    """With --train.dynamic_batch_enable and padded micro-batches: pad each micro-batch's length up to a multiple of
+    N, so compiled kernels see a few shapes instead of one per length; the token budget prices the padded length.
+    Packed micro-batches (--fsdp.packing_samples) are unchanged."""
     max_epochs: int = Field(1, gt=0)
     """Passes over each rollout batch (PPO epochs)."""
     num_episodes: int = Field(1, gt=0)
@@ -321,6 +325,9 @@ class FsdpConfig(Section):
     """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
     attn_implementation: str | None = None
     """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+    use_liger_kernel: bool = False
+    """Liger's fused Triton kernels (NeMo AutoModel on GPU; dense text models). Off unless set, as in Molt: NeMo's
+    own loader would otherwise apply them by default."""
     packing_samples: bool = False
     """Molt's padding-free packing of a micro-batch's samples into rows. Here it turns on
     --train.pack_shared_prefix (rows under a 4-D mask, each group's prompt computed once; sdpa / eager attention;

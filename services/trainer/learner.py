@@ -160,6 +160,9 @@ class Learner:
                 max(1, critic_steps // settings.train.max_epochs),
             )
         self.packing = self._packing_usable()
+        t = settings.train
+        # padded token-budget micro-batches round their length up (shape buckets); packed rows are left as they are
+        self.pad_to = t.dynamic_batch_pad_to_multiple if t.dynamic_batch_enable and not self.packing else 1
         self.policy_loss = build_policy_loss(a, settings.algo)
         self.kl_ctl = build_kl_controller(settings.algo)
         self.global_step = 0
@@ -223,7 +226,9 @@ class Learner:
         if budget is not None:
             tokens = [samples[i].num_tokens for i in indices]
             per_rank = [
-                budget_chunks([[indices[j]] for j in r], [tokens[j] for j in r], budget, padded=True)
+                budget_chunks(
+                    [[indices[j]] for j in r], [tokens[j] for j in r], budget, padded=True, pad_to_multiple=self.pad_to
+                )
                 for r in partition(tokens, self.dp_size)
             ]
             count = max(len(c) for c in per_rank)
@@ -240,7 +245,7 @@ class Learner:
         mine: dict[int, dict] = {}
         for chunk in self._my_chunks(samples, list(range(len(samples))), grad=False):
             batch = [samples[i] for i in chunk] or [padding_sample()]
-            mb = collate(batch).to(self.info.device)
+            mb = collate(batch, self.pad_to).to(self.info.device)
             res = {}
             if want_old:
                 res["old_logp"] = self._logp(self.actor, mb, replay=True, chunk=batch)[0]
@@ -311,7 +316,7 @@ class Learner:
                 for j, chunk in enumerate(chunks):
                     last = j == len(chunks) - 1
                     batch = [samples[i] for i in chunk] or [padding_sample()]
-                    mb = collate(batch).to(self.info.device)
+                    mb = collate(batch, self.pad_to).to(self.info.device)
                     if actor_epoch:
                         row_scale = None
                         if scales is not None:

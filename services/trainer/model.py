@@ -161,7 +161,12 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     )
     sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
     setup = DistributedSetup.build(cfg, sizes, world_size=info.world_size)
-    auto = NeMoAutoModelForImageTextToText if is_vision_language(path) else NeMoAutoModelForCausalLM
+    vision = is_vision_language(path)
+    if vision and fsdp.use_liger_kernel:
+        raise ValueError(
+            "--fsdp.use_liger_kernel: Liger patches text decoders only; drop it for a vision-language model"
+        )
+    auto = NeMoAutoModelForImageTextToText if vision else NeMoAutoModelForCausalLM
     peft = None
     if lora is not None:
         # from_pretrained's documented peft_config reads this class's attributes (a dict, as its docstring
@@ -176,6 +181,7 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
         torch_dtype=torch.float32,
         attn_implementation=_attn(fsdp, True),
         peft_config=peft,
+        use_liger_kernel=fsdp.use_liger_kernel,  # NeMo defaults to True; Molt applies Liger only when asked
     )
 
 
@@ -199,6 +205,11 @@ def load_causal_lm(
             raise ValueError(
                 "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
                 "pure FSDP2 data parallel (leave them at 1)"
+            )
+        if fsdp.use_liger_kernel:
+            raise ValueError(
+                "--fsdp.use_liger_kernel: Liger's Triton kernels come with NeMo AutoModel on GPU "
+                "(--fsdp.strategy auto or nemo); drop the flag on CPU or with --fsdp.strategy torch"
             )
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

@@ -233,16 +233,17 @@ def plan_group_chunks(
 
 
 def budget_chunks(
-    units: list[list[int]], sizes: list[int], max_tokens: int, *, padded: bool = False
+    units: list[list[int]], sizes: list[int], max_tokens: int, *, padded: bool = False, pad_to_multiple: int = 1
 ) -> list[list[int]]:
     """``units`` (lists of sample indices, kept whole) cut in order into micro-batches of at most ``max_tokens``:
-    the sum of ``sizes`` (packed rows), or with ``padded`` the rows times the longest unit (padded batches).
-    A unit over the budget is a micro-batch of its own."""
+    the sum of ``sizes`` (packed rows), or with ``padded`` the rows times the longest unit rounded up to
+    ``pad_to_multiple`` (the padded batch's shape). A unit over the budget is a micro-batch of its own."""
     chunks: list[list[int]] = []
     cur: list[int] = []
     rows = used = longest = 0
     for unit, size in zip(units, sizes, strict=True):
-        cost = (rows + len(unit)) * max(longest, size) if padded else used + size
+        width = -(-max(longest, size) // pad_to_multiple) * pad_to_multiple
+        cost = (rows + len(unit)) * width if padded else used + size
         if cur and cost > max_tokens:
             chunks.append(cur)
             cur, rows, used, longest = [], 0, 0, 0

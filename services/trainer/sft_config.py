@@ -124,8 +124,6 @@ class SftFsdpConfig(FsdpConfig):
     sample, attention stays within its sample) instead of being padded to the longest."""
     sequence_parallel: bool = False
     """Sequence parallelism inside the TP region (needs --fsdp.tp_size > 1, GPU)."""
-    use_liger_kernel: bool = False
-    """Liger kernels (GPU, Triton only; refused on CPU)."""
 
 
 class SftCkptConfig(CkptConfig):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
 from services.trainer import checkpoint
-from services.trainer.batch import samples_from_trajectory
+from services.trainer.batch import collate, samples_from_trajectory
 from services.trainer.config import TrainerSettings, validate_settings
 from services.trainer.learner import Learner
 from services.trainer.model import full_state_dict, init_distributed
@@ -316,20 +316,24 @@ def test_critic_max_epochs_gives_the_critic_its_own_passes(world, tiny_qwen3):
     assert learner.critic_sched.last_epoch == 3 * learner.sched.last_epoch  # one optimizer step per window and pass
 
 
-@pytest.mark.parametrize(("packed", "tokens"), [(False, "12"), (True, "50")])
-def test_dynamic_batches_by_token_budget_train_the_same_step(world, tiny_qwen3, packed, tokens):
+@pytest.mark.parametrize(("packed", "tokens", "pad_to"), [(False, "12", 1), (False, "12", 16), (True, "50", 1)])
+def test_dynamic_batches_by_token_budget_train_the_same_step(world, tiny_qwen3, packed, tokens, pad_to):
     """--train.dynamic_batch_enable cuts micro-batches by --train.max_tokens_per_gpu instead of sample count; the
-    loss is the window's either way, so the step (and the weights it leaves) is the same."""
+    loss is the window's either way, so the step (and the weights it leaves) is the same. So it is with
+    --train.dynamic_batch_pad_to_multiple, whose micro-batches are padded to a multiple of it."""
     flags = ["--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--train.seed", "3"]
     flags += [] if packed else ["--train.pack_shared_prefix", "false"]  # packed: a group's samples share a row
     fixed = Learner(_settings(tiny_qwen3, *flags, "--train.micro_batch_size", "2"), world)
     # padded: one sample's tokens, so one sample per micro-batch; packed: both groups' tokens, so one micro-batch
     budget = ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", tokens]
+    budget += ["--train.dynamic_batch_pad_to_multiple", str(pad_to)]
     dynamic = Learner(_settings(tiny_qwen3, *flags, "--train.micro_batch_size", "2", *budget), world)
     assert dynamic.packing == fixed.packing == packed
     samples = _samples()
     window = list(range(len(samples)))
     assert dynamic._my_chunks(samples, window) != fixed._my_chunks(samples, window)
+    assert dynamic.pad_to == pad_to
+    assert collate(samples[:1], dynamic.pad_to).input_ids.shape[1] == -(-samples[0].num_tokens // pad_to) * pad_to
     a, b = fixed.train_step(_samples()), dynamic.train_step(samples)
     assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-6)
     assert a["actor_grad_norm"] == pytest.approx(b["actor_grad_norm"], rel=1e-5)

@@ -174,6 +174,8 @@ def test_data_and_critic_flags_reach_the_trainer():
             "4096",
             "--rollout.max_tokens_per_gpu",
             "8192",
+            "--train.dynamic_batch_pad_to_multiple",
+            "1024",
         ),
     )
     s = parse_settings(TrainerSettings, r.trainer + ["--train.dispatch", "false"], prog="trainer", environ={})
@@ -184,6 +186,7 @@ def test_data_and_critic_flags_reach_the_trainer():
         4096,
         8192,
     )
+    assert s.train.dynamic_batch_pad_to_multiple == 1024  # a later Molt's flag (its replay-buffer tests)
 
 
 def test_flags_without_a_counterpart_are_noted_or_refused_with_the_reason():
@@ -256,3 +259,34 @@ def test_every_option_of_molt_0_1_6_train_rl_ray_is_known():
     every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
     assert len(MOLT_0_1_6_FLAGS) == 109
     assert sorted(set(MOLT_0_1_6_FLAGS) - every) == []
+
+
+# The flag names of labs-molt's later slurm launchers (rl_qwen3_6_35b.sh as rl_muse_glimmer_30b.sh and
+# rl_qwen3_6.sh run it, rl_deepseek_v4_flash.sh, rl_qwen3_5_397b.sh), every branch of their RL_ARGS taken.
+LATER_SLURM_FLAGS = """
+actor.model_name_or_path data.prompt_dataset data.input_key data.label_key data.tools_key data.apply_chat_template
+data.image_key data.max_images_per_prompt data.max_samples data.max_len rollout.batch_size
+rollout.vllm_generate_batch_size rollout.micro_batch_size rollout.n_samples_per_prompt rollout.max_new_tokens
+rollout.temperature rollout.top_p train.batch_size train.micro_batch_size train.max_epochs train.num_episodes
+train.async_queue_size train.colocate_fsdp_models train.routing_replay actor.num_nodes actor.num_gpus_per_node
+ref.num_nodes ref.num_gpus_per_node vllm.num_engines vllm.tensor_parallel_size vllm.data_parallel_size
+vllm.pipeline_parallel_size vllm.sync_backend vllm.gpu_memory_utilization vllm.mm_encoder_attn_backend
+vllm.gdn_prefill_backend vllm.mamba_ssm_cache_dtype vllm.distributed_executor_backend
+vllm.mtp_num_speculative_tokens vllm.enable_prefix_caching fsdp.param_dtype fsdp.attn_implementation fsdp.tp_size
+fsdp.ep_size fsdp.cp_size actor.gradient_checkpoint actor.optim actor.adam.lr actor.adam.betas
+actor.adam.weight_decay actor.muon.lr actor.muon.momentum actor.muon.weight_decay actor.muon.ns_steps
+actor.eps_clip_low_high actor.dual_clip actor.aux_loss_coef actor.entropy_coef algo.advantage.estimator
+critic.model_name_or_path algo.advantage.is_correction_level algo.advantage.is_correction_threshold
+algo.kl.use_loss algo.kl.estimator algo.kl.init_coef reward.clip_range ckpt.output_dir ckpt.path ckpt.save_steps
+ckpt.max_num logger.logging_steps logger.wandb.project logger.wandb.run_name train.agent_path vllm.enforce_eager
+vllm.attention_backend train.force_on_policy train.partial_rollout_enable fsdp.offload fsdp.sequence_parallel
+vllm.enable_expert_parallel fsdp.bf16_master_weights actor.freeze_visual_encoder actor.freeze_moe_router
+ckpt.load_enable eval.dataset eval.steps eval.n_samples_per_prompt eval.eval_at_start algo.dynamic_filtering_enable
+algo.dynamic_filtering_range ckpt.disable_final_save logger.wandb.key
+""".split()
+
+
+def test_every_flag_name_of_molts_later_slurm_launchers_is_known():
+    every = tr.trainer_flag_names() | tr.POD_FLAGS | set(tr.PLACEMENT) | set(tr.MISSING) | tr.WIRING
+    every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
+    assert sorted(set(LATER_SLURM_FLAGS) - every) == []

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from services.trainer.batch import Sample, padding_sample
-from services.trainer.packing import common_prefix_len, no_4d_mask, pack, plan_group_chunks
+from services.trainer.packing import budget_chunks, common_prefix_len, no_4d_mask, pack, plan_group_chunks
 
 
 def _sample(tokens, group, actions_from):
@@ -101,3 +101,11 @@ def test_only_sdpa_and_eager_take_the_4d_mask():
 
     assert no_4d_mask(model("sdpa")) is None and no_4d_mask(model("eager")) is None
     assert "'flash_attention_2' takes no 4-D mask" in no_4d_mask(model("flash_attention_2"))
+
+
+def test_padded_budget_prices_the_length_rounded_to_the_pad_multiple():
+    # two samples of 1001 and 700 tokens padded together are 2 x 1001 <= 2047; rounded to 1024 they are 2 x 1024
+    assert budget_chunks([[0], [1]], [1001, 700], 2047, padded=True) == [[0, 1]]
+    assert budget_chunks([[0], [1]], [1001, 700], 2047, padded=True, pad_to_multiple=1024) == [[0], [1]]
+    # packed rows are priced by their tokens whatever the multiple
+    assert budget_chunks([[0], [1]], [1001, 700], 2047, pad_to_multiple=1024) == [[0, 1]]

@@ -1,0 +1,75 @@
+"""--fsdp.use_liger_kernel: off unless asked (NeMo AutoModel's loader would apply Liger by default), handed to NeMo
+on GPU, refused with the reason where it cannot run (CPU, --fsdp.strategy torch, vision-language models).
+
+The NeMo loader is replaced by a recorder: this machine has no GPU to build the real model on."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from molt.config import parse_settings
+from molt.stack import train_rl as tr
+from services.trainer import model
+from services.trainer.config import TrainerSettings
+
+GPU = model.DistInfo(rank=0, world_size=1, device=torch.device("cuda", 0), backend="nccl")
+CPU = model.DistInfo(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def _fsdp(*flags: str):
+    return parse_settings(TrainerSettings, ["--train.dispatch", "false", *flags], prog="trainer").fsdp
+
+
+def _model_dir(tmp_path, vision: bool) -> str:
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    if vision:
+        config = {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.fixture
+def nemo_calls(monkeypatch):
+    import nemo_automodel
+    from nemo_automodel.components.distributed import config as dist_config
+
+    calls: list[dict] = []
+
+    def record(cls, path, **kwargs):
+        calls.append(kwargs)
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(dist_config.DistributedSetup, "build", classmethod(lambda cls, *a, **k: SimpleNamespace()))
+    for name in ("NeMoAutoModelForCausalLM", "NeMoAutoModelForImageTextToText"):
+        monkeypatch.setattr(getattr(nemo_automodel, name), "from_pretrained", classmethod(record))
+    return calls
+
+
+@pytest.mark.parametrize(("flags", "expected"), [((), False), (("--fsdp.use_liger_kernel",), True)])
+def test_the_gpu_loader_gets_the_flag_as_given(tmp_path, nemo_calls, flags, expected):
+    model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(*flags), GPU)
+    assert nemo_calls[0]["use_liger_kernel"] is expected
+
+
+def test_a_vision_language_model_is_refused(tmp_path, nemo_calls):
+    with pytest.raises(ValueError, match="text decoders only"):
+        model.load_causal_lm(_model_dir(tmp_path, vision=True), _fsdp("--fsdp.use_liger_kernel"), GPU)
+    assert not nemo_calls
+
+
+@pytest.mark.parametrize(("info", "strategy"), [(CPU, "auto"), (GPU, "torch")])
+def test_without_nemo_on_gpu_it_is_refused_before_loading(tmp_path, info, strategy):
+    fsdp = _fsdp("--fsdp.use_liger_kernel", "--fsdp.strategy", strategy)
+    with pytest.raises(ValueError, match="drop the flag on CPU or with --fsdp.strategy torch"):
+        model.load_causal_lm(_model_dir(tmp_path, vision=False), fsdp, info)
+
+
+def test_train_rl_refuses_it_on_this_cpu_machine_and_routes_it_for_helm():
+    argv = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", "--fsdp.use_liger_kernel"]
+    with pytest.raises(ValueError, match="--fsdp.use_liger_kernel: Liger's kernels are Triton"):
+        tr.route(argv, "local", gpus=0)
+    assert "--fsdp.use_liger_kernel" in tr.route(argv, "helm").trainer
