@@ -62,11 +62,6 @@ PLACEMENT = {
 
 # Molt flags the services do not offer (yet), with the reason; docs/trainer.md lists them too.
 MISSING = {
-    "actor.optim": "only AdamW is offered (Molt's muon is experimental)",
-    "actor.muon.lr": "only AdamW is offered (Molt's muon is experimental)",
-    "actor.muon.momentum": "only AdamW is offered (Molt's muon is experimental)",
-    "actor.muon.ns_steps": "only AdamW is offered (Molt's muon is experimental)",
-    "actor.muon.weight_decay": "only AdamW is offered (Molt's muon is experimental)",
     "vllm.data_parallel_size": "scale rollout with more pods (--vllm.num_engines) instead",
     "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
     "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
@@ -77,7 +72,6 @@ MISSING = {
 NEUTRAL = {
     "vllm.data_parallel_size": "1",
     "vllm.pipeline_parallel_size": "1",
-    "actor.optim": "adam",
     "data.disable_fast_tokenizer": "false",
 }
 

@@ -38,10 +38,27 @@ class AdamConfig(Section):
     """AdamW decoupled weight decay."""
 
 
+class MuonConfig(Section):
+    lr: float = Field(0.02, gt=0.0)
+    """Muon learning rate of the 2-D weight matrices (the output head's AdamW rate is lr / sqrt(fan_in))."""
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon momentum."""
+    weight_decay: float | None = Field(None, ge=0.0)
+    """Muon decoupled weight decay. Unset: the AdamW weight decay."""
+    ns_steps: int = Field(5, gt=0)
+    """Newton-Schulz iterations per update."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+    no_nesterov: bool = False
+    """Molt's spelling of --muon.nesterov false."""
+
+
 class OptimizerConfig(Section):
-    optim: Literal["adam"] = "adam"
-    """Optimizer (AdamW, not fused). Molt's experimental muon is not offered."""
+    optim: Literal["adam", "muon"] = "adam"
+    """adam: AdamW on every parameter. muon: Muon on the 2-D weight matrices and AdamW (--adam.*) on embeddings,
+    the output head, norms and biases, grouped as Molt groups them (services/trainer/muon.py)."""
     adam: AdamConfig = Field(default_factory=AdamConfig)
+    muon: MuonConfig = Field(default_factory=MuonConfig)
     lr_scheduler: str = "constant"
     """HF scheduler name (transformers.get_scheduler): constant, cosine_with_min_lr, linear, ..."""
     lr_warmup_ratio: float = Field(0.03, ge=0.0, le=1.0)
@@ -442,6 +459,10 @@ def validate_settings(s: TrainerSettings) -> list[str]:
     for name, opt in (("actor", s.actor), ("critic", s.critic)):
         if len(opt.adam.betas) != 2:
             raise ValueError(f"--{name}.adam.betas takes two values B1 B2, got {opt.adam.betas}")
+        if opt.optim == "muon" and s.fsdp.offload != "none":
+            raise ValueError(
+                f"--{name}.optim muon with --fsdp.offload {s.fsdp.offload}: offloaded optimizer steps are AdamW only"
+            )
     if s.algo.advantage.estimator == "on_policy_distill" and not s.ref.model_name_or_path:
         raise ValueError("--algo.advantage.estimator on_policy_distill needs a teacher: set --ref.model_name_or_path")
     if s.eval.eval_only and not s.eval.dataset:

@@ -11,7 +11,7 @@ broadcasts it). Work is split by ``batch.partition``; every rank runs the same n
    ``--train.max_epochs`` passes: micro-batches of ``--train.micro_batch_size`` per rank (or of
    ``--train.max_tokens_per_gpu`` tokens with ``--train.dynamic_batch_enable``); the loss is
    molt.algorithms' global token-mean over the window's action tokens on all ranks; gradient sync is
-   deferred to the window's last micro-batch; grad clip ``--actor.max_norm``; AdamW.
+   deferred to the window's last micro-batch; grad clip ``--actor.max_norm``; AdamW (or Muon + AdamW).
 3. Metrics are token-weighted over micro-batches and ranks (one all-reduce per step).
 
 Log-probs are taken on logits / ``--rollout.temperature`` (the rollout's processed log-probs).
@@ -30,6 +30,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from molt.algorithms import (
     approx_kl,
@@ -51,6 +52,7 @@ from services.trainer.model import (
     load_causal_lm,
     load_critic,
 )
+from services.trainer.muon import MuonAdamW
 from services.trainer.packing import (
     budget_chunks,
     logprobs_and_entropy,
@@ -63,20 +65,25 @@ from services.trainer.packing import (
 log = logging.getLogger("molt.trainer")
 
 
-def build_optimizer(params, cfg, total_steps: int):
-    """AdamW + the HF scheduler of an optimizer block (``--actor.*``, ``--critic.*``, SFT's un-prefixed one)."""
+def build_optimizer(model: nn.Module, cfg, total_steps: int):
+    """The optimizer of ``model``'s trainable parameters (AdamW, or Muon + AdamW with ``--optim muon``) and the HF
+    scheduler, from an optimizer block (``--actor.*``, ``--critic.*``, SFT's un-prefixed one)."""
     from transformers import get_scheduler
 
-    opt = torch.optim.AdamW(
-        params,
-        lr=cfg.adam.lr,
-        betas=tuple(cfg.adam.betas),
-        eps=cfg.adam.eps,
-        weight_decay=cfg.adam.weight_decay,
-        # One kernel over all parameters (CPU and CUDA, DTensor shards included): the per-tensor loop costs
-        # several times more per step on a model with hundreds of tensors.
-        fused=True,
-    )
+    opt: torch.optim.Optimizer
+    if cfg.optim == "muon":
+        opt = MuonAdamW(model, cfg)
+    else:
+        opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.adam.lr,
+            betas=tuple(cfg.adam.betas),
+            eps=cfg.adam.eps,
+            weight_decay=cfg.adam.weight_decay,
+            # One kernel over all parameters (CPU and CUDA, DTensor shards included): the per-tensor loop costs
+            # several times more per step on a model with hundreds of tensors.
+            fused=True,
+        )
     kwargs = {}
     if cfg.lr_scheduler == "cosine_with_min_lr":
         kwargs["scheduler_specific_kwargs"] = {"min_lr_rate": cfg.min_lr_ratio}
@@ -135,8 +142,7 @@ class Learner:
             from services.trainer.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay(self.actor)
-        params = [p for p in self.actor.parameters() if p.requires_grad]
-        self.optim, self.sched = build_optimizer(params, a, total_steps)
+        self.optim, self.sched = build_optimizer(self.actor, a, total_steps)
         self.ref = None
         if needs_reference(settings):
             self.ref = load_causal_lm(
@@ -155,7 +161,7 @@ class Learner:
             # total_steps counts --train.max_epochs passes; the critic's schedule spans its own number of passes
             critic_steps = total_steps * (settings.critic.max_epochs or settings.train.max_epochs)
             self.critic_optim, self.critic_sched = build_optimizer(
-                [p for p in self.critic.parameters() if p.requires_grad],
+                self.critic,
                 settings.critic,
                 max(1, critic_steps // settings.train.max_epochs),
             )

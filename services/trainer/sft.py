@@ -145,9 +145,7 @@ class SftLearner:
             n = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
             total = sum(p.numel() for p in self.actor.parameters())
             log.info("--model.lora.rank %d: %d of %d parameters train (the adapters)", self.lora.rank, n, total)
-        self.optim, self.sched = build_optimizer(
-            [p for p in self.actor.parameters() if p.requires_grad], s, total_steps
-        )
+        self.optim, self.sched = build_optimizer(self.actor, s, total_steps)
         self.global_step = 0
 
     def packs(self) -> bool:

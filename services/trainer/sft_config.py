@@ -170,8 +170,6 @@ class SftAdam(AdamConfig):
 class SftSettings(OptimizerConfig):
     """Molt Services SFT: supervised fine-tuning on the trainer's FSDP2 stack (torchrun -m services.trainer.sft)."""
 
-    optim: Literal["adam", "muon"] = "adam"  # type: ignore[assignment]  # muon is accepted only to be refused clearly
-    """Optimizer: adam (AdamW). muon is refused (not offered)."""
     adam: SftAdam = Field(default_factory=SftAdam)
     model: SftModelConfig = Field(default_factory=SftModelConfig)
     data: SftDataConfig = Field(default_factory=SftDataConfig)
@@ -201,9 +199,9 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
         raise ValueError(
             "--use_ms: nothing is downloaded here; pass a local model directory to --model.model_name_or_path"
         )
-    if s.optim != "adam":
-        raise ValueError("--optim muon is not offered; use --optim adam")
     f = s.fsdp
+    if s.optim == "muon" and f.offload != "none":
+        raise ValueError(f"--optim muon with --fsdp.offload {f.offload}: offloaded optimizer steps are AdamW only")
     if f.pp_size != 1:
         raise ValueError(f"--fsdp.pp_size must be 1 (got {f.pp_size}); pipeline parallelism is not supported")
     if not on_gpu and max(f.tp_size, f.cp_size, f.ep_size) > 1:

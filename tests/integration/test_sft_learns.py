@@ -1,5 +1,6 @@
 """SFT teaches the tiny random model a task it cannot do (answer with the reversed prompt), and a rollout pod
-serving the exported directory does it; on SmolLM2 a few steps lower the held-out loss."""
+serving the exported directory does it; on SmolLM2 a few steps lower the held-out loss, with AdamW and with
+Muon."""
 
 from __future__ import annotations
 
@@ -115,16 +116,26 @@ def _heldout_loss(model_dir, rows) -> float:
     return float(ce) / int((labels[:, 1:] != -100).sum())
 
 
+# Muon orthogonalizes every weight matrix each step, which on one CPU core is minutes for SmolLM2's, so Muon
+# learns on the tiny model here
 @pytest.mark.slow
-def test_smollm2_heldout_loss_falls(smollm2, tmp_path):
+@pytest.mark.parametrize(
+    ("model", "optim"),
+    [
+        ("smollm2", ["--adam.lr", "1e-4"]),
+        ("tiny_qwen3", ["--optim", "muon", "--muon.lr", "0.02", "--adam.lr", "1e-3"]),
+    ],
+)
+def test_heldout_loss_falls(request, tmp_path, model, optim):
+    model_dir = request.getfixturevalue(model)
     held_out = reversal_rows(16, seed=7)
     write_jsonl(tmp_path / "train.jsonl", reversal_rows(48, seed=1))
     write_jsonl(tmp_path / "eval.jsonl", held_out)
-    before = _heldout_loss(smollm2, held_out)
+    before = _heldout_loss(model_dir, held_out)
     run_sft(
         [
             "--model.model_name_or_path",
-            str(smollm2),
+            str(model_dir),
             "--data.dataset",
             str(tmp_path / "train.jsonl"),
             "--data.input_key",
@@ -143,8 +154,7 @@ def test_smollm2_heldout_loss_falls(smollm2, tmp_path):
             "8",
             "--train.max_epochs",
             "1",
-            "--adam.lr",
-            "1e-4",
+            *optim,
             "--model.gradient_checkpoint",
             "none",
             "--fsdp.packing_samples",

@@ -204,8 +204,11 @@ def test_critic_warmup_freezes_the_actor(world, tiny_qwen3):
     assert learner.train_step(_samples(1))["actor_frozen"] == 0.0
 
 
-def test_checkpoint_roundtrip_is_exact(world, tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("optim", ["adam", "muon"])
+def test_checkpoint_roundtrip_is_exact(world, tiny_qwen3, tmp_path, optim):
     flags = (
+        "--actor.optim",
+        optim,
         "--algo.advantage.estimator",
         "gae",
         "--algo.kl.init_coef",

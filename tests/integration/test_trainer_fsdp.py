@@ -1,4 +1,5 @@
-"""A 2-process gloo FSDP2 step equals a 1-process step on the same batch (loss and weights within 1e-5).
+"""A 2-process gloo FSDP2 step equals a 1-process step on the same batch (loss and weights within 1e-5), with
+AdamW and with Muon.
 
 Both runs are the real CLI (``torchrun -m services.trainer`` vs ``python -m services.trainer``) reading
 the same synthetic batch from their own Redis stream; the updated weights are read back from each
@@ -33,6 +34,8 @@ ALGOS = {
         "--actor.loss_agg_mode",
         "prompt-mean-token-mean",
     ],
+    # Muon's Newton-Schulz iterations on FSDP2's sharded matrices (DTensor) equal those on whole ones
+    "muon": ["--actor.optim", "muon", "--actor.muon.lr", "0.02"],
 }
 
 

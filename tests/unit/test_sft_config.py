@@ -38,7 +38,7 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--fsdp.ep_size", "8"], "need GPUs"),
         (["--fsdp.cp_size", "8"], "need GPUs"),
         (["--fsdp.pp_size", "2"], "pipeline"),
-        (["--optim", "muon"], "muon"),
+        (["--optim", "muon", "--fsdp.offload", "optimizer"], "--optim muon"),
         (["--use_ms"], "nothing is downloaded"),
         (["--model.gradient_checkpoint", "selective"], "selective"),
         (["--fsdp.use_liger_kernel"], "GPUs"),

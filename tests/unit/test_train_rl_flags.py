@@ -82,8 +82,8 @@ def test_unknown_flags_get_a_did_you_mean_and_missing_features_their_reason():
                 "a.py",
                 "--algo.advantage.estimtor",
                 "grpo",
-                "--actor.optim",
-                "muon",
+                "--vllm.pipeline_parallel_size",
+                "2",
                 "--vllm.data_parallel_size",
                 "1",
             ],
@@ -91,7 +91,7 @@ def test_unknown_flags_get_a_did_you_mean_and_missing_features_their_reason():
         )
     msg = str(err.value)
     assert "--algo.advantage.estimtor: unknown flag; did you mean --algo.advantage.estimator?" in msg
-    assert "--actor.optim muon: only AdamW is offered" in msg
+    assert "--vllm.pipeline_parallel_size 2: pipeline-parallel rollout pods are not supported" in msg
     assert "data_parallel_size" not in msg  # 1 asks for nothing: accepted
 
 

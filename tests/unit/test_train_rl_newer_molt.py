@@ -202,12 +202,13 @@ def test_flags_without_a_counterpart_are_noted_or_refused_with_the_reason():
     assert "--data.disable_fast_tokenizer: the gateway tokenizes with the model's fast tokenizer" in msg
 
 
-def test_muon_settings_under_adamw_are_inert_and_muon_itself_is_refused():
+def test_muon_settings_under_adamw_are_inert_and_reach_the_trainer_under_muon():
     """Molt's slurm scripts pass --actor.muon.* on every run, with --actor.optim adam."""
     r = _route("--actor.optim", "adam", "--actor.muon.lr", "0.02", "--actor.muon.ns_steps", "5")
     assert "--actor.muon.lr: only read with --actor.optim muon; AdamW runs" in r.notes
-    with pytest.raises(ValueError, match="--actor.muon.lr 0.02: only AdamW is offered"):
-        _route("--actor.optim", "muon", "--actor.muon.lr", "0.02")
+    assert "--actor.muon.lr" not in r.trainer
+    r = _route("--actor.optim", "muon", "--actor.muon.lr", "0.02")
+    assert r.trainer[-4:] == ["--actor.optim", "muon", "--actor.muon.lr", "0.02"]
 
 
 def test_vllm_kernel_choices_reach_the_pods():

@@ -1,0 +1,129 @@
+"""Molt's ``--optim muon``: Muon on the hidden weight matrices, AdamW on everything else, as one optimizer.
+
+The parameters are split as Molt splits them (after NeMo AutoModel's grouping): 2-D weight matrices go to
+Muon (``--muon.lr``, ``momentum``, ``weight_decay`` (unset: the AdamW one), ``ns_steps``, ``nesterov``);
+embeddings to AdamW at the AdamW learning rate without weight decay; the output head (``lm_head``) to AdamW at
+``muon.lr / sqrt(fan_in)`` without weight decay; biases, norms and other tensors to AdamW with ``--adam.*``.
+
+The Muon update is ``torch.optim.Muon``'s (momentum as an EMA, Nesterov, Keller Jordan's quintic Newton-Schulz
+coefficients, the step scaled by ``sqrt(max(1, rows / cols))``) with two differences: each matrix is
+orthogonalized whole (an FSDP2 shard is gathered first, so every world size computes the same update) and in the
+parameters' precision (fp32 master weights), where torch rounds to bf16. Molt runs Dion's Muon, which is not on
+PyPI, so updates are not bit-equal to Molt's. 3-D tensors (grouped MoE experts, convolutions) stay on AdamW; in
+Molt that is the ``MUON_EXPERTS_ADAMW=1`` behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def param_groups(model: nn.Module, cfg) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(Muon groups, AdamW groups) of ``model``'s trainable parameters under the optimizer block ``cfg``."""
+    modules = dict(model.named_modules())
+    matrix: list[nn.Parameter] = []
+    vector: list[nn.Parameter] = []
+    embed: list[nn.Parameter] = []
+    head: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+        if isinstance(owner, nn.Embedding):
+            embed.append(p)
+        elif "lm_head" in name:
+            head.append(p)
+        elif name.endswith("bias") or p.ndim != 2:
+            vector.append(p)
+        else:
+            matrix.append(p)
+    adam, mu = cfg.adam, cfg.muon
+    muon_wd = adam.weight_decay if mu.weight_decay is None else mu.weight_decay
+    muon = [{"params": matrix, "lr": mu.lr, "weight_decay": muon_wd}] if matrix else []
+    adamw = [
+        {"params": vector, "lr": adam.lr, "weight_decay": adam.weight_decay},
+        {"params": embed, "lr": adam.lr, "weight_decay": 0.0},
+    ]
+    if head:
+        fan_in = head[0].shape[-1] if head[0].ndim >= 2 else max(1, head[0].numel())
+        adamw.append({"params": head, "lr": mu.lr / math.sqrt(float(fan_in)), "weight_decay": 0.0})
+    return muon, [g for g in adamw if g["params"]]
+
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """Newton-Schulz iterations towards the nearest semi-orthogonal matrix of ``update`` (Muon's step)."""
+    a, b, c = NS_COEFFICIENTS
+    tall = update.shape[0] > update.shape[1]
+    x = update.T if tall else update
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon groups then AdamW groups in one optimizer: the Muon ones stepped here, the AdamW ones by a fused
+    ``torch.optim.AdamW`` that shares this optimizer's ``param_groups`` and ``state``, so the LR scheduler,
+    clipping and DCP checkpoints (``get_state_dict`` / ``set_state_dict``) see a single optimizer."""
+
+    def __init__(self, model: nn.Module, cfg) -> None:
+        muon_groups, adamw_groups = param_groups(model, cfg)
+        mu, adam = cfg.muon, cfg.adam
+        for g in muon_groups:
+            g.update(momentum=mu.momentum, nesterov=mu.nesterov and not mu.no_nesterov, ns_steps=mu.ns_steps)
+        self._adamw = None
+        if adamw_groups:
+            self._adamw = torch.optim.AdamW(adamw_groups, betas=tuple(adam.betas), eps=adam.eps, fused=True)
+        self._n_muon = len(muon_groups)
+        groups = muon_groups + (self._adamw.param_groups if self._adamw is not None else [])
+        super().__init__(groups, defaults={})
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point the inner AdamW at this optimizer's groups and state (again after ``load_state_dict``, which
+        replaces the group dicts)."""
+        if self._adamw is not None:
+            self._adamw.param_groups = self.param_groups[self._n_muon :]
+            self._adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonAdamW.step takes no closure")
+        for group in self.param_groups[: self._n_muon]:
+            lr, mom = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mom)
+                update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+                o = orthogonalize(_whole(update), group["ns_steps"])
+                if isinstance(p, DTensor):  # every rank holds the whole update: keep its own shard, no traffic
+                    o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+                rows, cols = p.shape
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(o, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+        if self._adamw is not None:
+            self._adamw.step()
+        return None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._bind()
