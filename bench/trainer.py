@@ -11,6 +11,8 @@
    packing off (``--train.pack_shared_prefix false``). The trajectories are GRPO-shaped: groups of 4
    samples share their prompt (the first quarter of the tokens), so packing computes it once per group;
    tokens/s counts the plain layout's tokens on every row, so the ratios compare wall time.
+   With ``--optim muon`` the learner runs ``--actor.optim muon`` and the bare loop steps the same groups
+   (services/trainer/muon.py) with ``torch.optim.Muon`` and fused AdamW.
 Prints a markdown table (tokens/s, ratio to the limit).
 """
 
@@ -71,7 +73,20 @@ def bench_assembly(trajs, repeat: int) -> tuple[float, float]:
     return best(lambda: [decode(b) for b in blobs], repeat), best(ours, repeat)
 
 
-def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, float]:
+def bare_optimizer(raw, optim: str, model_dir: str):
+    """The bare loop's optimizer: the learner's AdamW, or torch's Muon + AdamW over the learner's Muon groups."""
+    if optim == "adam":
+        return [torch.optim.AdamW(raw.parameters(), lr=1e-6, fused=True)]  # as the learner's
+    from molt.config import parse_settings
+    from services.trainer.config import TrainerSettings
+    from services.trainer.muon import param_groups
+
+    argv = ["--actor.model_name_or_path", model_dir, "--train.dispatch", "false", "--actor.optim", "muon"]
+    muon, adamw = param_groups(raw, parse_settings(TrainerSettings, argv, environ={}).actor)
+    return [torch.optim.Muon(muon), torch.optim.AdamW(adamw, fused=True)]
+
+
+def bench_step(model_dir: str, trajs, micro: int, repeat: int, optim: str = "adam") -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from molt.config import parse_settings
@@ -83,7 +98,7 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
     samples = [x for t in trajs for x in samples_from_trajectory(t, 1 << 20)]
     tokens = sum(x.num_tokens for x in samples)
     raw = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(raw.parameters(), lr=1e-6, fused=True)  # as the learner's
+    opts = bare_optimizer(raw, optim, model_dir)
 
     def bare():
         for i in range(0, len(samples), micro):
@@ -91,8 +106,9 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
             out = raw(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
             (-(logp * mb.action_mask).sum() / mb.action_mask.sum()).backward()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
 
     result = {"bare": tokens / best(bare, repeat)}
     info = init_distributed()
@@ -118,6 +134,8 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int) -> dict[str, floa
                 "off",
                 "--fsdp.strategy",
                 "torch",
+                "--actor.optim",
+                optim,
                 *extra,
             ],
             environ={},
@@ -135,13 +153,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--optim", choices=["adam", "muon"], default="adam")
     a = p.parse_args()
     from transformers import AutoConfig
 
     trajs = make(a.trajectories, a.tokens, AutoConfig.from_pretrained(a.model).vocab_size)
     dec_s, ours_s = bench_assembly(trajs, a.repeat)
-    steps = bench_step(a.model, trajs, a.micro, a.repeat)
-    print(f"\n{a.trajectories} trajectories x ~{a.tokens} tokens, model {a.model}, micro-batch {a.micro}\n")
+    steps = bench_step(a.model, trajs, a.micro, a.repeat, a.optim)
+    print(
+        f"\n{a.trajectories} trajectories x ~{a.tokens} tokens, model {a.model}, micro-batch {a.micro}, "
+        f"optimizer {a.optim}\n"
+    )
     print("| hot path | ours | limit | ratio |\n|---|---|---|---|")
     n = len(trajs)
     print(
@@ -150,7 +172,7 @@ def main() -> None:
     )
     for name in ("learner", "learner_force_on_policy", "learner_force_on_policy_plain_layout"):
         print(
-            f"| train step, {name} (tokens/s) | {steps[name]:,.0f} | {steps['bare']:,.0f} (bare fwd/bwd/AdamW) | "
+            f"| train step, {name} (tokens/s) | {steps[name]:,.0f} | {steps['bare']:,.0f} (bare fwd/bwd/{a.optim}) | "
             f"{steps[name] / steps['bare']:.2f} |"
         )
 
