@@ -66,7 +66,6 @@ MISSING = {
     "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
     "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
     "data.disable_fast_tokenizer": "the gateway tokenizes with the model's fast tokenizer (transformers' default)",
-    "fsdp.bf16_master_weights": "master weights stay fp32 (bf16 compute with --fsdp.param_dtype bf16)",
 }
 # Values these flags take when they ask for nothing (accepted even where the feature is missing).
 NEUTRAL = {
@@ -156,6 +155,8 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
         return "NCCL needs GPUs (this machine has none); weights travel over gRPC here: drop the flag"
     if name == "fsdp.attn_implementation" and v in GPU_ATTENTION and target == "local" and gpus == 0:
         return f"{v} kernels need a GPU; use sdpa (the CPU default) or drop the flag"
+    if name == "fsdp.bf16_master_weights" and _true(values) and target == "local" and gpus == 0:
+        return "bf16 master weights are for NeMo AutoModel on GPUs; this machine has none (weights stay fp32)"
     if name == "fsdp.use_liger_kernel" and _true(values) and target == "local" and gpus == 0:
         return "Liger's kernels are Triton (GPU only); drop the flag on CPU"
     gpu_count = name in ("actor.num_gpus_per_node", "ref.num_gpus_per_node")

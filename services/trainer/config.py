@@ -342,6 +342,9 @@ class FsdpConfig(Section):
     """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
     attn_implementation: str | None = None
     """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+    bf16_master_weights: bool = False
+    """Store the policy's weights (and so its optimizer state) in bf16 instead of fp32, for kernels that compute in
+    the stored dtype (Molt's DeepSeek-V4 recipe). GPU, NeMo AutoModel only."""
     use_liger_kernel: bool = False
     """Liger's fused Triton kernels (NeMo AutoModel on GPU; dense text models). Off unless set, as in Molt: NeMo's
     own loader would otherwise apply them by default."""

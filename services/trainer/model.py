@@ -178,7 +178,7 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     return auto.from_pretrained(
         path,
         distributed_setup=setup,
-        torch_dtype=torch.float32,
+        torch_dtype=torch.bfloat16 if fsdp.bf16_master_weights else torch.float32,
         attn_implementation=_attn(fsdp, True),
         peft_config=peft,
         use_liger_kernel=fsdp.use_liger_kernel,  # NeMo defaults to True; Molt applies Liger only when asked
@@ -205,6 +205,11 @@ def load_causal_lm(
             raise ValueError(
                 "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
                 "pure FSDP2 data parallel (leave them at 1)"
+            )
+        if fsdp.bf16_master_weights:
+            raise ValueError(
+                "--fsdp.bf16_master_weights: bf16 master weights are for NeMo AutoModel on GPU (--fsdp.strategy "
+                "auto or nemo); here the weights stay fp32: drop the flag"
             )
         if fsdp.use_liger_kernel:
             raise ValueError(

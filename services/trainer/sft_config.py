@@ -219,6 +219,8 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
         raise ValueError("--fsdp.sequence_parallel needs --fsdp.tp_size > 1")
     if f.use_liger_kernel and not on_gpu:
         raise ValueError("--fsdp.use_liger_kernel needs GPUs (Triton kernels); drop it on CPU")
+    if f.bf16_master_weights and not on_gpu:
+        raise ValueError("--fsdp.bf16_master_weights is for NeMo AutoModel on GPUs; on CPU the weights stay fp32")
     if s.model.gradient_checkpoint == "selective" and not on_gpu:
         raise ValueError(
             "--model.gradient_checkpoint selective (per-op AC) needs NeMo AutoModel on GPU; use full or none"

@@ -42,6 +42,7 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--use_ms"], "nothing is downloaded"),
         (["--model.gradient_checkpoint", "selective"], "selective"),
         (["--fsdp.use_liger_kernel"], "GPUs"),
+        (["--fsdp.bf16_master_weights"], "GPUs"),
         (["--ckpt.max_mem", "100"], "--ckpt.max_num"),
         (["--fsdp.attn_implementation", "flash_attention_2"], "on CPU use sdpa"),
         (["--data.dataset_probs", "0.5,0.5"], "one weight per dataset"),

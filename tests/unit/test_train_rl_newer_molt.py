@@ -221,7 +221,7 @@ def test_vllm_kernel_choices_reach_the_pods():
     v = parse_settings(RolloutSettings, r.rollout, prog="rollout").vllm
     assert (v.attention_backend, v.mm_encoder_attn_backend) == ("TRITON_ATTN", "TORCH_SDPA")
     assert (v.gdn_prefill_backend, v.mamba_ssm_cache_dtype) == ("triton", "float32")
-    with pytest.raises(ValueError, match="--fsdp.bf16_master_weights: master weights stay fp32"):
+    with pytest.raises(ValueError, match="--fsdp.bf16_master_weights: bf16 master weights are for NeMo AutoModel"):
         _route("--fsdp.bf16_master_weights")
 
 
@@ -291,3 +291,40 @@ def test_every_flag_name_of_molts_later_slurm_launchers_is_known():
     every = tr.trainer_flag_names() | tr.POD_FLAGS | set(tr.PLACEMENT) | set(tr.MISSING) | tr.WIRING
     every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
     assert sorted(set(LATER_SLURM_FLAGS) - every) == []
+
+
+# rl_muse_glimmer_30b.sh's run of the later rl_qwen3_6_35b.sh launcher, its RL_ARGS at the wrapper's defaults.
+MUSE_GLIMMER = (
+    "--actor.model_name_or_path /models/muse-glimmer-30b --data.prompt_dataset /data/geo3k/train "
+    "--data.input_key prompt --data.label_key reward_model --data.tools_key tools --data.apply_chat_template "
+    "--data.image_key images --data.max_images_per_prompt 1 --data.max_samples 65536 --data.max_len 8192 "
+    "--rollout.batch_size 2 --rollout.vllm_generate_batch_size 8 --rollout.micro_batch_size 1 "
+    "--rollout.n_samples_per_prompt 4 --rollout.max_new_tokens=2048 --rollout.temperature 1.0 --rollout.top_p 1.0 "
+    "--train.batch_size 8 --train.micro_batch_size 1 --train.max_epochs 1 --train.num_episodes 1 "
+    "--train.async_queue_size 1 --train.colocate_fsdp_models --actor.num_nodes 2 --actor.num_gpus_per_node 8 "
+    "--ref.num_nodes 2 --ref.num_gpus_per_node 8 --vllm.num_engines 4 --vllm.tensor_parallel_size 2 "
+    "--vllm.data_parallel_size 1 --vllm.sync_backend nccl --vllm.gpu_memory_utilization 0.85 "
+    "--vllm.mm_encoder_attn_backend TORCH_SDPA --vllm.gdn_prefill_backend triton --vllm.mamba_ssm_cache_dtype auto "
+    "--vllm.distributed_executor_backend mp --vllm.mtp_num_speculative_tokens 0 --fsdp.param_dtype bf16 "
+    "--fsdp.attn_implementation sdpa --fsdp.tp_size 2 --fsdp.ep_size 1 --fsdp.cp_size 1 "
+    "--actor.gradient_checkpoint full --actor.optim adam --actor.adam.lr 1e-6 --actor.adam.betas 0.9 0.98 "
+    "--actor.adam.weight_decay 0.0 --actor.muon.lr 2e-4 --actor.muon.momentum 0.95 --actor.muon.weight_decay 0.0 "
+    "--actor.muon.ns_steps 5 --actor.eps_clip_low_high 0.2 0.28 --actor.dual_clip 10.0 --actor.aux_loss_coef 0 "
+    "--actor.entropy_coef 0.0 --algo.advantage.estimator reinforce_baseline --algo.advantage.is_correction_level geo "
+    "--algo.advantage.is_correction_threshold 0.99 1.01 --algo.kl.use_loss --algo.kl.estimator k2 "
+    "--algo.kl.init_coef 0.0 --reward.clip_range -10 10 --ckpt.output_dir /save/hf --ckpt.path /save/state "
+    "--ckpt.save_steps 5 --ckpt.max_num 50 --logger.logging_steps 1 --logger.wandb.project molt_muse_glimmer_rl "
+    "--logger.wandb.run_name muse_glimmer_rl_1 --train.agent_path /molt/examples/python/agents/chat_geo3k.py "
+    "--vllm.enforce_eager --vllm.attention_backend TRITON_ATTN --train.force_on_policy "
+    "--actor.freeze_visual_encoder --eval.dataset /data/geo3k/eval --eval.steps 5 --eval.n_samples_per_prompt 4"
+)
+
+
+def test_a_later_slurm_launcher_routes_to_helm_and_each_service_accepts_its_part():
+    r = tr.route(MUSE_GLIMMER.split(), "helm")
+    trainer = parse_settings(TrainerSettings, r.trainer + ["--envs.urls", "http://envs:8002"], environ={})
+    validate_settings(trainer)
+    pods = parse_settings(RolloutSettings, r.rollout, prog="rollout")
+    values = tr.helm_values(r)
+    assert trainer.fsdp.tp_size == 2 and trainer.actor.freeze_visual_encoder and trainer.actor.optim == "adam"
+    assert pods.vllm.tensor_parallel_size == 2 and values["rollout"]["replicas"] == 4

@@ -1,7 +1,9 @@
-"""--fsdp.use_liger_kernel: off unless asked (NeMo AutoModel's loader would apply Liger by default), handed to NeMo
-on GPU, refused with the reason where it cannot run (CPU, --fsdp.strategy torch, vision-language models).
+"""Trainer flags for NeMo AutoModel on GPU: handed to its loader there, refused with the reason where they cannot
+run (CPU, --fsdp.strategy torch, vision-language models for Liger).
 
-The NeMo loader is replaced by a recorder: this machine has no GPU to build the real model on."""
+--fsdp.use_liger_kernel is off unless asked (NeMo's loader would apply Liger by default); --fsdp.bf16_master_weights
+loads the policy in bf16 (Molt's DeepSeek-V4 recipe). The NeMo loader is replaced by a recorder: this machine has
+no GPU to build the real model on."""
 
 from __future__ import annotations
 
@@ -73,3 +75,18 @@ def test_train_rl_refuses_it_on_this_cpu_machine_and_routes_it_for_helm():
     with pytest.raises(ValueError, match="--fsdp.use_liger_kernel: Liger's kernels are Triton"):
         tr.route(argv, "local", gpus=0)
     assert "--fsdp.use_liger_kernel" in tr.route(argv, "helm").trainer
+
+
+@pytest.mark.parametrize(("flags", "dtype"), [((), torch.float32), (("--fsdp.bf16_master_weights",), torch.bfloat16)])
+def test_bf16_master_weights_load_the_policy_in_bf16_on_gpu(tmp_path, nemo_calls, flags, dtype):
+    model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(*flags), GPU)
+    assert nemo_calls[0]["torch_dtype"] == dtype
+
+
+def test_bf16_master_weights_are_refused_off_nemo_and_on_this_cpu_machine(tmp_path):
+    with pytest.raises(ValueError, match="here the weights stay fp32: drop the flag"):
+        model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp("--fsdp.bf16_master_weights"), CPU)
+    argv = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", "--fsdp.bf16_master_weights"]
+    with pytest.raises(ValueError, match="this machine has none"):
+        tr.route(argv, "local", gpus=0)
+    assert "--fsdp.bf16_master_weights" in tr.route(argv, "helm").trainer
