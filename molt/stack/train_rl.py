@@ -64,7 +64,6 @@ PLACEMENT = {
 MISSING = {
     "vllm.data_parallel_size": "scale rollout with more pods (--vllm.num_engines) instead",
     "vllm.pipeline_parallel_size": "pipeline-parallel rollout pods are not supported",
-    "fsdp.sequence_parallel": "tensor/sequence parallel training needs NeMo AutoModel on GPUs; not wired yet",
     "data.disable_fast_tokenizer": "the gateway tokenizes with the model's fast tokenizer (transformers' default)",
 }
 # Values these flags take when they ask for nothing (accepted even where the feature is missing).

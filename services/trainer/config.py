@@ -342,6 +342,8 @@ class FsdpConfig(Section):
     """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
     attn_implementation: str | None = None
     """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside the tensor-parallel region (needs --fsdp.tp_size > 1; GPU, NeMo AutoModel)."""
     bf16_master_weights: bool = False
     """Store the policy's weights (and so its optimizer state) in bf16 instead of fp32, for kernels that compute in
     the stored dtype (Molt's DeepSeek-V4 recipe). GPU, NeMo AutoModel only."""
@@ -450,6 +452,8 @@ def validate_settings(s: TrainerSettings) -> list[str]:
             f"--fsdp.cp_size {s.fsdp.cp_size}: context parallelism needs sequence sharding of the "
             "inputs, which this trainer does not do yet; use --fsdp.cp_size 1"
         )
+    if s.fsdp.sequence_parallel and s.fsdp.tp_size == 1:
+        raise ValueError("--fsdp.sequence_parallel shards activations inside TP: it needs --fsdp.tp_size > 1")
     if t.batch_size % t.micro_batch_size:
         raise ValueError(
             f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size {t.micro_batch_size}"

@@ -158,6 +158,7 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
         mp_policy=_mp_policy(fsdp, True),
         offload_policy=CPUOffloadPolicy() if fsdp.offload != "none" else None,
         activation_checkpointing=gradient_checkpoint,
+        sequence_parallel=fsdp.sequence_parallel,
     )
     sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
     setup = DistributedSetup.build(cfg, sizes, world_size=info.world_size)

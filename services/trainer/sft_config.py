@@ -122,8 +122,6 @@ class SftFsdpConfig(FsdpConfig):
     packing_samples: bool = False
     """Sample packing: each micro-batch's samples are concatenated into one row (position ids restart per
     sample, attention stays within its sample) instead of being padded to the longest."""
-    sequence_parallel: bool = False
-    """Sequence parallelism inside the TP region (needs --fsdp.tp_size > 1, GPU)."""
 
 
 class SftCkptConfig(CkptConfig):

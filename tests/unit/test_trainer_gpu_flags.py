@@ -1,5 +1,5 @@
 """Trainer flags for NeMo AutoModel on GPU: handed to its loader there, refused with the reason where they cannot
-run (CPU, --fsdp.strategy torch, vision-language models for Liger).
+run (CPU, --fsdp.strategy torch, vision-language models for Liger, sequence parallelism without TP).
 
 --fsdp.use_liger_kernel is off unless asked (NeMo's loader would apply Liger by default); --fsdp.bf16_master_weights
 loads the policy in bf16 (Molt's DeepSeek-V4 recipe). The NeMo loader is replaced by a recorder: this machine has
@@ -45,7 +45,11 @@ def nemo_calls(monkeypatch):
         calls.append(kwargs)
         return torch.nn.Linear(1, 1)
 
-    monkeypatch.setattr(dist_config.DistributedSetup, "build", classmethod(lambda cls, *a, **k: SimpleNamespace()))
+    def build(cls, config, sizes, **kwargs):
+        calls.append({"fsdp2_config": config, "sizes": sizes})
+        return SimpleNamespace()
+
+    monkeypatch.setattr(dist_config.DistributedSetup, "build", classmethod(build))
     for name in ("NeMoAutoModelForCausalLM", "NeMoAutoModelForImageTextToText"):
         monkeypatch.setattr(getattr(nemo_automodel, name), "from_pretrained", classmethod(record))
     return calls
@@ -54,13 +58,13 @@ def nemo_calls(monkeypatch):
 @pytest.mark.parametrize(("flags", "expected"), [((), False), (("--fsdp.use_liger_kernel",), True)])
 def test_the_gpu_loader_gets_the_flag_as_given(tmp_path, nemo_calls, flags, expected):
     model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(*flags), GPU)
-    assert nemo_calls[0]["use_liger_kernel"] is expected
+    assert nemo_calls[1]["use_liger_kernel"] is expected
 
 
 def test_a_vision_language_model_is_refused(tmp_path, nemo_calls):
     with pytest.raises(ValueError, match="text decoders only"):
         model.load_causal_lm(_model_dir(tmp_path, vision=True), _fsdp("--fsdp.use_liger_kernel"), GPU)
-    assert not nemo_calls
+    assert not [c for c in nemo_calls if "use_liger_kernel" in c]
 
 
 @pytest.mark.parametrize(("info", "strategy"), [(CPU, "auto"), (GPU, "torch")])
@@ -80,7 +84,7 @@ def test_train_rl_refuses_it_on_this_cpu_machine_and_routes_it_for_helm():
 @pytest.mark.parametrize(("flags", "dtype"), [((), torch.float32), (("--fsdp.bf16_master_weights",), torch.bfloat16)])
 def test_bf16_master_weights_load_the_policy_in_bf16_on_gpu(tmp_path, nemo_calls, flags, dtype):
     model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(*flags), GPU)
-    assert nemo_calls[0]["torch_dtype"] == dtype
+    assert nemo_calls[1]["torch_dtype"] == dtype
 
 
 def test_bf16_master_weights_are_refused_off_nemo_and_on_this_cpu_machine(tmp_path):
@@ -90,3 +94,29 @@ def test_bf16_master_weights_are_refused_off_nemo_and_on_this_cpu_machine(tmp_pa
     with pytest.raises(ValueError, match="this machine has none"):
         tr.route(argv, "local", gpus=0)
     assert "--fsdp.bf16_master_weights" in tr.route(argv, "helm").trainer
+
+
+def test_sequence_parallel_reaches_nemos_tp_plan_and_needs_tp():
+    from services.trainer.config import validate_settings
+
+    flags = ["--fsdp.tp_size", "2", "--fsdp.sequence_parallel"]
+    assert _fsdp(*flags).sequence_parallel
+    s = parse_settings(
+        TrainerSettings, ["--actor.model_name_or_path", "m", "--train.dispatch", "false", *flags], environ={}
+    )
+    validate_settings(s)
+    with pytest.raises(ValueError, match="--fsdp.sequence_parallel shards activations inside TP"):
+        validate_settings(
+            parse_settings(
+                TrainerSettings,
+                ["--actor.model_name_or_path", "m", "--train.dispatch", "false", "--fsdp.sequence_parallel"],
+                environ={},
+            )
+        )
+
+
+def test_sequence_parallel_is_handed_to_nemos_fsdp2_config(tmp_path, nemo_calls):
+    model.load_causal_lm(
+        _model_dir(tmp_path, vision=False), _fsdp("--fsdp.tp_size", "2", "--fsdp.sequence_parallel"), GPU
+    )
+    assert nemo_calls[0]["fsdp2_config"].sequence_parallel is True and nemo_calls[0]["sizes"].tp_size == 2
