@@ -15,8 +15,9 @@
 #   3. a real RolloutEngine on the GPU (vllm, tiny Qwen3, fp32) fed over gRPC by WeightPusher:
 #      logprobs after the sync vs transformers, versions
 #   4. with 2+ GPUs: the same sync with --transport nccl (pod on GPU 1, trainer on GPU 0)
-#   5. SFT through NeMo AutoModel on one GPU, full and LoRA (NeMo's own adapters): 2 steps each, the
-#      exports differ from the base (LoRA: only the *_proj weights, the adapters folded in)
+#   5. SFT through NeMo AutoModel on one GPU, full, LoRA (NeMo's own adapters), Muon (FSDP2's DTensor
+#      shards) and bf16 master weights: 2 steps each, the exports differ from the base (LoRA: only the
+#      *_proj weights, the adapters folded in)
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp}
@@ -132,7 +133,9 @@ flags = ["--model.model_name_or_path", "/tmp/molt-gpu/a", "--data.dataset", "/tm
          "--data.input_key", "prompt", "--data.output_key", "response", "--train.batch_size", "8",
          "--train.micro_batch_size", "4", "--train.num_steps", "2", "--adam.lr", "1e-3"]
 base = load_file("/tmp/molt-gpu/a/model.safetensors")
-for tag, extra in (("full", []), ("lora", ["--model.lora.rank", "4"])):
+variants = (("full", []), ("lora", ["--model.lora.rank", "4"]), ("muon", ["--optim", "muon"]),
+            ("bf16-master", ["--fsdp.bf16_master_weights"]))
+for tag, extra in variants:
     out = f"/tmp/molt-gpu/sft-{tag}"
     cmd = [sys.executable, "-m", "services.trainer.sft", *flags, "--ckpt.path", out + "/state",
            "--ckpt.output_dir", out + "/hf", *extra]
@@ -142,5 +145,5 @@ for tag, extra in (("full", []), ("lora", ["--model.lora.rank", "4"])):
     print(tag, len(changed), "tensors changed, e.g.", changed[:3])
     assert changed and (tag == "full" or all(n.endswith("_proj.weight") for n in changed)), tag
 EOF
-step "5 SFT through NeMo AutoModel: full and LoRA" 600 "$PY" /tmp/molt-gpu/sft.py
+step "5 SFT through NeMo AutoModel: full, LoRA, Muon, bf16 master weights" 600 "$PY" /tmp/molt-gpu/sft.py
 echo "=== summary"; printf '%s\n' "${RESULTS[@]}"
