@@ -9,8 +9,9 @@ The Muon update is ``torch.optim.Muon``'s (momentum as an EMA, Nesterov, Keller 
 coefficients, the step scaled by ``sqrt(max(1, rows / cols))``) with two differences: each matrix is
 orthogonalized whole (an FSDP2 shard is gathered first, so every world size computes the same update) and in the
 parameters' precision (fp32 master weights), where torch rounds to bf16. Molt runs Dion's Muon, which is not on
-PyPI, so updates are not bit-equal to Molt's. 3-D tensors (grouped MoE experts, convolutions) stay on AdamW; in
-Molt that is the ``MUON_EXPERTS_ADAMW=1`` behaviour.
+PyPI, so updates are not bit-equal to Molt's. Grouped MoE experts (a 3-D tensor in an ``*Experts`` module, as
+transformers and NeMo store them) go to Muon expert by expert, as in Molt; other 3-D+ tensors (convolutions)
+stay on AdamW.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def param_groups(model: nn.Module, cfg) -> tuple[list[dict[str, Any]], list[dict
             embed.append(p)
         elif "lm_head" in name:
             head.append(p)
-        elif name.endswith("bias") or p.ndim != 2:
+        elif name.endswith("bias") or p.ndim < 2:
             vector.append(p)
+        elif p.ndim == 2 or (p.ndim == 3 and "Experts" in type(owner).__name__):
+            matrix.append(p)  # a grouped experts tensor [experts, out, in]: each expert's matrix on its own
         else:
-            matrix.append(p)
+            vector.append(p)  # convolutions and other 3-D+ tensors
     adam, mu = cfg.adam, cfg.muon
     muon_wd = adam.weight_decay if mu.weight_decay is None else mu.weight_decay
     muon = [{"params": matrix, "lr": mu.lr, "weight_decay": muon_wd}] if matrix else []
@@ -59,15 +62,16 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """Newton-Schulz iterations towards the nearest semi-orthogonal matrix of ``update`` (Muon's step)."""
+    """Newton-Schulz iterations towards the nearest semi-orthogonal matrix of ``update`` (Muon's step), over its
+    last two dimensions (a stack of expert matrices is orthogonalized matrix by matrix)."""
     a, b, c = NS_COEFFICIENTS
-    tall = update.shape[0] > update.shape[1]
-    x = update.T if tall else update
-    x = x / x.norm().clamp(min=eps)
+    tall = update.shape[-2] > update.shape[-1]
+    x = update.mT if tall else update
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return x.mT if tall else x
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +121,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 o = orthogonalize(_whole(update), group["ns_steps"])
                 if isinstance(p, DTensor):  # every rank holds the whole update: keep its own shard, no traffic
                     o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-                rows, cols = p.shape
+                rows, cols = p.shape[-2:]
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(o, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
         if self._adamw is not None:

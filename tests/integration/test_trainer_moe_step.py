@@ -1,10 +1,12 @@
 """A real FSDP2 train step on tiny Qwen3-MoE with --train.routing_replay and --actor.freeze_moe_router:
 the router stays frozen (excluded from the optimizer and from the published weights), experts move,
-and replaying the rollout's own routing keeps the trainer's old log-probs equal to a live forward."""
+and replaying the rollout's own routing keeps the trainer's old log-probs equal to a live forward; with AdamW and
+with Muon, which steps each grouped expert tensor expert by expert."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
@@ -18,7 +20,8 @@ from services.trainer.model import full_state_dict, init_distributed
 from services.trainer.routing_replay import find_routers
 
 
-def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe):
+@pytest.mark.parametrize("optim", ["adam", "muon"])
+def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe, optim):
     s = parse_settings(
         TrainerSettings,
         [
@@ -42,6 +45,8 @@ def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe):
             "1e-2",
             "--train.routing_replay",
             "--actor.freeze_moe_router",
+            "--actor.optim",
+            optim,
         ],
         environ={},
     )
@@ -79,6 +84,8 @@ def test_moe_step_with_replay_and_frozen_router(tiny_qwen3_moe):
         # old log-probs were computed with the replayed (= the sampler's own) routing: no mismatch
         assert abs(stats["mismatch_kl"]["unknown"]) < 1e-5
         assert learner.replay.replayed_rows > 0
+        experts_param = named["model.layers.0.mlp.experts.gate_up_proj"]
+        assert ("momentum_buffer" in learner.optim.state[experts_param]) == (optim == "muon")
         after = full_state_dict(learner.actor)
     finally:
         dist.destroy_process_group()

@@ -57,6 +57,33 @@ def test_groups_are_molts_matrices_to_muon_the_rest_to_adamw():
     assert head["lr"] == pytest.approx(0.02 / math.sqrt(6))  # muon lr / sqrt(fan_in)
 
 
+class TinyExperts(nn.Module):
+    """Grouped experts stored as transformers and NeMo store them: one [experts, out, in] tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down_proj = nn.Parameter(torch.randn(3, 6, 8))
+
+
+def test_grouped_experts_go_to_muon_and_other_3d_tensors_to_adamw():
+    model = TinyLM()
+    model.experts = TinyExperts()
+    model.conv = nn.Conv1d(1, 6, 4)  # a 3-D kernel that is not experts
+    muon, adamw = param_groups(model, _actor())
+    matrices = [p for g in muon for p in g["params"]]
+    assert any(p is model.experts.down_proj for p in matrices)
+    assert all(p is not model.conv.weight for p in matrices)
+    assert any(p is model.conv.weight for g in adamw for p in g["params"])
+
+
+def test_a_stack_of_expert_matrices_is_orthogonalized_matrix_by_matrix():
+    g = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    stacked = orthogonalize(g, 5)
+    for e in range(3):
+        torch.testing.assert_close(stacked[e], orthogonalize(g[e], 5), rtol=0, atol=1e-6)
+    torch.testing.assert_close(orthogonalize(g.mT, 5), stacked.mT, rtol=0, atol=1e-6)
+
+
 def test_orthogonalize_brings_every_singular_value_near_one():
     g = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(-2, 2, 128))
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 100
