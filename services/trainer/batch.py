@@ -191,9 +191,14 @@ def _pad_opt(samples: list[Sample], name: str, length: int) -> Tensor | None:
     return _pad(rows, length, 0.0)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
 def collate(samples: list[Sample], pad_to_multiple: int = 1) -> MicroBatch:
     """``samples`` right-padded to the longest, rounded up to a multiple of ``pad_to_multiple``."""
-    t = -(-max(s.num_tokens for s in samples) // pad_to_multiple) * pad_to_multiple
+    t = round_up(max(s.num_tokens for s in samples), pad_to_multiple)
     routed = None
     shapes = {tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None}
     if shapes:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from services.trainer.batch import Sample, partition
+from services.trainer.batch import Sample, partition, round_up
 
 
 @dataclass
@@ -242,8 +242,7 @@ def budget_chunks(
     cur: list[int] = []
     rows = used = longest = 0
     for unit, size in zip(units, sizes, strict=True):
-        width = -(-max(longest, size) // pad_to_multiple) * pad_to_multiple
-        cost = (rows + len(unit)) * width if padded else used + size
+        cost = (rows + len(unit)) * round_up(max(longest, size), pad_to_multiple) if padded else used + size
         if cur and cost > max_tokens:
             chunks.append(cur)
             cur, rows, used, longest = [], 0, 0, 0
