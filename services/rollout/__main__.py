@@ -13,11 +13,10 @@ PROG = "python -m services.rollout"
 def main(argv: list[str] | None = None) -> None:
     import uvloop
 
-    from molt.serve import CPU_ENV
+    from molt.serve import CPU_ENV, freeze_before_exit, preflight
     from services.rollout.config import parse
 
     settings = parse(argv)
-    from molt.serve import preflight
     from services.rollout.checkpoint import expected_parameters
 
     server = settings.server
@@ -47,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     # uvloop (the one serve runs on) cuts the event loop's share of the GIL the engine thread needs.
     code = uvloop.run(serve_pod(build_app(settings), settings.server))
     logging.getLogger("molt.rollout").info("rollout pod stopped")
+    freeze_before_exit()
     if code:
         raise SystemExit(code)
 

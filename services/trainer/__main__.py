@@ -13,7 +13,7 @@ import signal
 import sys
 
 from molt.config import parse_settings
-from molt.serve import preflight
+from molt.serve import freeze_before_exit, preflight
 from services.trainer.config import TrainerSettings, validate_settings
 
 PROG = "python -m services.trainer"
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("done: %s", summary)
     dist.barrier()
     dist.destroy_process_group()
+    freeze_before_exit()
 
 
 if __name__ == "__main__":

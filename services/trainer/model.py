@@ -170,12 +170,9 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     auto = NeMoAutoModelForImageTextToText if vision else NeMoAutoModelForCausalLM
     peft = None
     if lora is not None:
-        # from_pretrained's documented peft_config reads this class's attributes (a dict, as its docstring
-        # says, fails); the class lives in a private module. nemo-automodel is pinned (requirements/gpu.lock),
-        # so a move shows in scripts/gpu_check.sh, not in a user's run.
-        from nemo_automodel.components._peft.lora import PeftConfig
-
-        peft = PeftConfig(target_modules=lora.target_modules, dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+        peft = _nemo_peft_config()(
+            target_modules=lora.target_modules, dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+        )
     return auto.from_pretrained(
         path,
         distributed_setup=setup,
@@ -184,6 +181,17 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
         peft_config=peft,
         use_liger_kernel=fsdp.use_liger_kernel,  # NeMo defaults to True; Molt applies Liger only when asked
     )
+
+
+def _nemo_peft_config() -> type:
+    """NeMo's LoRA settings class. from_pretrained's peft_config reads its attributes (a dict, as its docstring
+    says, fails). Releases after 0.7.0 publish it as ``nemo_automodel.shared.peft_config``; 0.7.0, the newest on
+    PyPI and the one requirements/gpu.lock pins, has it only in a private module."""
+    try:
+        from nemo_automodel.shared.peft_config import PeftConfig
+    except ImportError:
+        from nemo_automodel.components._peft.lora import PeftConfig
+    return PeftConfig
 
 
 def load_causal_lm(

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from molt.data import read_mixed_rows
-from molt.serve import model_dir_problem
+from molt.serve import freeze_before_exit, model_dir_problem
 from services.trainer import checkpoint
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
@@ -444,6 +444,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
         log.info("done: %s", summary)
     dist.barrier()
     dist.destroy_process_group()
+    freeze_before_exit()
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class Trainer:
         import uvicorn
 
         from molt.net import listening_socket
-        from molt.serve import announce_ready, raise_fd_limit, uvicorn_config
+        from molt.serve import announce_ready, freeze_heap, raise_fd_limit, uvicorn_config
         from services.trainer.app import build_app
 
         port = self.s.metrics.port if self.s.metrics.port is not None else self.s.server.port
@@ -175,6 +175,7 @@ class Trainer:
             if time.monotonic() > deadline:
                 raise RuntimeError("trainer HTTP server did not start")
             time.sleep(0.01)
+        freeze_heap()
         announce_ready("trainer", *sock.getsockname()[:2])
         return sock.getsockname()[1]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+import httpx
 import torch
 
 from services.rollout.config import RolloutSettings
@@ -108,3 +109,15 @@ def same_experts(a, b) -> float:
 
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1).mean())
+
+
+def assert_serves(url: str) -> None:
+    """Decode alone, then a prefill over several KV blocks: each gives its 8 tokens."""
+    for prompt in ([1, 2, 3], list(range(1, 80))):
+        out = httpx.post(
+            f"{url}/v1/generate",
+            json={"prompt_token_ids": prompt, "sampling_params": {"max_tokens": 8, "ignore_eos": True}},
+            timeout=60,
+        )
+        assert out.status_code == 200, out.text
+        assert len(out.json()["outputs"][0]["token_ids"]) == 8

@@ -415,3 +415,16 @@ def test_feedback_images_the_pod_finds_past_its_context_are_dropped(stack, tmp_p
     [seg] = _trajectory(stack, sid).segments
     assert seg.images == [] and stack["image_token"] not in seg.token_ids.tolist()
     assert len(seg.token_ids) == second["num_tokens"]
+
+
+def test_the_images_bench_runs_against_this_pod_and_reports_both_sides(stack):
+    """``bench/gateway_images.py`` end to end on a few image turns (the benchmark itself, not its figures)."""
+    from bench import gateway_images
+
+    argv = ["--model", str(stack["model"]), "--pod-url", stack["pod"], "--requests", "4", "--rounds", "1"]
+    rows = gateway_images.main([*argv, "--concurrency", "1", "2"])
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["requests"] >= 4 and r["direct_rps"] > 0 and r["gateway_rps"] > 0
+        assert r["ratio"] == pytest.approx(r["gateway_rps"] / r["direct_rps"], rel=0.02)
+        assert 0 <= r["added_p50_ms"] <= r["added_p99_ms"]

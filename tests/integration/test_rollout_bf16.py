@@ -1,18 +1,19 @@
-"""A pod serving in bf16 (vLLM's dtype "auto" on an fp32 checkpoint) answers requests in both engine modes.
+"""A pod serving in bf16 (vLLM's dtype "auto" on an fp32 checkpoint) answers requests.
 
 On a CPU with AMX tiles vLLM's bf16 attention runs AMX instructions, which Linux allows a process only after
 it asks for the tile state: without that the first request killed the pod (SIGILL) in its engine thread, or
-in vLLM's spawned worker with --vllm.multiprocessing. On other CPUs this is plain bf16 serving."""
+in vLLM's spawned worker with --vllm.multiprocessing (served in test_rollout_engine_process_death.py). On other
+CPUs this is plain bf16 serving."""
 
 from __future__ import annotations
 
 import sys
 
-import httpx
 import pytest
 
 from molt.serve import start_service
 from services.rollout.amx import cpu_has_amx_tiles, request_amx_permission
+from tests.integration.rollout_testlib import assert_serves
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -21,20 +22,12 @@ def test_amx_permission_is_granted_where_the_cpu_has_tiles():
     assert request_amx_permission() == (cpu_has_amx_tiles() and sys.platform == "linux")
 
 
-@pytest.mark.parametrize("mode", [[], ["--vllm.multiprocessing"]], ids=["in-process", "multiprocess"])
-def test_a_bf16_pod_serves_and_stops_cleanly(tiny_qwen3, tmp_path, mode):
+def test_a_bf16_pod_serves_and_stops_cleanly(tiny_qwen3, tmp_path):
     cmd = [sys.executable, "-m", "services.rollout", "--model", str(tiny_qwen3), "--port", "0"]
-    cmd += ["--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(64 << 20), *mode]
+    cmd += ["--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(64 << 20)]
     proc, url = start_service(cmd, log_path=tmp_path / "pod.log", timeout_s=180)
     try:
-        for prompt in ([1, 2, 3], list(range(1, 80))):  # decode alone, then a prefill over several KV blocks
-            out = httpx.post(
-                f"{url}/v1/generate",
-                json={"prompt_token_ids": prompt, "sampling_params": {"max_tokens": 8, "ignore_eos": True}},
-                timeout=60,
-            )
-            assert out.status_code == 200, out.text
-            assert len(out.json()["outputs"][0]["token_ids"]) == 8
+        assert_serves(url)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -1,7 +1,8 @@
 """A rollout pod running vLLM's engine in its own process (``--vllm.multiprocessing``) whose engine process is
 SIGKILLed (by pid, as the OOM killer would): the pod fails what was in flight with a 503 instead of hanging
 and exits non-zero so that Kubernetes restarts it (readiness turns 503 on the same dead flag, checked in
-test_rollout_engine_death.py)."""
+test_rollout_engine_death.py). The idle pod serves in bf16 before its engine dies: vLLM's spawned engine process
+must ask for the CPU's AMX tile state itself (test_rollout_bf16.py checks the in-process engine)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from molt.serve import start_service
+from tests.integration.rollout_testlib import assert_serves
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -29,13 +31,16 @@ def _engine_processes(pod: subprocess.Popen) -> list[psutil.Process]:
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "mid-request"])
 def test_killing_the_engine_process_ends_the_pod_with_a_nonzero_exit(tiny_qwen3, tmp_path, busy):
     cmd = [sys.executable, "-m", "services.rollout", "--model", str(tiny_qwen3), "--port", "0"]
-    cmd += ["--vllm.enforce_eager", "--vllm.dtype", "float32", "--vllm.kv_cache_memory_bytes", str(64 << 20)]
-    cmd += ["--vllm.multiprocessing"]
+    cmd += ["--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(64 << 20), "--vllm.multiprocessing"]
+    cmd += ["--vllm.dtype", "float32"] if busy else []  # idle: dtype "auto" serves the fp32 checkpoint in bf16
     pod, url = start_service(cmd, log_path=tmp_path / "pod.log", timeout_s=180)
     answers: list[int] = []
     try:
         engines = _engine_processes(pod)
         assert engines, "no engine process found"
+        if not busy:
+            assert_serves(url)
+            assert "dtype=torch.bfloat16" in (tmp_path / "pod.log").read_text()
         body = {"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}
         if busy:
 

@@ -120,3 +120,11 @@ def test_sequence_parallel_is_handed_to_nemos_fsdp2_config(tmp_path, nemo_calls)
         _model_dir(tmp_path, vision=False), _fsdp("--fsdp.tp_size", "2", "--fsdp.sequence_parallel"), GPU
     )
     assert nemo_calls[0]["fsdp2_config"].sequence_parallel is True and nemo_calls[0]["sizes"].tp_size == 2
+
+
+def test_lora_reaches_nemos_loader_as_its_peft_config(tmp_path, nemo_calls):
+    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(), GPU, lora=lora)
+    peft = nemo_calls[1]["peft_config"]
+    assert type(peft) is model._nemo_peft_config()
+    assert (peft.dim, peft.alpha, peft.dropout, peft.target_modules) == (4, 8, 0.1, ["q_proj", "v_proj"])
