@@ -74,10 +74,6 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
     return x.mT if tall else x
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 class MuonAdamW(torch.optim.Optimizer):
     """Muon groups then AdamW groups in one optimizer: the Muon ones stepped here, the AdamW ones by a fused
     ``torch.optim.AdamW`` that shares this optimizer's ``param_groups`` and ``state``, so the LR scheduler,
@@ -107,6 +103,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MuonAdamW.step takes no closure")
+        sharded = 0  # DTensor matrices so far: the i-th is orthogonalized by rank i mod the mesh size
         for group in self.param_groups[: self._n_muon]:
             lr, mom = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -118,15 +115,30 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-                o = orthogonalize(_whole(update), group["ns_steps"])
-                if isinstance(p, DTensor):  # every rank holds the whole update: keep its own shard, no traffic
-                    o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+                if isinstance(p, DTensor):
+                    o = self._orthogonalize_sharded(update, group["ns_steps"], sharded)
+                    sharded += 1
+                else:
+                    o = orthogonalize(update, group["ns_steps"])
                 rows, cols = p.shape[-2:]
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(o, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
         if self._adamw is not None:
             self._adamw.step()
         return None
+
+    @staticmethod
+    def _orthogonalize_sharded(update: DTensor, steps: int, index: int) -> DTensor:
+        """Every rank gathers the whole update. On a 1-D mesh (FSDP alone) one rank runs Newton-Schulz and
+        scatters the shards, so the ranks share the matrices' cost instead of each repeating all of it; on more
+        dimensions (TP, HSDP) every rank orthogonalizes and keeps its own shard. The result is the same."""
+        whole = update.full_tensor()
+        mesh = update.device_mesh
+        if mesh.ndim > 1:
+            return distribute_tensor(orthogonalize(whole, steps), mesh, update.placements, src_data_rank=None)
+        owner = index % mesh.size()
+        o = orthogonalize(whole, steps).contiguous() if mesh.get_local_rank() == owner else torch.empty_like(whole)
+        return distribute_tensor(o, mesh, update.placements, src_data_rank=owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
