@@ -23,8 +23,9 @@ fi
 echo "[bootstrap] setting up $venv ($flavour)" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-# No bytecode at install time: pip compiles every file of torch, vLLM and transformers on one core (minutes),
-# while Python compiles, and caches, only the modules a run imports.
+# pip compiles every installed file on one core (minutes for torch, vLLM and transformers): install without,
+# then compile on every core below. Not left to import time: with PYTHONDONTWRITEBYTECODE set (as on CI
+# machines) nothing would be cached and every process would recompile vLLM.
 install=("${pip[@]}" install --no-compile)
 if [ "$flavour" = cpu ]; then
   # pip, not uv/poetry: only pip reads the local find-links that hold torch 2.13.0+cpu.
@@ -47,6 +48,9 @@ import importlib.util, sys
 sys.exit(1 if any(importlib.util.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")) else 0)
 PY
 fi
+# Byte-code for everything installed, as pip would have written it (files that do not compile, such as
+# packages' Python 2 fixtures, are skipped as pip skips them).
+"$venv/bin/python" -m compileall -qq -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 # promtool for the alert-rule unit tests (Debian's prometheus package, unpacked into .cache/tools; the
 # tests fetch it themselves when this could not).
 bash scripts/promtool.sh --version >/dev/null 2>&1 || echo "[bootstrap] promtool not fetched (apt-get download prometheus failed)" >&2

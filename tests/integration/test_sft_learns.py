@@ -1,6 +1,5 @@
 """SFT teaches the tiny random model a task it cannot do (answer with the reversed prompt), and a rollout pod
-serving the exported directory does it; on SmolLM2 a few steps lower the held-out loss, with AdamW and with
-Muon."""
+serving the exported directory does it; with Muon a few steps lower its held-out loss."""
 
 from __future__ import annotations
 
@@ -117,17 +116,11 @@ def _heldout_loss(model_dir, rows) -> float:
 
 
 # Muon orthogonalizes every weight matrix each step, which on one CPU core is minutes for SmolLM2's, so Muon
-# learns on the tiny model here
+# learns on the tiny model here. SmolLM2's held-out loss under SFT is bench/sft.py's (against TRL's).
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("model", "optim"),
-    [
-        ("smollm2", ["--adam.lr", "1e-4"]),
-        ("tiny_qwen3", ["--optim", "muon", "--muon.lr", "0.02", "--adam.lr", "1e-3"]),
-    ],
-)
-def test_heldout_loss_falls(request, tmp_path, model, optim):
-    model_dir = request.getfixturevalue(model)
+def test_heldout_loss_falls_with_muon(tiny_qwen3, tmp_path):
+    model_dir = tiny_qwen3
+    optim = ["--optim", "muon", "--muon.lr", "0.02", "--adam.lr", "1e-3"]
     held_out = reversal_rows(16, seed=7)
     write_jsonl(tmp_path / "train.jsonl", reversal_rows(48, seed=1))
     write_jsonl(tmp_path / "eval.jsonl", held_out)
