@@ -115,6 +115,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+                o: torch.Tensor
                 if isinstance(p, DTensor):
                     o = self._orthogonalize_sharded(update, group["ns_steps"], sharded)
                     sharded += 1
