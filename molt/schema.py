@@ -27,8 +27,8 @@ versions they do not know rather than guess.
 
 Validation is split in two: the layout (shapes, spans, alignment: plain Python on short lists) and the
 value ranges (numpy reductions). ``encode_many`` / ``decode_many``, the bus's path, check the value
-ranges of a whole batch in three reductions (per record they would cost ~5 us, mostly numpy call
-overhead); a batch that fails is re-checked record by record to name the culprit.
+ranges of a whole batch in three reductions (per record, numpy's call overhead would dominate); a batch
+that fails is re-checked record by record to name the culprit.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ _VALUES_CHUNK = 1 << 20  # tokens per concatenated pass in check_values_many
 
 def check_values_many(segments: list[Segment]) -> bool:
     """Whether every segment passes ``check_values``, with three reductions per ~1M tokens of the batch
-    (per-segment reductions cost ~1 us each, mostly numpy call overhead). False: check one by one."""
+    (per segment, numpy's call overhead would dominate). False: check one by one."""
     start, size = 0, 0
     for k, seg in enumerate(segments):
         size += seg.token_ids.size
@@ -382,7 +382,7 @@ def decode(data: bytes) -> Trajectory:
 @contextlib.contextmanager
 def _no_gc():
     """A batch decode allocates thousands of objects that all stay alive: the cyclic collector's young-generation
-    passes over them find nothing and cost ~1 us per record (bench/queue.py). Paused for the batch only."""
+    passes over them find nothing and cost time per record (bench/queue.py). Paused for the batch only."""
     was = gc.isenabled()
     gc.disable()
     try:

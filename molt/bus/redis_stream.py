@@ -9,8 +9,8 @@ Hot paths cost a round trip or two per batch, never one per record: a put is a p
 (the length feeds the backpressure check); a read is XREADGROUP COUNT n, then one script that returns
 which ids the group already committed; a commit is one script doing XACK + SADD atomically. Id lists
 travel to the scripts as one msgpack argument: redis-py packs every argument in Python, so 100 ids as
-100 arguments cost more than the script. Payloads never pass through Lua: moving them in and out of the
-interpreter costs the server ~1.2 us per KB, more than the redis-py overhead it would save. Acked
+100 arguments cost more than the script. Payloads never pass through Lua: the server would copy each one
+into the interpreter and out again, which costs more than the redis-py overhead it would save. Acked
 entries are trimmed (XTRIM MINID below every group's oldest unacked entry) every ``trim_every`` acks,
 so the stream length measures real backlog.
 """
@@ -142,7 +142,7 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
         pipe = self.redis.pipeline(transaction=False)
         for payload in payloads:
-            pipe.execute_command("XADD", self.stream, "*", "d", payload)  # xadd() adds ~1 us of argument checks
+            pipe.execute_command("XADD", self.stream, "*", "d", payload)  # xadd() re-checks its arguments per call
         pipe.xlen(self.stream)
         *ids, self._known_len = await pipe.execute()
         return [_s(i) for i in ids]

@@ -83,8 +83,8 @@ class WeightSyncCore:
         self.engine = engine
         self.metrics = metrics or Metrics(POD_METRICS)
         self.keep_rollback_copy = keep_rollback_copy
-        # Reusing the staging buffer of a finished sync saves the page faults of a fresh one (~0.3 s/GB
-        # here) at the price of keeping it resident between syncs.
+        # Reusing the staging buffer of a finished sync saves the page faults of a fresh one at the
+        # price of keeping it resident between syncs.
         self.reuse_staging = reuse_staging
         self._spare: torch.Tensor | None = None
         self._pending: _Pending | None = None

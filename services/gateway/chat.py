@@ -148,8 +148,8 @@ class ChatModel:
         if not text:
             return []
         if self._fast is not None:
-            # The Rust tokenizer directly (4x less overhead than the HF wrapper); the batch call without
-            # offsets is another 25% faster than encode(), short prompts and long ones alike.
+            # The Rust tokenizer directly: the HF wrapper's per-call overhead is several times the encoding of
+            # a short prompt, and the batch call without offsets skips work encode() does.
             return self._fast.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 

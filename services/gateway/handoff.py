@@ -111,7 +111,7 @@ def _segment(fields: dict) -> SegmentState:
 
 def _fields(obj: Any) -> dict:
     """A dataclass's fields, not copied: ``dataclasses.asdict`` copies every element of every list one call at
-    a time (7 ms for a 4096-token session)."""
+    a time, thousands of calls for a long session."""
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
