@@ -49,6 +49,7 @@ def synthetic_state(gib: float) -> dict[str, torch.Tensor]:
 class NullEngine:
     def __init__(self, spec: dict) -> None:
         self.spec = {n: (tuple(s), d) for n, (s, d) in spec.items()}
+        self.serving_dtype = ""  # the bench sends the bytes it measures as they are
         self.policy_version = 0
 
     def expected_parameters(self):

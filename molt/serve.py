@@ -11,7 +11,7 @@ SIGTERM, or SIGINT, stops at once.
 ``CPU_ENV`` is the one place the CPU defaults for child processes are set. ``preflight`` is the one place
 start-up checks what the config names outside the process (a port to bind, a model directory, a Redis): each
 service runs it right after parsing, before loading anything, and a problem ends it with one line that names
-the flag and the fix.
+the flag and the fix. ``configure_logging`` is every service's one log line format.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import logging
 import os
 import re
 import signal
@@ -49,6 +50,48 @@ CPU_ENV = {
 
 Drain = Callable[[], Awaitable[None]]
 """Runs on the first SIGTERM, before the graceful shutdown: returns once in-flight work may be cut."""
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+_IMPORT_NOISE = (
+    # torchao's wheel carries CUDA-only kernels (mxfp8, cutlass sm90a): without a GPU each fails to load, while
+    # on a GPU the same line names a real torch/torchao mismatch.
+    ("torchao", "Failed to load ", True),
+    # torch asks torchao, not its users, to stop registering Enums as pytree constants.
+    ("torch.utils._pytree", "is an Enum subclass", False),
+)
+
+
+class _ImportNoise(logging.Filter):
+    """Drops one dependency's import-time warning that no user of ours can act on."""
+
+    def __init__(self, text: str, only_without_gpu: bool) -> None:
+        super().__init__()
+        self.text, self.only_without_gpu = text, only_without_gpu
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text not in record.getMessage():
+            return True
+        if not self.only_without_gpu:
+            return False
+        torch = sys.modules.get("torch")
+        return torch is not None and torch.cuda.is_available()
+
+
+def configure_logging(level: str, rank: int | None = None) -> None:
+    """Every service's logging: ``LOG_FORMAT`` (``rankN`` before the logger name in a trainer process) at
+    ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
+    a trainer, so below ``debug`` httpx and httpcore log from WARNING up."""
+    fmt = LOG_FORMAT if rank is None else LOG_FORMAT.replace("%(name)s", f"rank{rank} %(name)s")
+    logging.basicConfig(level=level.upper(), format=fmt)
+    if logging.getLevelNamesMapping()[level.upper()] > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    for name, text, only_without_gpu in _IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) and f.text == text for f in logger.filters):
+            logger.addFilter(_ImportNoise(text, only_without_gpu))
 
 
 def port_problem(host: str, port: int, flag: str = "--server.port") -> str | None:

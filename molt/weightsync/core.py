@@ -75,7 +75,7 @@ class _Applied:
 
 class WeightSyncCore:
     """One per rollout pod; ``engine`` has the RolloutEngine members (policy_version, expected_parameters,
-    apply_weights, prompt_logprobs)."""
+    serving_dtype, apply_weights, prompt_logprobs)."""
 
     def __init__(
         self, engine, metrics: Metrics | None = None, keep_rollback_copy: bool = True, reuse_staging: bool = True

@@ -5,7 +5,8 @@ as any dtype without copying) and may span bucket boundaries; bucket ``b`` is st
 ``[b * bucket_bytes, (b + 1) * bucket_bytes)``, the last one shorter. A bucket is the unit of the
 checksum, of a collective broadcast and of staging; on gRPC it travels as chunks of a few MiB.
 
-Tensors travel as raw bytes + dtype name + shape: never lists, never pickles.
+Tensors travel as raw bytes + dtype name + shape: never lists, never pickles. A floating tensor may travel
+narrower than it is held (``wire_dtype``): cast one tensor at a time as the stream reaches it.
 """
 
 from __future__ import annotations
@@ -85,8 +86,21 @@ class Layout:
         return min(self.bucket_bytes, self.total_bytes - bucket * self.bucket_bytes)
 
 
-def plan_layout(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Layout:
-    """Assign every tensor an aligned place in the stream. Names must be unique."""
+def wire_dtype(held: torch.dtype, serving: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor held in ``held`` travels in to pods that all serve in ``serving`` (None: unknown or
+    not one dtype): ``serving`` where both are floating and it is narrower, else ``held``. The engine would
+    cast on load with the same rounding, so only the bytes change."""
+    if serving is None or not (held.is_floating_point and serving.is_floating_point):
+        return held
+    return serving if serving.itemsize < held.itemsize else held
+
+
+def plan_layout(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    serving: torch.dtype | None = None,
+) -> Layout:
+    """Assign every tensor an aligned place in the stream, in its ``wire_dtype``. Names must be unique."""
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     entries, seen, pos = [], set(), 0
@@ -95,9 +109,10 @@ def plan_layout(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int =
             raise ValueError(f"tensor {name!r} appears twice in the state dict")
         seen.add(name)
         pos = -(-pos // ALIGN) * ALIGN
-        nbytes = t.numel() * t.element_size()
+        dtype = wire_dtype(t.dtype, serving)
+        nbytes = t.numel() * dtype.itemsize
         entries.append(
-            TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), pos // bucket_bytes, pos % bucket_bytes, nbytes)
+            TensorEntry(name, dtype_name(dtype), tuple(t.shape), pos // bucket_bytes, pos % bucket_bytes, nbytes)
         )
         pos += nbytes
     return Layout(tuple(entries), bucket_bytes, pos)
@@ -123,9 +138,12 @@ def validate_layout(layout: Layout) -> None:
         raise ValueError(f"tensors end at byte {end}, past total_bytes {layout.total_bytes}")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a CPU tensor (made contiguous first if it is not)."""
+def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> memoryview:
+    """A byte view of a tensor in ``dtype`` (None: its own), zero-copy for a contiguous CPU tensor already in it.
+    A cast happens before a device tensor is copied to the CPU, so only the narrower bytes cross."""
     t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
@@ -144,7 +162,7 @@ def iter_stream(layout: Layout, tensors: dict[str, torch.Tensor]) -> Iterator[tu
     for e in layout.entries:
         start = e.start(bb)
         pieces = [zeros[: start - pos]] if start > pos else []
-        pieces.append(tensor_bytes(tensors[e.name]))
+        pieces.append(tensor_bytes(tensors[e.name], torch_dtype(e.dtype)))
         for piece in pieces:
             while len(piece):
                 room = bb - pos % bb

@@ -2,10 +2,11 @@
 
 Trainer side (`select_tensors`): trainer state-dict names become HF checkpoint names, the names
 vLLM's ``load_weights`` takes; vLLM itself maps them onto its fused/packed layouts (qkv, gate_up,
-MoE expert stacks) and shards them. Like Molt's refit (spec 6.5): skip non-tensors, names ending
+MoE expert stacks) and shards them. Like Molt's refit: skip non-tensors, names ending
 ``_extra_state`` and non-floating tensors; skip exactly ``lm_head.weight`` when the embeddings are
-tied (nested heads such as ``mtp.lm_head.weight`` are sent); tensors go in their native dtype and
-the engine casts on load. Unlike Molt, frozen names (e.g. a frozen MoE router) are not sent: they
+tied (nested heads such as ``mtp.lm_head.weight`` are sent). Floating tensors travel in the pods' one
+serving dtype where it is narrower than theirs (``layout.wire_dtype``), else as held; the engine casts
+on load either way. Unlike Molt, frozen names (e.g. a frozen MoE router) are not sent: they
 travel as ``keep`` so the pod can tell "deliberately absent" from "missing".
 
 Pod side (`verify_manifest`): every expected engine parameter is sent or kept, nothing unknown is

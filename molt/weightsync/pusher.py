@@ -40,6 +40,7 @@ from molt.weightsync.layout import (
     iter_buckets,
     iter_chunks,
     plan_layout,
+    torch_dtype,
 )
 from molt.weightsync.manifest import select_tensors
 from molt.weightsync.wire import encode_chunk, layout_to_begin
@@ -149,6 +150,8 @@ class WeightPusher:
         self._clients: list[PodClient] | None = None
         self._group: coll.Collective | None = None
         self._expected_names: set[str] | None = None
+        self._serving: torch.dtype | None = None
+        self._asked_every_pod = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -204,12 +207,28 @@ class WeightPusher:
 
     # ---- one sync
 
+    async def _ask_pods(self) -> None:
+        """Once every pod has answered: what its engine loads (a tied lm_head is not listed) and the dtype it
+        serves in. Floating tensors travel in that dtype only if every pod reported the same one, so a pod never
+        receives fewer bits than it keeps; until then they travel as held (the engine casts)."""
+        if self._asked_every_pod:
+            return
+        pods = self._pods()
+        answers = await asyncio.gather(*(p.status(include_parameters=True) for p in pods), return_exceptions=True)
+        ok = [a for a in answers if not isinstance(a, BaseException)]
+        if ok and self._expected_names is None:
+            self._expected_names = {p.name for p in ok[0].parameters}
+        if len(ok) == len(pods):
+            self._asked_every_pod = True
+            served = {a.serving_dtype for a in ok}
+            self._serving = torch_dtype(served.pop()) if len(served) == 1 and "" not in served else None
+
     async def _tied(self, items_names: set[str]) -> bool:
         if self.tie_word_embeddings is not None:
             return self.tie_word_embeddings
         if "lm_head.weight" not in items_names:
             return False
-        if self._expected_names is None:  # ask a pod what its engine loads (a tied lm_head is not listed)
+        if self._expected_names is None:  # no pod answered _ask_pods: the first one's error says why
             status = await self._pods()[0].status(include_parameters=True)
             self._expected_names = {p.name for p in status.parameters}
         return "lm_head.weight" not in self._expected_names
@@ -221,10 +240,11 @@ class WeightPusher:
         items = list(state.items() if isinstance(state, Mapping) else state)
         if self.to_hf is not None:
             items = list(self.to_hf(dict(items)).items())
+        await self._ask_pods()
         tied = await self._tied({n for n, _ in items})
         send, keep = select_tensors(items, tied, self.frozen)
         keep = sorted(set(keep) | set(self.frozen) - {n for n, _ in send})
-        layout = plan_layout(send, self.bucket_bytes)
+        layout = plan_layout(send, self.bucket_bytes, self._serving)
         tensors = dict(send)
         del items, send
         report = PushReport(version, self.transport, layout.total_bytes, len(tensors), keep)

@@ -45,6 +45,7 @@ def check_from_commit(req: pb.CommitRequest) -> dict | None:
 def status_message(core: WeightSyncCore, include_parameters: bool = False) -> pb.StatusResponse:
     out = pb.StatusResponse(**core.status())
     if include_parameters:
+        out.serving_dtype = core.engine.serving_dtype
         for name, (shape, dtype) in sorted(core.engine.expected_parameters().items()):
             out.parameters.add(name=name, dtype=str(dtype).removeprefix("torch."), shape=list(shape))
     return out

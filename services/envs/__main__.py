@@ -7,7 +7,7 @@ import os
 import sys
 
 from molt.config import parse_settings
-from molt.serve import preflight, serve
+from molt.serve import configure_logging, preflight, serve
 from services.envs.app import build_app
 from services.envs.config import EnvsSettings, normalize_argv, validate_settings
 
@@ -19,9 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         EnvsSettings, normalize_argv(sys.argv[1:] if argv is None else argv), prog=PROG, validate=validate_settings
     )
     preflight(PROG, ports=[("--server.port", settings.server.host, settings.server.port)])
-    logging.basicConfig(
-        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.server.log_level)
     configure_sandbox(settings.sandbox.isolation)
     try:
         app = build_app(settings)

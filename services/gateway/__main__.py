@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from molt.config import parse_settings
-from molt.serve import preflight, serve
+from molt.serve import configure_logging, preflight, serve
 from services.gateway.app import build_app
 from services.gateway.config import GatewaySettings, validate_settings
 
@@ -22,9 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         redis_url=settings.redis.url,
         redis_wait_s=settings.redis.startup_wait_s,
     )
-    logging.basicConfig(
-        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.server.log_level)
     app = build_app(settings)
     gateway = app.gateway  # type: ignore[attr-defined]  # set by build_app for in-process callers
     drain_s = settings.session.drain_s

@@ -13,7 +13,7 @@ PROG = "python -m services.rollout"
 def main(argv: list[str] | None = None) -> None:
     import uvloop
 
-    from molt.serve import CPU_ENV, freeze_before_exit, preflight
+    from molt.serve import CPU_ENV, configure_logging, freeze_before_exit, preflight
     from services.rollout.config import parse
 
     settings = parse(argv)
@@ -38,9 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{PROG}: error: {exc}") from None
     # In-process vLLM on CPU: a spinning OpenMP pool starves the asyncio thread.
     os.environ.setdefault("OMP_WAIT_POLICY", CPU_ENV["OMP_WAIT_POLICY"])
-    logging.basicConfig(
-        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.server.log_level)
     from services.rollout.app import build_app
 
     # uvloop (the one serve runs on) cuts the event loop's share of the GIL the engine thread needs.

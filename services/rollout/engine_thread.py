@@ -124,6 +124,8 @@ class EngineThread:
         self.weight_apply_s: list[float] = []
         self.aborts: dict[str, int] = {}
         self._expected = checkpoint.expected_parameters(settings.model.path)
+        self.serving_dtype = ""
+        """The one dtype of every floating engine parameter ("" when they differ), found at start."""
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._llm = None
@@ -183,6 +185,9 @@ class EngineThread:
         if self._engine_procs:
             self._watchdog = asyncio.ensure_future(self._watch_engine_processes())
         assert self._llm is not None  # the engine thread built it before resolving `started`
+        per_worker = await self._call(lambda llm, jobs: llm.collective_rpc("rollout_param_dtypes"))
+        dtypes = {d for names in per_worker for d in names}
+        self.serving_dtype = dtypes.pop() if len(dtypes) == 1 else ""
         cfg = self._llm.model_config
         self._limits = Limits(
             vocab_size=cfg.get_vocab_size(),

@@ -136,6 +136,11 @@ class RolloutWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]  # defined by vLLM's worker, which this class extends
         return sorted(name for name, _ in model.named_parameters())
 
+    def rollout_param_dtypes(self) -> list[str]:
+        """The dtypes of the engine's floating parameters, as torch names without "torch."."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # defined by vLLM's worker, which this class extends
+        return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+
     def rollout_routing_start(self) -> None:
         """Hook every MoE gate (``layers.<n>.mlp.gate``) to record the top-k expert ids of each forward's rows,
         until ``rollout_routing_take``. Softmax top-k routers only: the top-k of their logits are the experts

@@ -13,7 +13,7 @@ import signal
 import sys
 
 from molt.config import parse_settings
-from molt.serve import freeze_before_exit, preflight
+from molt.serve import configure_logging, freeze_before_exit, preflight
 from services.trainer.config import TrainerSettings, validate_settings
 
 PROG = "python -m services.trainer"
@@ -46,11 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         redis_url=settings.redis.url,
         redis_wait_s=settings.redis.startup_wait_s,
     )
-    logging.basicConfig(
-        level=settings.server.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
-    )
+    configure_logging(settings.server.log_level, rank=rank)
     log = logging.getLogger("molt.trainer")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per episode otherwise
     for hint in hints if rank == 0 else []:
         log.info("hint: %s", hint)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from molt.config import Field, Section, parse_settings
+from molt.serve import configure_logging
 from molt.weightsync.layout import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
 PROG = "python -m services.trainer.push"
@@ -131,7 +132,7 @@ def run(s: PushSettings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("info")
     settings = parse_settings(PushSettings, sys.argv[1:] if argv is None else argv, prog=PROG)
     try:
         return run(settings)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from molt.data import read_mixed_rows
-from molt.serve import freeze_before_exit, model_dir_problem
+from molt.serve import configure_logging, freeze_before_exit, model_dir_problem
 from services.trainer import checkpoint
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
@@ -430,9 +430,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
         SftSettings, sys.argv[1:] if argv is None else argv, prog=prog, validate=lambda x: check(x, on_gpu)
     )
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=s.log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
-    )
+    configure_logging(s.log_level, rank=rank)
     if not s.logger.wandb.run_name:
         s.logger.wandb.run_name = time.strftime("sft_%m%dT%H:%M")
     info = init_distributed()

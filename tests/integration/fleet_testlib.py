@@ -28,6 +28,7 @@ class Pod:
 
     def __init__(self, model_dir, awaiting: bool = False) -> None:
         self.spec = expected_parameters(model_dir)
+        self.serving_dtype = ""
         self.policy_version = 0
         self.awaiting = awaiting
         self.applied: list[int] = []

@@ -59,3 +59,29 @@ async def test_moe_with_frozen_router(tiny_qwen3_moe, tiny_qwen3_moe_b):
 
 async def test_untied_lm_head(tiny_llama_untied, tiny_llama_untied_b):
     await _sync_and_compare(tiny_llama_untied, _hf(tiny_llama_untied_b))
+
+
+async def test_an_fp32_trainer_sends_a_bf16_pod_bf16(tiny_qwen3, tiny_qwen3_b):
+    """A pod serving bf16 (vLLM's "auto" on an fp32 checkpoint) reports it, the trainer's fp32 weights travel as
+    bf16 (half the bytes), and the pod serves exactly what loading the fp32 tensors themselves gives it."""
+    settings = tiny_settings(tiny_qwen3)
+    settings.vllm.dtype = "auto"
+    engine = RolloutEngine(settings)
+    await engine.start()
+    server, port = await start_weightsync_server(engine, "127.0.0.1", 0)
+    target = f"127.0.0.1:{port}"
+    pusher = WeightPusher([target])
+    try:
+        assert engine.serving_dtype == "bfloat16"
+        state = _hf(tiny_qwen3_b).state_dict()
+        report = await pusher.push_async(state, version=1)
+        assert report.pods[target]["promoted"]
+        fp32_bytes = sum(t.numel() * 4 for n, t in state.items() if n != "lm_head.weight")
+        assert report.bytes < 0.55 * fp32_bytes
+        pushed = await engine.prompt_logprobs(PROMPT)
+        await engine.apply_weights({n: t for n, t in state.items() if n != "lm_head.weight"}, 2, [])
+        assert await engine.prompt_logprobs(PROMPT) == pushed
+    finally:
+        await pusher._pods()[0].close()
+        await server.stop(0)
+        await engine.close()

@@ -34,6 +34,8 @@ class FakeEngine:
         samples = [Sample([7] * p["max_tokens"], [-0.5] * p["max_tokens"], "length", None, 3) for _ in range(p["n"])]
         return GenerateResult("rid", 3, len(prompt), samples)
 
+    serving_dtype = ""
+
     def expected_parameters(self):
         return {"w": ((2, 3), "float32")}
 

@@ -17,6 +17,7 @@ from molt.weightsync.layout import (
     plan_layout,
     validate_layout,
     view_tensors,
+    wire_dtype,
 )
 from molt.weightsync.manifest import ManifestError, select_tensors, verify_manifest
 from molt.weightsync.pusher import make_chunks
@@ -179,3 +180,11 @@ def test_verify_manifest_rejects(mutate, match):
     mutate(state, expected, keep)
     with pytest.raises(ManifestError, match=match):
         verify_manifest(plan_layout(state.items()).entries, keep, expected)
+
+
+def test_wire_dtype_narrows_floating_tensors_only():
+    assert wire_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert wire_dtype(torch.float32, torch.float16) == torch.float16
+    assert wire_dtype(torch.bfloat16, torch.float32) == torch.bfloat16  # never wider than held
+    assert wire_dtype(torch.int64, torch.bfloat16) == torch.int64
+    assert wire_dtype(torch.float32, None) == torch.float32

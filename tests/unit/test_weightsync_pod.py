@@ -19,9 +19,12 @@ from molt.weightsync.wire import encode_chunk, layout_to_begin
 class FakeEngine:
     """The RolloutEngine members weight sync uses; logprobs are a function of the weights."""
 
-    def __init__(self, state: dict[str, torch.Tensor], tied: bool = True, allow_rollback: bool = False) -> None:
+    def __init__(
+        self, state: dict[str, torch.Tensor], tied: bool = True, allow_rollback: bool = False, serving_dtype: str = ""
+    ) -> None:
         self.allow_rollback = allow_rollback
         self.params = {n: t.clone() for n, t in state.items() if not (tied and n == "lm_head.weight")}
+        self.serving_dtype = serving_dtype
         self.policy_version = 0
         self.applied = 0
         self.corrupt = 0  # the next `corrupt` loads silently go wrong
@@ -83,6 +86,30 @@ async def test_local_sync_tied_frozen_and_versions():
     assert core.status()["syncs_ok"] == 1 and core.status()["state"] == "idle"
     sample = pusher.metrics.registry.get_sample_value("molt_weightsync_version", {"side": "trainer"})
     assert sample == 1
+
+
+async def test_floating_tensors_travel_in_the_dtype_every_pod_serves():
+    """Pods serving bf16 get an fp32 trainer's tensors as bf16: half the bytes, the values the engine's own cast on
+    load would give. A tensor already narrower (the bf16 q_proj) and non-floating ones travel as held."""
+    engines = [FakeEngine(_state(0), serving_dtype="bfloat16") for _ in range(2)]
+    pods = [LocalPodClient(WeightSyncCore(e), f"pod{i}") for i, e in enumerate(engines)]
+    new = _state(1)
+    report = await WeightPusher(pods, bucket_bytes=4096).push_async(new, version=1)
+    sent = {n: t for n, t in new.items() if n != "lm_head.weight"}
+    assert report.bytes == plan_layout(sent.items(), 4096, torch.bfloat16).total_bytes
+    assert report.bytes < 0.6 * plan_layout(sent.items(), 4096).total_bytes
+    for e in engines:
+        assert all(torch.equal(e.params[n], t.to(torch.bfloat16).to(e.params[n].dtype)) for n, t in sent.items())
+
+
+async def test_pods_serving_different_dtypes_get_tensors_as_held():
+    engines = [FakeEngine(_state(0), serving_dtype="bfloat16"), FakeEngine(_state(0), serving_dtype="")]
+    pods = [LocalPodClient(WeightSyncCore(e), f"pod{i}") for i, e in enumerate(engines)]
+    new = _state(1)
+    report = await WeightPusher(pods, bucket_bytes=4096).push_async(new, version=1)
+    sent = {n: t for n, t in new.items() if n != "lm_head.weight"}
+    assert report.bytes == plan_layout(sent.items(), 4096).total_bytes
+    assert all(_equal(e, new) for e in engines)
 
 
 async def test_stale_version_refused_and_force():

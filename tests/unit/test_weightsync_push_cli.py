@@ -16,6 +16,7 @@ from services.trainer import push
 class _Engine:
     def __init__(self, tensors):
         self.spec = {n: (tuple(t.shape), "float32") for n, t in tensors.items()}
+        self.serving_dtype = ""
         self.policy_version = 4
         self.loaded = None
 
