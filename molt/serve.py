@@ -54,17 +54,20 @@ Drain = Callable[[], Awaitable[None]]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-_IMPORT_NOISE = (
+_NOISE = (
     # torchao's wheel carries CUDA-only kernels (mxfp8, cutlass sm90a): without a GPU each fails to load, while
     # on a GPU the same line names a real torch/torchao mismatch.
     ("torchao", "Failed to load ", True),
     # torch asks torchao, not its users, to stop registering Enums as pytree constants.
     ("torch.utils._pytree", "is an Enum subclass", False),
+    # vLLM's reload says this on every weight sync of layers the checkpoint does not fill (rotary caches, a
+    # tied head). A layer truly left behind is a parameter the pod reports untouched, which the trainer logs.
+    ("vllm.model_executor.model_loader.reload.layerwise", ": Failed to load weights", False),
 )
 
 
-class _ImportNoise(logging.Filter):
-    """Drops one dependency's import-time warning that no user of ours can act on."""
+class _Noise(logging.Filter):
+    """Drops one dependency's warning that no user of ours can act on."""
 
     def __init__(self, text: str, only_without_gpu: bool) -> None:
         super().__init__()
@@ -81,17 +84,18 @@ class _ImportNoise(logging.Filter):
 
 def configure_logging(level: str, rank: int | None = None) -> None:
     """Every service's logging: ``LOG_FORMAT`` (``rankN`` before the logger name in a trainer process) at
-    ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
-    a trainer, so below ``debug`` httpx and httpcore log from WARNING up."""
+        ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
+        a trainer, so below ``debug`` httpx and httpcore log from WARNING up. ``_NOISE`` lists the dependency
+    warnings dropped."""
     fmt = LOG_FORMAT if rank is None else LOG_FORMAT.replace("%(name)s", f"rank{rank} %(name)s")
     logging.basicConfig(level=level.upper(), format=fmt)
     if logging.getLevelNamesMapping()[level.upper()] > logging.DEBUG:
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    for name, text, only_without_gpu in _IMPORT_NOISE:
+    for name, text, only_without_gpu in _NOISE:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _ImportNoise) and f.text == text for f in logger.filters):
-            logger.addFilter(_ImportNoise(text, only_without_gpu))
+        if not any(isinstance(f, _Noise) and f.text == text for f in logger.filters):
+            logger.addFilter(_Noise(text, only_without_gpu))
 
 
 def port_problem(host: str, port: int, flag: str = "--server.port") -> str | None:

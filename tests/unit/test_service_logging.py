@@ -1,5 +1,5 @@
 """Every service logs through ``molt.serve.configure_logging``: httpx's per-request INFO lines stay out below
-debug, and dependency import noise no user can act on is dropped while the rest of the same loggers passes."""
+debug, and dependency noise no user can act on is dropped while the rest of the same loggers passes."""
 
 import logging
 
@@ -7,10 +7,12 @@ import pytest
 
 from molt.serve import configure_logging
 
+LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+
 
 @pytest.fixture
 def restore_loggers():
-    names = ("httpx", "httpcore", "torchao", "torch.utils._pytree")
+    names = ("httpx", "httpcore", "torchao", "torch.utils._pytree", LAYERWISE)
     saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).filters)) for n in names}
     yield
     for n, (level, filters) in saved.items():
@@ -37,7 +39,7 @@ def test_debug_leaves_httpx_at_its_own_level(restore_loggers):
     assert logging.getLogger("httpx").level == logging.NOTSET
 
 
-def test_import_noise_is_dropped_and_nothing_else(restore_loggers):
+def test_dependency_noise_is_dropped_and_nothing_else(restore_loggers):
     configure_logging("info")
     configure_logging("info")  # twice: one filter per logger
     assert len(logging.getLogger("torchao").filters) == 1
@@ -46,3 +48,5 @@ def test_import_noise_is_dropped_and_nothing_else(restore_loggers):
     assert passes("torchao", "Skipping import of cpp extensions due to incompatible torch version")
     assert not passes("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass and is now natively")
     assert passes("torch.utils._pytree", "any other pytree warning")
+    assert not passes(LAYERWISE, "RotaryEmbedding: Failed to load weights")
+    assert passes(LAYERWISE, "another reload warning")
