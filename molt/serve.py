@@ -84,8 +84,8 @@ class _Noise(logging.Filter):
 
 def configure_logging(level: str, rank: int | None = None) -> None:
     """Every service's logging: ``LOG_FORMAT`` (``rankN`` before the logger name in a trainer process) at
-        ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
-        a trainer, so below ``debug`` httpx and httpcore log from WARNING up. ``_NOISE`` lists the dependency
+    ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
+    a trainer, so below ``debug`` httpx and httpcore log from WARNING up. ``_NOISE`` lists the dependency
     warnings dropped."""
     fmt = LOG_FORMAT if rank is None else LOG_FORMAT.replace("%(name)s", f"rank{rank} %(name)s")
     logging.basicConfig(level=level.upper(), format=fmt)

@@ -40,6 +40,10 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+WIRE_DTYPES = frozenset(_DTYPES)
+"""The dtype names a tensor may travel in."""
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     """'bfloat16' for torch.bfloat16, 'torch.bfloat16' or 'bfloat16'."""
     name = str(dtype).removeprefix("torch.")

@@ -35,6 +35,7 @@ from molt.weightsync.layout import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHECKSUM,
     DEFAULT_CHUNK_BYTES,
+    WIRE_DTYPES,
     Hasher,
     Layout,
     iter_buckets,
@@ -221,7 +222,8 @@ class WeightPusher:
         if len(ok) == len(pods):
             self._asked_every_pod = True
             served = {a.serving_dtype for a in ok}
-            self._serving = torch_dtype(served.pop()) if len(served) == 1 and "" not in served else None
+            one = served.pop() if len(served) == 1 else ""
+            self._serving = torch_dtype(one) if one in WIRE_DTYPES else None
 
     async def _tied(self, items_names: set[str]) -> bool:
         if self.tie_word_embeddings is not None:

@@ -102,8 +102,9 @@ async def test_floating_tensors_travel_in_the_dtype_every_pod_serves():
         assert all(torch.equal(e.params[n], t.to(torch.bfloat16).to(e.params[n].dtype)) for n, t in sent.items())
 
 
-async def test_pods_serving_different_dtypes_get_tensors_as_held():
-    engines = [FakeEngine(_state(0), serving_dtype="bfloat16"), FakeEngine(_state(0), serving_dtype="")]
+@pytest.mark.parametrize("served", [("bfloat16", ""), ("bfloat16", "float16"), ("nf4", "nf4")])
+async def test_pods_without_one_wire_dtype_get_tensors_as_held(served):
+    engines = [FakeEngine(_state(0), serving_dtype=d) for d in served]
     pods = [LocalPodClient(WeightSyncCore(e), f"pod{i}") for i, e in enumerate(engines)]
     new = _state(1)
     report = await WeightPusher(pods, bucket_bytes=4096).push_async(new, version=1)
