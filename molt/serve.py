@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def configure_logging(level: str, rank: int | None = None) -> None:
     """Every service's logging: ``LOG_FORMAT`` (``rankN`` before the logger name in a trainer process) at
     ``level`` (``--server.log_level``). httpx logs each request at INFO, a line per episode in an env worker or
     a trainer, so below ``debug`` httpx and httpcore log from WARNING up. ``_NOISE`` lists the dependency
-    warnings dropped."""
+    log lines dropped; one dependency ``warnings`` message is dropped too."""
     fmt = LOG_FORMAT if rank is None else LOG_FORMAT.replace("%(name)s", f"rank{rank} %(name)s")
     logging.basicConfig(level=level.upper(), format=fmt)
     if logging.getLevelNamesMapping()[level.upper()] > logging.DEBUG:
@@ -96,6 +97,9 @@ def configure_logging(level: str, rank: int | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Noise) and f.text == text for f in logger.filters):
             logger.addFilter(_Noise(text, only_without_gpu))
+    # vLLM's kernel dispatcher reads every attribute of the modules it scans, touching torch's deprecated
+    # alias on the way: a warning about vLLM's code, not the user's.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\.")
 
 
 def port_problem(host: str, port: int, flag: str = "--server.port") -> str | None:

@@ -29,10 +29,11 @@ check "ruff format" "reformat with: ruff format ${lint_paths[*]}" \
 mypy_log=$(mktemp)
 "$py" -m mypy molt services >"$mypy_log" 2>&1 &
 mypy_pid=$!
-# Two pytest workers (one per core), each taking whole modules so module-scoped pods start once; then the
-# tests marked `serial` alone, because they judge timing (slow clients, a soak's fault schedule) that a
-# second worker's load would skew. MOLT_TEST_WORKERS=0 runs everything in one process.
-workers=${MOLT_TEST_WORKERS:-2}
+# Three pytest workers on CI's two cores, each taking whole modules so module-scoped pods start once: many
+# tests wait on a child process (a pod starting, an outage timed out), and a third worker fills that idle
+# core time. Then the tests marked `serial` alone, because they judge timing (slow clients, a soak's fault
+# schedule) that other workers' load would skew. MOLT_TEST_WORKERS=0 runs everything in one process.
+workers=${MOLT_TEST_WORKERS:-3}
 start=$(date +%s)
 if [ "$workers" = 0 ]; then
   "$py" -m pytest -ra --durations=25 --timeout=900 "$@" tests

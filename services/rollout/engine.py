@@ -180,7 +180,10 @@ class RolloutEngine(EngineThread):
             added: list[str] = []
             for sid, sp in zip(sub_ids, sampling):
                 try:
-                    llm.add_request(sid, engine_prompt, sp)
+                    # Rendered by the engine's own renderer, per request as add_request would: handing it
+                    # the raw prompt is deprecated in vLLM.
+                    (rendered,) = llm.renderer.render_cmpl([engine_prompt])
+                    llm.add_request(sid, rendered, sp)
                 except Exception as exc:  # vLLM's own input check (a client error) or worse: report, stop siblings
                     from vllm.exceptions import VLLMClientError
 

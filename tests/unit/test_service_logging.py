@@ -2,6 +2,7 @@
 debug, and dependency noise no user can act on is dropped while the rest of the same loggers passes."""
 
 import logging
+import warnings
 
 import pytest
 
@@ -50,3 +51,17 @@ def test_dependency_noise_is_dropped_and_nothing_else(restore_loggers):
     assert passes("torch.utils._pytree", "any other pytree warning")
     assert not passes(LAYERWISE, "RotaryEmbedding: Failed to load weights")
     assert passes(LAYERWISE, "another reload warning")
+
+
+def test_vllms_touch_of_a_deprecated_torch_alias_is_dropped_and_nothing_else(restore_loggers):
+    msg = "`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead"
+
+    def shown(module: str, text: str = msg) -> bool:
+        with warnings.catch_warnings(record=True) as seen:
+            configure_logging("info")  # inside: the filter it adds goes when the block ends
+            warnings.warn_explicit(text, FutureWarning, "f.py", 1, module=module, registry={})
+        return any(str(w.message) == text for w in seen)  # not a stray warning (a socket's gc) that came too
+
+    assert not shown("vllm.triton_utils.dispatcher")
+    assert shown("my_training_script")  # the user's own use of the alias is theirs to hear about
+    assert shown("vllm.triton_utils.dispatcher", "another FutureWarning")
