@@ -13,6 +13,8 @@ import logging
 import platform
 import sys
 
+from services.rollout.cpu_dtype import cpu_flags
+
 log = logging.getLogger("molt.rollout")
 
 # Linux x86-64 ABI (arch/x86/include/uapi/asm/prctl.h, asm/unistd_64.h): the syscall number, the request and
@@ -24,14 +26,7 @@ XFEATURE_XTILEDATA = 18
 
 def cpu_has_amx_tiles() -> bool:
     """The CPU advertises AMX tiles (``amx_tile`` in /proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_tile" in line.split()
-    except OSError:
-        pass
-    return False
+    return "amx_tile" in cpu_flags()
 
 
 def request_amx_permission() -> bool:

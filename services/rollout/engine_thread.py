@@ -19,6 +19,7 @@ from typing import Any
 
 from services.rollout import checkpoint
 from services.rollout.config import RolloutSettings
+from services.rollout.cpu_dtype import cpu_flags, cpu_serving_dtype
 from services.rollout.images import ImageLimits
 from services.rollout.params import Limits
 from services.rollout.routing import RoutingRecorder
@@ -100,6 +101,23 @@ def _env(**values: str | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def _quiet_checkpoint_casts():
+    """While vLLM loads the checkpoint in this process: it has said once that it serves it in a narrower dtype
+    ("Downcasting torch.float32 to torch.bfloat16"), then warns again for each tensor it casts. Weight syncs
+    still warn: the trainer sends pods that agree on a dtype that dtype, so a cast there is worth a line."""
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Attempted to load weight ")
+
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -263,9 +281,18 @@ class EngineThread:
         on_cpu = current_platform.is_cpu()
         mp = (not on_cpu) if k.multiprocessing is None else k.multiprocessing
         backend = k.distributed_executor_backend or ("mp" if mp or k.tensor_parallel_size > 1 else "uni")
+        dtype = cpu_serving_dtype(k.dtype, cpu_flags()) if on_cpu else k.dtype
+        if dtype != k.dtype:
+            log.info(
+                "--vllm.dtype %s: serving in %s, as this CPU has no bf16 multiply instructions (avx512_bf16, "
+                "amx_bf16 or bf16), where bf16 runs emulated and many times slower; --vllm.dtype bfloat16 "
+                "serves bf16 anyway",
+                k.dtype,
+                dtype,
+            )
         args: dict[str, Any] = dict(
             model=str(self.settings.model.path),
-            dtype=k.dtype,
+            dtype=dtype,
             max_model_len=k.max_model_len,
             tensor_parallel_size=k.tensor_parallel_size,
             enable_expert_parallel=k.enable_expert_parallel,
@@ -299,7 +326,7 @@ class EngineThread:
             from services.rollout.kv_size import cpu_kv_cache_bytes
 
             args["kv_cache_memory_bytes"], why = cpu_kv_cache_bytes(
-                str(self.settings.model.path), k.dtype, k.max_model_len, k.max_num_seqs
+                str(self.settings.model.path), dtype, k.max_model_len, k.max_num_seqs
             )
             log.info(
                 "KV cache %d MiB (%s); set --vllm.kv_cache_memory_bytes to choose",
@@ -312,7 +339,7 @@ class EngineThread:
         if args["kv_cache_memory_bytes"] is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = None
         before = set(multiprocessing.active_children())
-        with _env(**env):
+        with _env(**env), _quiet_checkpoint_casts():
             vllm_config = engine_args.create_engine_config()
             llm = LLMEngine(
                 vllm_config=vllm_config,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from services.rollout.cpu_dtype import cpu_flags, cpu_serving_dtype
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # fp32 vLLM vs fp32 transformers agree to ~1e-6 per token; a mean signed logprob gap above this bound
@@ -66,12 +68,16 @@ def test_tiny_recipe_learns_async(tmp_path):
         # A line per request (httpx at INFO) or dependency noise a user cannot act on buries what matters.
         assert "HTTP Request:" not in log, name
         assert "torchao/_C" not in log and "is an Enum subclass" not in log, name
-    # The fp32 trainer's weights reach the bf16 pod as bf16: after start-up (vLLM casting the fp32 checkpoint),
-    # no sync leaves vLLM anything to cast, and warn about, per tensor.
+    # "auto" serves bf16 where the CPU multiplies bf16 natively, else fp32 (services/rollout/cpu_dtype.py). A bf16
+    # pod says once that it casts the fp32 checkpoint, not once per tensor; the fp32 trainer's weights reach it
+    # as bf16, so no sync leaves vLLM anything to cast, and warn about, per tensor.
     pod_log = (run_dir / "rollout-0.log").read_text()
-    assert "dtype=torch.bfloat16" in pod_log
-    after_start = pod_log.split("INFO molt.rollout: policy version", 1)[1]
-    assert "Attempted to load weight" not in after_start and "Failed to load weights" not in after_start
+    if cpu_serving_dtype("auto", cpu_flags()) == "auto":
+        assert "dtype=torch.bfloat16" in pod_log and "Downcasting torch.float32 to torch.bfloat16" in pod_log
+    else:
+        assert "dtype=torch.float32" in pod_log and "serving in float32, as this CPU has no bf16" in pod_log
+    assert "Attempted to load weight" not in pod_log
+    assert "Failed to load weights" not in pod_log.split("INFO molt.rollout: policy version", 1)[1]
     # `make run` leaves the trained policy in the run folder as an HF model directory
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

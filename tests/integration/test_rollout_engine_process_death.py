@@ -32,7 +32,7 @@ def _engine_processes(pod: subprocess.Popen) -> list[psutil.Process]:
 def test_killing_the_engine_process_ends_the_pod_with_a_nonzero_exit(tiny_qwen3, tmp_path, busy):
     cmd = [sys.executable, "-m", "services.rollout", "--model", str(tiny_qwen3), "--port", "0"]
     cmd += ["--vllm.enforce_eager", "--vllm.kv_cache_memory_bytes", str(64 << 20), "--vllm.multiprocessing"]
-    cmd += ["--vllm.dtype", "float32"] if busy else []  # idle: dtype "auto" serves the fp32 checkpoint in bf16
+    cmd += ["--vllm.dtype", "float32" if busy else "bfloat16"]
     pod, url = start_service(cmd, log_path=tmp_path / "pod.log", timeout_s=180)
     answers: list[int] = []
     try:

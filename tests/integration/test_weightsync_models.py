@@ -62,10 +62,10 @@ async def test_untied_lm_head(tiny_llama_untied, tiny_llama_untied_b):
 
 
 async def test_an_fp32_trainer_sends_a_bf16_pod_bf16(tiny_qwen3, tiny_qwen3_b):
-    """A pod serving bf16 (vLLM's "auto" on an fp32 checkpoint) reports it, the trainer's fp32 weights travel as
-    bf16 (half the bytes), and the pod serves exactly what loading the fp32 tensors themselves gives it."""
+    """A pod serving bf16 (``--vllm.dtype bfloat16`` on an fp32 checkpoint) reports it, the trainer's fp32 weights
+    travel as bf16 (half the bytes), and the pod serves exactly what loading the fp32 tensors themselves gives it."""
     settings = tiny_settings(tiny_qwen3)
-    settings.vllm.dtype = "auto"
+    settings.vllm.dtype = "bfloat16"
     engine = RolloutEngine(settings)
     await engine.start()
     server, port = await start_weightsync_server(engine, "127.0.0.1", 0)
