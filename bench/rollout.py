@@ -157,7 +157,8 @@ def raw_vllm_rate(llm, args) -> float:
         while todo and live < args.concurrency:
             i, p = todo.pop(0)
             sp = to_vllm(check_sampling(params(i, args), len(p), limits), 0)
-            llm.add_request(f"raw-{i}-{time.perf_counter_ns()}", {"prompt_token_ids": p}, sp)
+            (rendered,) = llm.renderer.render_cmpl([{"prompt_token_ids": p}])  # as the pod adds a request
+            llm.add_request(f"raw-{i}-{time.perf_counter_ns()}", rendered, sp)
             live += 1
         for out in llm.step():
             tokens += len(out.outputs[0].token_ids)
