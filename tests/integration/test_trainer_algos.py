@@ -340,7 +340,15 @@ def test_dynamic_batches_by_token_budget_train_the_same_step(world, tiny_qwen3, 
     a, b = fixed.train_step(_samples()), dynamic.train_step(samples)
     assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-6)
     assert a["actor_grad_norm"] == pytest.approx(b["actor_grad_norm"], rel=1e-5)
-    # AdamW's first step is ~lr * sign(grad): where a gradient is ~0, summing in another order can move that
-    # weight by a fraction of lr (1e-3), so the weights agree to lr / 10 while the gradients agree to 1e-5
-    wa, wb = full_state_dict(fixed.actor), full_state_dict(dynamic.actor)
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-4, rtol=0) for k in wa)
+    # The same step means the same clipped gradient per element, which AdamW keeps as its first moment. The weights
+    # are no fair test: its first step is lr * g / (|g| + eps), so a gradient that is ~0 up to summation order can
+    # move its weight by up to lr either way.
+    ma, mb = _first_moments(fixed.optim), _first_moments(dynamic.optim)
+    scale = max(float(m.abs().max()) for m in ma)
+    assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-4 * scale) for x, y in zip(ma, mb, strict=True))
+
+
+def _first_moments(optim) -> list[torch.Tensor]:
+    """AdamW's exp_avg of every parameter, as full tensors (after one step it is (1 - beta1) * the gradient)."""
+    moments = [optim.state[p]["exp_avg"] for g in optim.param_groups for p in g["params"]]
+    return [m.full_tensor() if hasattr(m, "full_tensor") else m for m in moments]
