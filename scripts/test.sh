@@ -9,6 +9,10 @@ cd "$root"
 py=${MOLT_VENV:-$root/.venv}/bin/python
 export OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# Byte-code may be cached in this checkout even where the machine asks for none (as CI machines do): else
+# every pytest process re-rewrites the asserts of every test module, and every service a test starts
+# recompiles the project's modules.
+unset PYTHONDONTWRITEBYTECODE
 lint_paths=(molt services tests bench deploy examples)
 failed=()
 check() {  # check NAME FIX-HINT CMD...: run CMD, remember NAME if it fails
@@ -31,18 +35,23 @@ mypy_log=$(mktemp)
 mypy_pid=$!
 # Three pytest workers on CI's two cores, each taking whole modules so module-scoped pods start once: many
 # tests wait on a child process (a pod starting, an outage timed out), and a third worker fills that idle
-# core time. Then the tests marked `serial` alone, because they judge timing (slow clients, a soak's fault
-# schedule) that other workers' load would skew. MOLT_TEST_WORKERS=0 runs everything in one process.
+# core time. Modules are handed out in collection order (e2e, integration, unit): xdist's default, most
+# tests first, would leave the few-test modules that start whole stacks for last, one worker running each
+# while the others idle. Then the tests marked `serial` alone, because they judge timing (slow clients, a
+# soak's fault schedule) that other workers' load would skew; only the files that hold them are collected.
+# MOLT_TEST_WORKERS=0 runs everything in one process.
 workers=${MOLT_TEST_WORKERS:-3}
 start=$(date +%s)
 if [ "$workers" = 0 ]; then
   "$py" -m pytest -ra --durations=25 --timeout=900 "$@" tests
   rc=$?
 else
-  "$py" -m pytest -ra --durations=25 --timeout=900 -n "$workers" --dist loadfile -m "not serial" "$@" tests
+  "$py" -m pytest -ra --durations=25 --timeout=900 -n "$workers" --dist loadfile --no-loadscope-reorder \
+    -m "not serial" "$@" tests
   rc=$?
   echo "[test] parallel part: pytest exit $rc after $(( $(date +%s) - start ))s"
-  "$py" -m pytest -ra --durations=10 --timeout=900 -m serial "$@" tests
+  mapfile -t serial_files < <(grep -rlE --include='test_*.py' 'mark\.serial\b' tests)
+  "$py" -m pytest -ra --durations=10 --timeout=900 -m serial "$@" "${serial_files[@]}"
   rc_serial=$?
   # 5: no serial test among those selected, which is fine when a subset was asked for.
   [ "$rc" -eq 0 ] && [ "$rc_serial" -ne 5 ] && rc=$rc_serial
