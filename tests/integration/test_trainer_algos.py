@@ -340,15 +340,16 @@ def test_dynamic_batches_by_token_budget_train_the_same_step(world, tiny_qwen3, 
     a, b = fixed.train_step(_samples()), dynamic.train_step(samples)
     assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-6)
     assert a["actor_grad_norm"] == pytest.approx(b["actor_grad_norm"], rel=1e-5)
-    # The same step means the same clipped gradient per element, which AdamW keeps as its first moment. The weights
-    # are no fair test: its first step is lr * g / (|g| + eps), so a gradient that is ~0 up to summation order can
-    # move its weight by up to lr either way.
-    ma, mb = _first_moments(fixed.optim), _first_moments(dynamic.optim)
-    scale = max(float(m.abs().max()) for m in ma)
-    assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-4 * scale) for x, y in zip(ma, mb, strict=True))
+    # The same steps mean the same clipped gradients, which AdamW's two moments hold (the mean and the mean square of
+    # every step's gradient, per element). The weights are no fair test: AdamW moves a weight by ~lr * g / (|g| + eps)
+    # per step, so a gradient that is ~0 up to summation order can move it by up to lr either way.
+    for name in ("exp_avg", "exp_avg_sq"):
+        a_moment, b_moment = _adam_moments(fixed.optim, name), _adam_moments(dynamic.optim, name)
+        tol = 1e-4 * max(float(m.abs().max()) for m in a_moment)
+        assert all(torch.allclose(x, y, rtol=1e-4, atol=tol) for x, y in zip(a_moment, b_moment, strict=True)), name
 
 
-def _first_moments(optim) -> list[torch.Tensor]:
-    """AdamW's exp_avg of every parameter, as full tensors (after one step it is (1 - beta1) * the gradient)."""
-    moments = [optim.state[p]["exp_avg"] for g in optim.param_groups for p in g["params"]]
+def _adam_moments(optim, name: str) -> list[torch.Tensor]:
+    """AdamW's ``exp_avg`` or ``exp_avg_sq`` of every parameter, as full tensors."""
+    moments = [optim.state[p][name] for g in optim.param_groups for p in g["params"]]
     return [m.full_tensor() if hasattr(m, "full_tensor") else m for m in moments]
