@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_LOWEST_PICKED_PORT = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel reports free on ``host`` now (another process may still take it before use)."""
-    with socket.socket() as s:
+    """A port free on ``host`` now (another process may still take it before use), below the kernel's ephemeral
+    range where that range can be read. The kernel's own pick (bind to port 0) comes from that range, which is
+    also where every outgoing connection gets its source port: a service restarted on its port (a supervisor, a
+    fault test) could find it taken by some client's connection meanwhile."""
+    low = _ephemeral_port_low()
+    for _ in range(64 if low - _LOWEST_PICKED_PORT >= 1000 else 0):
+        port = random.randrange(_LOWEST_PICKED_PORT, low)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_port_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), or 0 where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def listening_socket(service: str, host: str, port: int, backlog: int = 2048) -> socket.socket:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import sys
 import time
 import uuid
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from molt.metrics import CATALOG
+from molt.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("rollout", "gateway", "envs", "trainer")
@@ -83,12 +83,6 @@ from deploy import metric_refs as refs  # noqa: E402
 from deploy import tools  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _queries() -> list:
     docs = tools.render("ci/multinode-trainer-values.yaml")  # every rule on
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -136,7 +130,7 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
         "MOLT_TRAINER_DEVICE": "cpu",
         "PYTHONPATH": str(ROOT),
     }
-    ports = {s: _free_port() for s in SERVICES}
+    ports = {s: free_port() for s in SERVICES}
     urls = {s: f"http://127.0.0.1:{ports[s]}" for s in SERVICES}
     py = [sys.executable, "-m"]
     cmds = {
@@ -148,7 +142,7 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
             "--server.port",
             str(ports["rollout"]),
             "--grpc.port",
-            str(_free_port()),
+            str(free_port()),
             "--vllm.dtype",
             "float32",
             "--vllm.enforce_eager",

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 import redis
 
 from molt.bus.embedded import EmbeddedRedis
+from molt.net import free_port
 from tests.integration.trainer_testlib import ROOT, audit, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -33,12 +33,6 @@ PROMPTS, N = 8, 2
 REDIS_OUTAGE_S, WORKER_OUTAGE_S = 30.0, 15.0
 DIE_AFTER_PROMPTS = 6
 WORKER = Path(__file__).with_name("synthetic_env_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, what: str, timeout_s: float = 120, proc=None):
@@ -75,7 +69,7 @@ def _steps(path: Path, pid: int) -> int:
 
 
 def test_trainer_waits_out_redis_and_env_worker_outages(tiny_qwen3, tmp_path):
-    worker_port = _free_port()
+    worker_port = free_port()
     server = EmbeddedRedis(data_dir=tmp_path / "redis")
     redis_port, redis_url, stream = server.port, server.url, "molt:test:outages"
     records, audit_path, log_path = tmp_path / "written.jsonl", tmp_path / "audit.jsonl", tmp_path / "trainer.log"
