@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from molt.net import free_port
+
 
 def synthetic_state(gib: float) -> dict[str, torch.Tensor]:
     per = 32 << 20  # 32 MiB tensors, like the big matrices of a ~1B model
@@ -202,12 +204,6 @@ def part1(gib: float, reps: int, chunk_bytes: int, bucket_bytes: int) -> list[st
 # ---- part 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def part2(model_dir: Path, reps: int, pod_dtype: str = "float32") -> list[str]:
     import httpx
     from transformers import AutoModelForCausalLM
@@ -215,7 +211,7 @@ def part2(model_dir: Path, reps: int, pod_dtype: str = "float32") -> list[str]:
     from molt.weightsync.check import probe_check
     from molt.weightsync.pusher import WeightPusher
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",

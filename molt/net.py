@@ -14,16 +14,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     range where that range can be read. The kernel's own pick (bind to port 0) comes from that range, which is
     also where every outgoing connection gets its source port: a service restarted on its port (a supervisor, a
     fault test) could find it taken by some client's connection meanwhile."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_port_low()
     for _ in range(64 if low - _LOWEST_PICKED_PORT >= 1000 else 0):
         port = random.randrange(_LOWEST_PICKED_PORT, low)
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        with socket.socket(family) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
         return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import grpc
 import httpx
 import pytest
 from rollout_testlib import ServerThread, tiny_settings
 
+from molt.net import free_port
 from services.rollout.app import build_app
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("molt.weightsync.server") is None, reason="weight-sync not built")
 def test_grpc_port_starts_the_weightsync_server(tiny_qwen3):
-    port = _free_port()
+    port = free_port()
     settings = tiny_settings(tiny_qwen3)
     settings.grpc.port = port
     app = build_app(settings)
