@@ -114,6 +114,7 @@ Flags that need hardware this machine lacks are refused with the reason; see doc
 
 def train_rl(argv: list[str]) -> int:
     from molt.stack import train_rl as tr
+    from molt.stack.up import check_trainer_flags
 
     own: dict[str, str | bool] = {}
     rest: list[str] = []
@@ -138,6 +139,7 @@ def train_rl(argv: list[str]) -> int:
     gpus = _gpu_count() if target == "local" else 0
     try:
         routed = tr.route(rest, target, gpus=gpus)
+        check_trainer_flags(routed.trainer, str(routed.model), "agent")
         if target == "helm":
             tr.write_helm_values(routed, Path(str(own["--emit"])))
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")

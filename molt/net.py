@@ -2,30 +2,39 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 from pathlib import Path
 
 _LOWEST_PICKED_PORT = 20000
+_handed_out: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now (another process may still take it before use), below the kernel's ephemeral
     range where that range can be read. The kernel's own pick (bind to port 0) comes from that range, which is
     also where every outgoing connection gets its source port: a service restarted on its port (a supervisor, a
-    fault test) could find it taken by some client's connection meanwhile."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    fault test) could find it taken by some client's connection meanwhile. Never the same port twice in one
+    process: callers pick several ports before any service binds one."""
     low = _ephemeral_port_low()
-    for _ in range(64 if low - _LOWEST_PICKED_PORT >= 1000 else 0):
-        port = random.randrange(_LOWEST_PICKED_PORT, low)
-        with socket.socket(family) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
-    with socket.socket(family) as s:
-        s.bind((host, 0))
+    tries = 64 if low - _LOWEST_PICKED_PORT >= 1000 else 0
+    below = (random.randrange(_LOWEST_PICKED_PORT, low) for _ in range(tries))
+    for wanted in itertools.chain(below, [0] * 64):  # then the kernel's picks
+        port = _bindable(host, wanted)
+        if port and port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port on {host}")
+
+
+def _bindable(host: str, port: int) -> int:
+    """``port`` (0: the kernel's pick) if it can be bound on ``host`` now, else 0."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
         return s.getsockname()[1]
 
 

@@ -46,6 +46,9 @@ POD_FLAGS = {
     "vllm.mamba_ssm_cache_dtype",
 }
 
+# Pod flags Molt declares with argparse's BooleanOptionalAction: --no-<flag> turns them off.
+NEGATABLE = {"vllm.enable_prefix_caching", "vllm.enable_chunked_prefill", "vllm.async_scheduling"}
+
 # Molt flags about Ray placement, and what each means for the services.
 PLACEMENT = {
     "train.colocate_fsdp_models": "actor, reference and critic always share the trainer's ranks here",
@@ -175,7 +178,10 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
     r = Routed()
     errors: list[str] = []
-    flags = split_flags(argv)
+    flags = [
+        (name[3:], ["false"]) if name.startswith("no-") and name[3:] in NEGATABLE and not values else (name, values)
+        for name, values in split_flags(argv)
+    ]
     muon = any(n == "actor.optim" and v[:1] == ["muon"] for n, v in flags)
     for name, values in flags:
         r.raw[name] = values

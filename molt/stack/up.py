@@ -88,6 +88,18 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
+def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None:
+    """The trainer's own flag checks, before anything starts: it starts last, so a bad flag would otherwise
+    surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
+    wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win."""
+    from molt.config import parse_settings
+    from services.trainer.config import TrainerSettings, validate_settings
+
+    local = "http://127.0.0.1:1"
+    wiring = ["--model.path", str(model), "--rollout.urls", local, "--envs.urls", local, "--envs.agent", agent]
+    parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate_settings)
+
+
 def mode_args(opts: UpOptions) -> list[str]:
     """The trainer flags of `--async-queue-size Q` and `--sync`."""
     args = []
@@ -140,6 +152,8 @@ def run_stack(opts: UpOptions) -> dict:
 def run_plan(plan: StackPlan) -> dict:
     """Start Redis, pods, gateway, env workers and the trainer for ``plan``; wait for the trainer; stop all."""
     check_redis(plan.redis_url)
+    steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
+    check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
     run_dir = plan.run_dir or ROOT / "runs" / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; run folder {run_dir}", flush=True)
@@ -219,7 +233,6 @@ def run_plan(plan: StackPlan) -> dict:
             *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(progress.path)),
             *("--logger.eval_jsonl", str(run_dir / "eval.jsonl")),
         ]
-        steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
 
         def trainer_proc(port: int) -> ManagedProcess:
             cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer, *steps)

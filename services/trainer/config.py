@@ -364,7 +364,12 @@ class CkptConfig(Section):
     load_enable: bool = False
     """Resume from the latest checkpoint under --ckpt.path when there is one."""
     max_num: int = 3
-    """Keep this many checkpoints (<= 0 keeps all)."""
+    """Checkpoints to keep (<= 0 keeps all): the HF snapshots of --ckpt.save_hf and, unless --ckpt.dcp_max_num is
+    set, the resumable ones."""
+    dcp_max_num: int | None = None
+    """Resumable checkpoints (model, optimizer, data position) to keep. Unset: --ckpt.max_num."""
+    max_mem: float = math.inf
+    """Disk budget in GB for kept checkpoints (only inf is supported: bound retention with --ckpt.max_num)."""
     output_dir: str | None = None
     """Where the final policy is written as an HF model directory (config, safetensors, tokenizer, chat template)
     at the end of the run. Unset: the folder holding --ckpt.path (Molt's ./ckpt with the default path)."""
@@ -378,6 +383,14 @@ class CkptConfig(Section):
 
     def final_dir(self) -> str:
         return self.output_dir or os.path.dirname(os.path.abspath(self.path))
+
+    def resumable_max(self) -> int:
+        return self.max_num if self.dcp_max_num is None else self.dcp_max_num
+
+    def check(self) -> None:
+        """Molt's retention flags this build cannot honour (``ValueError``)."""
+        if not math.isinf(self.max_mem):
+            raise ValueError("--ckpt.max_mem: a disk budget is not supported; bound retention with --ckpt.max_num")
 
 
 class TrainerSettings(Section):
@@ -400,6 +413,10 @@ class TrainerSettings(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    local_rank: int = -1
+    """Set by old torch.distributed.launch; the rank comes from the environment."""
+    use_ms: bool = False
+    """Resolve models from the ModelScope hub (refused: nothing is downloaded; pass a local directory)."""
 
 
 def load_plugins(paths: list[str]) -> None:
@@ -430,6 +447,11 @@ def validate_settings(s: TrainerSettings) -> list[str]:
         s.actor.model_name_or_path = s.model.path  # the shared --model.path block every service reads
     if not s.actor.model_name_or_path:
         raise ValueError("--actor.model_name_or_path (or --model.path) is required: a local HF model directory")
+    if s.use_ms:
+        raise ValueError(
+            "--use_ms: nothing is downloaded here; pass a local model directory to --actor.model_name_or_path"
+        )
+    s.ckpt.check()
     t = s.train
     if s.fsdp.packing_samples:
         t.pack_shared_prefix = True

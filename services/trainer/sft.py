@@ -358,7 +358,6 @@ def train(s: SftSettings, info: DistInfo) -> dict:
     layout = {"packed": packed, "pad_to": pad_to, "share_prefix": packed and learner.shares_prefix()}
     if s.ckpt.load_enable:
         checkpoint.load(s.ckpt.path, learner)
-    dcp_max = s.ckpt.dcp_max_num if s.ckpt.dcp_max_num is not None else s.ckpt.max_num
     eval_every = s.eval.steps if s.eval.steps > 0 else per_epoch
     eval_batches: list[tuple[dict, bool]] | None = None
     if evals:
@@ -406,7 +405,7 @@ def train(s: SftSettings, info: DistInfo) -> dict:
                 if info.is_main:
                     log.info("step %d eval_loss %.4f", step, last["eval_loss"])
             if s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0:
-                checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=dcp_max)
+                checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max())
                 if s.ckpt.save_hf:
                     hf_root = Path(s.ckpt.path) / "_hf"
                     save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)

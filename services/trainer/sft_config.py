@@ -9,7 +9,6 @@ tensor/context/expert parallelism without GPUs, Muon, the ModelScope hub. Additi
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -133,10 +132,6 @@ class SftCkptConfig(CkptConfig):
     """Also write an HF directory with every resumable checkpoint, under <path>/_hf/global_step<N>."""
     disable_final_save: bool = False
     """Skip the final HF export to --ckpt.output_dir."""
-    dcp_max_num: int | None = None
-    """Resumable checkpoints to keep (default --ckpt.max_num, which then counts the HF snapshots)."""
-    max_mem: float = math.inf
-    """Disk budget in GB for kept checkpoints (only inf is supported: use --ckpt.max_num)."""
 
 
 class WandbConfig(Section):
@@ -229,8 +224,7 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
         )
     if f.offload != "none" and not on_gpu:
         raise ValueError(f"--fsdp.offload {f.offload}: CPU offload is for GPU runs; on CPU use none")
-    if not math.isinf(s.ckpt.max_mem):
-        raise ValueError("--ckpt.max_mem: a disk budget is not supported; bound retention with --ckpt.max_num")
+    s.ckpt.check()
     if len(s.adam.betas) != 2:
         raise ValueError(f"--adam.betas takes two values B1 B2, got {s.adam.betas}")
     if s.data.dataset_probs is not None:

@@ -404,7 +404,7 @@ class Trainer:
         client_state = state[0]
         assert client_state is not None  # every rank holds rank 0's state after the broadcast
         with phase(self.metrics, "checkpoint"):
-            saved = checkpoint.save(self.s.ckpt.path, self.learner, client_state, self.s.ckpt.max_num)
+            saved = checkpoint.save(self.s.ckpt.path, self.learner, client_state, self.s.ckpt.resumable_max())
             if self.s.ckpt.save_hf:
                 hf_root = os.path.join(self.s.ckpt.path, "_hf")
                 save_hf(self.learner.actor, self.learner.hf_source, os.path.join(hf_root, saved.name))

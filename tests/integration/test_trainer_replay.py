@@ -1,5 +1,6 @@
 """Molt's ``--train.rollout_dump_dir`` / ``--train.rollout_replay_dir``: a run that dumps its rollout batches, then a
-run that trains on the dump alone (an empty stream, no episodes) and makes the same steps to the same weights."""
+run that trains on the dump alone (an empty stream, no episodes) and makes the same steps to the same weights. The
+dumping run also keeps checkpoints as Molt's retention flags say."""
 
 from __future__ import annotations
 
@@ -38,8 +39,13 @@ def test_a_dumped_run_replays_to_the_same_steps_and_weights(tiny_qwen3, redis_ur
         run_trainer(
             _flags(tiny_qwen3, redis_url, streams[0], tmp_path, "live", "--train.num_steps", "2")
             + ["--train.rollout_dump_dir", str(dump)]
+            # Molt's retention: --ckpt.max_num counts the HF snapshots, --ckpt.dcp_max_num the resumable ones
+            + ["--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.max_num", "2", "--ckpt.dcp_max_num", "1"]
         )
         assert sorted(p.name for p in dump.iterdir()) == ["rollout_step1.msgpack", "rollout_step2.msgpack"]
+        ckpt = tmp_path / "live" / "ckpt"
+        assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step2"]
+        assert sorted(p.name for p in (ckpt / "_hf").iterdir()) == ["global_step1", "global_step2"]
         # the replay's stream is empty: it trains on the files and ends at the first step without one
         proc = run_trainer(
             _flags(tiny_qwen3, redis_url, streams[1], tmp_path, "replay", "--train.rollout_replay_dir", str(dump))

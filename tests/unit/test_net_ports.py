@@ -39,3 +39,15 @@ def test_a_taken_port_is_not_picked(monkeypatch):
         monkeypatch.setattr(net, "_ephemeral_port_low", lambda: 65535)
         monkeypatch.setattr(net.random, "randrange", lambda a, b: next(picks))
         assert net.free_port() == spare
+
+
+def test_a_port_is_not_handed_out_twice(monkeypatch):
+    # the soak picks every service's port before any binds one: a repeat put the gateway on the pod's port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        spare = probe.getsockname()[1]
+    first = net.free_port()
+    picks = iter([first, first, spare])
+    monkeypatch.setattr(net, "_ephemeral_port_low", lambda: 65535)
+    monkeypatch.setattr(net.random, "randrange", lambda a, b: next(picks))
+    assert net.free_port() == spare

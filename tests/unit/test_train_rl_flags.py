@@ -4,6 +4,7 @@ The scripts are Molt's own (tests/fixtures/molt_examples/scripts, vendored uncha
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -156,3 +157,72 @@ def test_emitted_helm_values_render_through_the_chart(tmp_path):
     # storage is the chart's: the script's local --ckpt.path is not passed, the chart's volume is
     assert "/molt/outputs" not in trainer and "--ckpt.save_steps=5" in trainer
     assert any("--vllm.max_model_len 16384" in a for name, a in args.items() if "rollout" in name)
+
+
+MOLT_CLI = json.loads((SCRIPTS.parents[1] / "molt_cli_flags.json").read_text())
+AGENT = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a/x.py"]
+
+
+def test_every_flag_molts_rl_and_sft_parsers_declare_is_known():
+    from molt.config import iter_fields
+    from services.trainer.sft_config import SftSettings
+
+    every = tr.trainer_flag_names() | tr.POD_FLAGS | set(tr.PLACEMENT) | set(tr.MISSING) | tr.WIRING
+    every |= {"actor.num_nodes", "actor.num_gpus_per_node"} | {"no-" + n for n in tr.NEGATABLE}
+    assert len(MOLT_CLI["train_rl_ray"]) >= 150
+    assert sorted(set(MOLT_CLI["train_rl_ray"]) - every) == []
+    assert sorted(set(MOLT_CLI["train_sft"]) - {name for name, _, _ in iter_fields(SftSettings)}) == []
+
+
+@pytest.mark.parametrize("flag", sorted(tr.NEGATABLE))
+def test_molts_no_form_of_a_pod_switch_turns_it_off(flag):
+    from molt.config import parse_settings
+    from services.rollout.config import RolloutSettings
+
+    r = tr.route([*AGENT, f"--no-{flag}"])
+    assert r.rollout == [f"--{flag}", "false"]
+    pod = parse_settings(RolloutSettings, ["--model.path", "/m", *r.rollout], prog="rollout")
+    assert getattr(pod.vllm, flag.split(".")[1]) is False
+
+
+def test_molts_retention_rank_and_hub_flags():
+    from molt.config import parse_settings
+    from services.trainer.config import TrainerSettings, validate_settings
+
+    r = tr.route([*AGENT, "--ckpt.dcp_max_num", "2", "--local_rank", "0", "--ckpt.max_num", "5"])
+    s = parse_settings(TrainerSettings, [*r.trainer, "--train.dispatch", "false"], prog="t")
+    validate_settings(s)
+    assert (s.ckpt.resumable_max(), s.ckpt.max_num, s.local_rank) == (2, 5, 0)
+    for flags, needle in ((["--use_ms"], "nothing is downloaded"), (["--ckpt.max_mem", "100"], "--ckpt.max_num")):
+        s = parse_settings(TrainerSettings, [*r.trainer, "--train.dispatch", "false", *flags], prog="t")
+        with pytest.raises(ValueError, match=needle):
+            validate_settings(s)
+
+
+def test_a_bad_trainer_flag_stops_train_rl_before_anything_starts(tmp_path, capsys):
+    from molt import cli
+
+    argv = [*AGENT, "--data.prompt_dataset", "/d", "--train.force_on_policy", "--train.max_epochs", "2"]
+    for own in ([], ["--emit", "helm-values", str(tmp_path / "v.yaml")]):
+        with pytest.raises(SystemExit) as stop:
+            cli.train_rl([*own, *argv])
+        assert stop.value.code == 2
+        assert "--train.force_on_policy needs --train.max_epochs 1 (got 2)" in capsys.readouterr().err
+    assert not (tmp_path / "v.yaml").exists()
+
+
+def test_a_bad_trainer_flag_stops_the_stack_before_anything_starts(tmp_path, capsys):
+    from molt.stack.up import StackPlan, run_plan
+
+    plan = StackPlan(
+        name="t",
+        model=tmp_path / "model",
+        agents={"a": tmp_path / "a.py"},
+        agent="a",
+        trainer=["--data.prompt_dataset", "/d", "--ckpt.max_mem", "10"],
+        run_dir=tmp_path / "run",
+    )
+    with pytest.raises(SystemExit) as stop:
+        run_plan(plan)
+    assert stop.value.code == 2 and "--ckpt.max_mem: a disk budget is not supported" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing started, no run folder
