@@ -139,11 +139,11 @@ def train_rl(argv: list[str]) -> int:
     gpus = _gpu_count() if target == "local" else 0
     try:
         routed = tr.route(rest, target, gpus=gpus)
-        check_trainer_flags(routed.trainer, str(routed.model), "agent")
         if target == "helm":
             tr.write_helm_values(routed, Path(str(own["--emit"])))
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
             return 0
+        check_trainer_flags(routed.trainer, str(routed.model), "agent")
         for note in routed.notes:
             print(f"[molt train-rl] {note}")
         if own.get("--dry-run"):

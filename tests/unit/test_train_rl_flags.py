@@ -203,12 +203,11 @@ def test_a_bad_trainer_flag_stops_train_rl_before_anything_starts(tmp_path, caps
     from molt import cli
 
     argv = [*AGENT, "--data.prompt_dataset", "/d", "--train.force_on_policy", "--train.max_epochs", "2"]
-    for own in ([], ["--emit", "helm-values", str(tmp_path / "v.yaml")]):
-        with pytest.raises(SystemExit) as stop:
-            cli.train_rl([*own, *argv])
-        assert stop.value.code == 2
-        assert "--train.force_on_policy needs --train.max_epochs 1 (got 2)" in capsys.readouterr().err
-    assert not (tmp_path / "v.yaml").exists()
+    with pytest.raises(SystemExit) as stop:
+        cli.train_rl(["--run-dir", str(tmp_path / "run"), *argv])
+    assert stop.value.code == 2
+    assert "--train.force_on_policy needs --train.max_epochs 1 (got 2)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_bad_trainer_flag_stops_the_stack_before_anything_starts(tmp_path, capsys):
