@@ -143,10 +143,10 @@ def train_rl(argv: list[str]) -> int:
             tr.write_helm_values(routed, Path(str(own["--emit"])))
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
             return 0
-        check_trainer_flags(routed.trainer, str(routed.model), "agent")
         for note in routed.notes:
             print(f"[molt train-rl] {note}")
-        if own.get("--dry-run"):
+        if own.get("--dry-run"):  # a real run checks the trainer's flags in run_plan, before anything starts
+            check_trainer_flags(routed.trainer, str(routed.model), "agent")
             print(tr.describe(routed))
             return 0
         run_dir = Path(str(own["--run-dir"])) if own.get("--run-dir") else None

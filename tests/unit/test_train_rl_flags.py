@@ -202,11 +202,18 @@ def test_molts_retention_rank_and_hub_flags():
 def test_a_bad_trainer_flag_stops_train_rl_before_anything_starts(tmp_path, capsys):
     from molt import cli
 
-    argv = [*AGENT, "--data.prompt_dataset", "/d", "--train.force_on_policy", "--train.max_epochs", "2"]
-    with pytest.raises(SystemExit) as stop:
-        cli.train_rl(["--run-dir", str(tmp_path / "run"), *argv])
-    assert stop.value.code == 2
-    assert "--train.force_on_policy needs --train.max_epochs 1 (got 2)" in capsys.readouterr().err
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "agent.py").write_text("")
+    argv = [
+        *("--actor.model_name_or_path", str(tmp_path / "model"), "--train.agent_path", str(tmp_path / "agent.py")),
+        *("--data.prompt_dataset", "/d", "--train.force_on_policy", "--train.max_epochs", "2"),
+    ]
+    for own in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as stop:
+            cli.train_rl([*own, *argv])
+        assert stop.value.code == 2
+        assert "--train.force_on_policy needs --train.max_epochs 1 (got 2)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
