@@ -14,11 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import redis
 
 from molt.net import LineSplitter
 from molt.serve import start_service
@@ -225,6 +228,37 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def pod_and_gateway(
+    model_dir: str | Path,
+    logs: Path,
+    redis_url: str,
+    name: str,
+    max_length: int = 1024,
+    pod: dict | None = None,
+    gateway: list[str] | None = None,
+) -> Iterator[tuple[str, str, str]]:
+    """A real rollout pod (``pod``: start_rollout_pod's keywords) and a gateway in front of it (``gateway``: more
+    flags) capturing into a stream of its own, ``molt:test:{name}:<random>``. Yields (gateway url, pod url,
+    stream); stops both and deletes the stream's keys on the way out."""
+    stream = f"molt:test:{name}:{uuid.uuid4().hex[:8]}"
+    pod_proc, pod_url = start_rollout_pod(model_dir, logs / "pod.log", **(pod or {}))
+    gw = None
+    try:
+        args = ["--model", str(model_dir), "--rollout.urls", pod_url, "--redis.url", redis_url]
+        args += ["--redis.stream", stream, "--session.max_length", str(max_length), *(gateway or [])]
+        gw, url = start_gateway(args, logs / "gateway.log")
+        yield url, pod_url, stream
+    finally:
+        if gw is not None:
+            stop(gw)
+        stop(pod_proc)
+        if not redis_url.startswith("memory://"):
+            r = redis.Redis.from_url(redis_url)
+            r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+            r.close()
 
 
 # ---- an instant pod, to measure the gateway alone (bench/gateway.py --instant-pod)

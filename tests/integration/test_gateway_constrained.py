@@ -9,7 +9,6 @@ and the captured trajectory holds exactly the tokens the pod sampled under the c
 from __future__ import annotations
 
 import json
-import uuid
 
 import anthropic
 import httpx
@@ -17,10 +16,9 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-import redis
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
@@ -48,39 +46,14 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, redis_url, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("gw")
-    stream = f"molt:test:gateway-constrained:{uuid.uuid4().hex[:8]}"
     # Engine choices Molt's launch scripts pass (`molt train-rl` routes them to the pods) start and serve as usual;
     # an empty backend is vLLM's own choice.
     engine = ["--vllm.block_size", "32", "--vllm.enable_chunked_prefill", "--vllm.mamba_ssm_cache_dtype", "float32"]
     engine += ["--vllm.attention_backend", "", "--vllm.disable_custom_all_reduce"]
-    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log", extra=engine)
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_qwen3),
-                "--rollout.urls",
-                pod_url,
-                "--redis.url",
-                redis_url,
-                "--redis.stream",
-                stream,
-                "--session.max_length",
-                "1024",
-            ],
-            logs / "gateway.log",
-        )
-        model = ChatModel(tiny_qwen3)
-        yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": model}
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
-        r.close()
+    logs = tmp_path_factory.mktemp("gw")
+    with pod_and_gateway(tiny_qwen3, logs, redis_url, "gateway-constrained", pod={"extra": engine}) as started:
+        url, pod_url, stream = started
+        yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": ChatModel(tiny_qwen3)}
 
 
 def _session(stack) -> dict:

@@ -11,17 +11,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import uuid
 
 import anthropic
 import httpx
 import openai
 import pytest
-import redis
 from vl_testlib import data_url, hf_sequence_logprobs, image_bytes
 
 from molt.models.tiny_vl import IMAGE_SEQ_LEN
-from tests.gateway_testlib import file_server, read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import file_server, pod_and_gateway, read_trajectories, start_gateway, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(300)]
 TOL = 1e-4
@@ -30,46 +28,21 @@ POD_CONTEXT = 1024  # the test pod's --vllm.max_model_len (tests/gateway_testlib
 
 @pytest.fixture(scope="module")
 def stack(tiny_idefics3, redis_url, tmp_path_factory):
+    limits = ["--rollout.max_images_per_prompt", "3", "--rollout.max_image_pixels", str(200 * 200)]
     logs = tmp_path_factory.mktemp("gw-images")
-    stream = f"molt:test:gateway-images:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(
-        tiny_idefics3,
-        logs / "pod.log",
-        extra=["--rollout.max_images_per_prompt", "3", "--rollout.max_image_pixels", str(200 * 200)],
-    )
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_idefics3),
-                "--rollout.urls",
-                pod_url,
-                "--redis.url",
-                redis_url,
-                "--redis.stream",
-                stream,
-                "--session.max_length",
-                "512",
-            ],
-            logs / "gateway.log",
-        )
-        image_token = json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"]
+    with pod_and_gateway(tiny_idefics3, logs, redis_url, "gateway-images", max_length=512, pod={"extra": limits}) as (
+        url,
+        pod_url,
+        stream,
+    ):
         yield {
             "url": url,
             "pod": pod_url,
             "redis": redis_url,
             "stream": stream,
             "model": tiny_idefics3,
-            "image_token": image_token,
+            "image_token": json.loads((tiny_idefics3 / "config.json").read_text())["image_token_id"],
         }
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
-        r.close()
 
 
 def _open(stack) -> dict:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from http_fuzz import assert_anthropic_error, assert_openai_error, encode
 
-from tests.gateway_testlib import start_gateway, start_rollout_pods, stop
+from tests.gateway_testlib import pod_and_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -18,28 +18,11 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gwin")
-    [(pod, pod_url)] = start_rollout_pods(tiny_qwen3, [logs / "pod.log"], max_model_len=256)
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_qwen3),
-                "--rollout.urls",
-                pod_url,
-                "--redis.url",
-                "memory://",
-                "--session.max_length",
-                "256",
-            ],
-            logs / "gateway.log",
-        )
+    with pod_and_gateway(
+        tiny_qwen3, logs, "memory://", "gateway-input", max_length=256, pod={"max_model_len": 256}
+    ) as (url, pod_url, _):
         with httpx.Client(base_url=url, timeout=60) as client:
             yield client, pod_url
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
 
 
 def _pod_healthy(client: httpx.Client, pod_url: str) -> bool:

@@ -11,17 +11,15 @@ template) and several tool results appended in one turn. Parsing model-written t
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import anthropic
 import httpx
 import numpy as np
 import openai
 import pytest
-import redis
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
@@ -45,34 +43,12 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, redis_url, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("gw")
-    stream = f"molt:test:gateway-sdk:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_qwen3),
-                "--rollout.urls",
-                pod_url,
-                "--redis.url",
-                redis_url,
-                "--redis.stream",
-                stream,
-                "--session.max_length",
-                "1024",
-            ],
-            logs / "gateway.log",
-        )
+    with pod_and_gateway(tiny_qwen3, tmp_path_factory.mktemp("gw"), redis_url, "gateway-sdk") as (
+        url,
+        pod_url,
+        stream,
+    ):
         yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": ChatModel(tiny_qwen3)}
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
-        r.close()
 
 
 def _open(stack, **body) -> dict:

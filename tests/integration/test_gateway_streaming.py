@@ -5,15 +5,12 @@ the streamed turn records exactly what the same turn not streamed records."""
 
 from __future__ import annotations
 
-import uuid
-
 import anthropic
 import httpx
 import openai
 import pytest
-import redis
 
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -24,33 +21,8 @@ LONG = 160
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gw-stream")
-    stream = f"molt:test:gateway-stream:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(tiny_qwen3, logs / "pod.log")
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_qwen3),
-                "--rollout.urls",
-                pod_url,
-                "--redis.url",
-                redis_url,
-                "--redis.stream",
-                stream,
-                "--session.max_length",
-                "1024",
-            ],
-            logs / "gateway.log",
-        )
+    with pod_and_gateway(tiny_qwen3, logs, redis_url, "gateway-stream") as (url, _, stream):
         yield {"url": url, "redis": redis_url, "stream": stream}
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream)
-        r.close()
 
 
 def _open(stack, **sampling) -> dict:

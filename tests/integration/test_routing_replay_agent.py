@@ -4,12 +4,9 @@ the trainer's RoutingReplay routes every token of every segment through the expe
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import numpy as np
 import pytest
-import redis
 import torch
 from rollout_testlib import hf_routing, same_experts
 from transformers import AutoModelForCausalLM
@@ -17,42 +14,23 @@ from transformers import AutoModelForCausalLM
 from services.trainer.batch import collate, samples_from_trajectory
 from services.trainer.learner import token_logprobs
 from services.trainer.routing_replay import RoutingReplay, find_routers
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3_moe, redis_url, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("routing")
-    stream = f"molt:test:routing-replay:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(tiny_qwen3_moe, logs / "pod.log", max_model_len=512)
-    gw = None
-    try:
-        gw, url = start_gateway(
-            [
-                "--model",
-                str(tiny_qwen3_moe),
-                "--rollout.urls",
-                pod_url,
-                "--rollout.return_routed_experts",
-                "--redis.url",
-                redis_url,
-                "--redis.stream",
-                stream,
-                "--session.max_length",
-                "512",
-            ],
-            logs / "gateway.log",
-        )
+    with pod_and_gateway(
+        tiny_qwen3_moe,
+        tmp_path_factory.mktemp("routing"),
+        redis_url,
+        "routing-replay",
+        max_length=512,
+        pod={"max_model_len": 512},
+        gateway=["--rollout.return_routed_experts"],
+    ) as (url, _, stream):
         yield {"url": url, "redis": redis_url, "stream": stream}
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
-        r.close()
 
 
 def _episode(client: httpx.Client, turns: int, seed: int) -> str:

@@ -11,12 +11,9 @@ vision tower must still line up (the text-only rank runs it on a blank image).
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import openai
 import pytest
-import redis
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -28,7 +25,7 @@ from services.trainer.batch import samples_from_trajectory
 from services.trainer.config import TrainerSettings, validate_settings
 from services.trainer.learner import Learner
 from services.trainer.model import full_state_dict, init_distributed
-from tests.gateway_testlib import read_trajectories, start_gateway, start_rollout_pod, stop
+from tests.gateway_testlib import pod_and_gateway, read_trajectories
 from tests.integration.trainer_testlib import audit, run_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timeout(600)]
@@ -76,27 +73,12 @@ def _text_episode(url: str, group: str) -> None:
 def recorded(tiny_idefics3, redis_url, tmp_path_factory):
     """The stream holding one group (image episode, text episode) the real pod generated."""
     logs = tmp_path_factory.mktemp("trainer-vl")
-    stream = f"molt:test:trainer-vl:{uuid.uuid4().hex[:8]}"
-    pod, pod_url = start_rollout_pod(tiny_idefics3, logs / "pod.log")
-    gw = None
-    try:
-        gw, url = start_gateway(
-            ["--model", str(tiny_idefics3), "--rollout.urls", pod_url, "--redis.url", redis_url]
-            + ["--redis.stream", stream, "--session.max_length", "512"],
-            logs / "gateway.log",
-        )
+    with pod_and_gateway(tiny_idefics3, logs, redis_url, "trainer-vl", max_length=512) as (url, _, stream):
         _image_episode(url, "g0")
         _text_episode(url, "g0")
         trajs = sorted(read_trajectories(redis_url, stream), key=lambda t: t.sample_index)
         assert [t.sample_index for t in trajs] == [0, 1] and len(trajs[0].images) == 2 and not trajs[1].images
         yield {"stream": stream, "trajectories": trajs}
-    finally:
-        if gw is not None:
-            stop(gw)
-        stop(pod)
-        r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
-        r.close()
 
 
 def _flags(model, *extra: str) -> list[str]:
