@@ -82,6 +82,27 @@ class FakePods(PodTransport):
         return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode(), time.perf_counter()
 
 
+def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -> tuple:
+    """The gateway app in this process on ``model`` (a ChatModel), its ``pods`` a FakePods answering from
+    ``script``, trajectories in memory; ``sections`` are settings sections over those (e.g. ``session={...}``).
+    (app, the FakePods, an httpx client over ASGI; no lifespan runs)."""
+    import httpx
+
+    from services.gateway.app import build_app
+    from services.gateway.config import GatewaySettings
+
+    cfg: dict = {
+        "model": {"path": str(model.path)},
+        "rollout": {"urls": pods},
+        "redis": {"url": "memory://", "stream": "test"},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    fake = FakePods(pods, script)
+    app = build_app(GatewaySettings.model_validate(cfg), transport=fake, model=model)
+    return app, fake, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
 def read_trajectories(redis_url: str, stream: str) -> list:
     """Every trajectory entry on ``stream`` (repeats included), read through a consumer group of its own."""
     import asyncio
@@ -119,22 +140,10 @@ class ReplicaGroup:
     def add(self, script: Script, **sections: dict) -> tuple:
         """A replica: ``sections`` are settings sections over the group's (e.g. ``auth={...}``).
         (app, httpx client, its FakePods)."""
-        import httpx
-
-        from services.gateway.app import build_app
-        from services.gateway.config import GatewaySettings
-
-        cfg: dict = {
-            "model": {"path": str(self.model.path)},
-            "rollout": {"urls": [self.pod]},
-            "redis": {"url": self.redis_url, "stream": self.stream},
-        }
-        for name, values in sections.items():
-            cfg[name] = {**cfg.get(name, {}), **values}
-        pods = FakePods([self.pod], script)
-        app = build_app(GatewaySettings.model_validate(cfg), transport=pods, model=self.model)
+        redis = {"url": self.redis_url, "stream": self.stream, **sections.pop("redis", {})}
+        app, pods, http = scripted_gateway(self.model, script, [self.pod], redis=redis, **sections)
         self.apps.append(app)
-        return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw"), pods
+        return app, http, pods
 
     async def close(self) -> None:
         import redis.asyncio as aioredis

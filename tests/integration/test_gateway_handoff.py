@@ -16,11 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
-from services.gateway.app import build_app
-from services.gateway.config import GatewaySettings
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import count_key
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import scripted_gateway
 
 pytestmark = pytest.mark.redis
 
@@ -223,17 +221,10 @@ async def test_without_handoff_or_redis_open_sessions_are_lost_and_counted(repli
     assert await c.gateway.shut_down() == 1
     assert 'molt_gateway_sessions_total{outcome="lost"} 1.0' in c.gateway.metrics.render()[0].decode()
     # Redis gone by the time the replica exits: parking fails, the sessions are lost and said to be, not hidden.
-    model = chat_model
-    settings = GatewaySettings.model_validate(
-        {
-            "model": {"path": str(model.path)},
-            "rollout": {"urls": [POD]},
-            "redis": {"url": "redis://127.0.0.1:1/0", "stream": "gone"},
-        }
-    )
-    app = build_app(settings, transport=FakePods([POD], lambda p, sp: model.encode("Hi.<|im_end|>")), model=model)
+    reply = chat_model.encode("Hi.<|im_end|>")
+    gone = {"url": "redis://127.0.0.1:1/0", "stream": "gone"}
+    app, _, http = scripted_gateway(chat_model, lambda p, sp: reply, [POD], redis=gone)
     assert isinstance(app.gateway.handoff, SessionHandoff)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     r = await http.post("/v1/sessions", json={})
     await http.post(
         f"/s/{r.json()['session_id']}/v1/chat/completions",

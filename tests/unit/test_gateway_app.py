@@ -11,10 +11,9 @@ import openai
 import pytest
 
 from molt.config import expand_short_flags, parse_settings
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods, fake_logprob
+from tests.gateway_testlib import FakePods, fake_logprob, scripted_gateway
 
 PODS = ["http://pod-a:1", "http://pod-b:2"]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -43,18 +42,8 @@ class Replies:
 @pytest.fixture
 def env(model):
     def make(**overrides):
-        cfg = {
-            "model": {"path": str(model.path)},
-            "rollout": {"urls": PODS},
-            "redis": {"url": "memory://", "stream": "test"},
-        }
-        for k, v in overrides.items():
-            cfg.setdefault(k, {}).update(v)
-        settings = GatewaySettings.model_validate(cfg)
         replies = Replies(model)
-        pods = FakePods(PODS, replies)
-        app = build_app(settings, transport=pods, model=model)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+        app, pods, http = scripted_gateway(model, replies, PODS, **overrides)
         http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
         return app, pods, replies, http
 

@@ -3,13 +3,10 @@ fake pods, the reaper called with a chosen clock."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import scripted_gateway
 
 POD = "http://pod-a:1"
 
@@ -17,16 +14,9 @@ POD = "http://pod-a:1"
 @pytest.fixture
 def gateway(tiny_qwen3):
     model = ChatModel(tiny_qwen3)
-    settings = GatewaySettings.model_validate(
-        {
-            "model": {"path": str(tiny_qwen3)},
-            "rollout": {"urls": [POD]},
-            "redis": {"url": "memory://", "stream": "t"},
-            "session": {"idle_ttl_s": 600},
-        }
-    )
-    app = build_app(settings, transport=FakePods([POD], lambda p, sp: model.encode("Hi.<|im_end|>")), model=model)
-    return app.gateway, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    reply = model.encode("Hi.<|im_end|>")
+    app, _, http = scripted_gateway(model, lambda p, sp: reply, [POD], session={"idle_ttl_s": 600})
+    return app.gateway, http
 
 
 async def test_a_leased_session_lapses_after_its_lease_unless_renewed(gateway):

@@ -7,15 +7,12 @@ from __future__ import annotations
 import shutil
 
 import anthropic
-import httpx
 import httpx2
 import openai
 import pytest
 
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import scripted_gateway
 
 PODS = ["http://pod-a:1"]
 THINK = "<think>\nThe user wants a number.\n</think>\n\nFour.<|im_end|>"
@@ -47,16 +44,10 @@ def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
 @pytest.fixture
 def gw(model):
     queue: list[str] = []
-    settings = GatewaySettings.model_validate(
-        {
-            "model": {"path": str(model.path)},
-            "rollout": {"urls": PODS},
-            "redis": {"url": "memory://", "stream": "test"},
-        }
+    app, pods, http = scripted_gateway(
+        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
     )
-    pods = FakePods(PODS, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"))
-    app = build_app(settings, transport=pods, model=model)
-    return app, pods, queue, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    return app, pods, queue, http
 
 
 async def _exact(app, http, pods, model, sid: str) -> None:

@@ -4,14 +4,11 @@ the call that is not streamed; what the gateway does not honour is refused by na
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import scripted_gateway
 
 PODS = ["http://pod-a:1"]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
@@ -31,16 +28,9 @@ def model(tiny_qwen3) -> ChatModel:
 @pytest.fixture
 def gw(model):
     queue: list[str] = []
-    settings = GatewaySettings.model_validate(
-        {
-            "model": {"path": str(model.path)},
-            "rollout": {"urls": PODS},
-            "redis": {"url": "memory://", "stream": "test"},
-        }
+    app, pods, http = scripted_gateway(
+        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
     )
-    pods = FakePods(PODS, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"))
-    app = build_app(settings, transport=pods, model=model)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     return app, pods, queue, http
 
 

@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from services.gateway import surface
-from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
-from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import scripted_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 PODS = ["http://pod-a:1"]
@@ -129,15 +127,8 @@ def test_the_docs_table_is_the_gateways_table():
 @pytest.fixture(scope="module")
 def app(tiny_qwen3):
     model = ChatModel(tiny_qwen3)
-    settings = GatewaySettings.model_validate(
-        {
-            "model": {"path": str(model.path)},
-            "rollout": {"urls": PODS},
-            "redis": {"url": "memory://", "stream": "test"},
-        }
-    )
-    pods = FakePods(PODS, lambda prompt, sp: model.encode("ok<|im_end|>"))
-    return build_app(settings, transport=pods, model=model), pods
+    gw, pods, _ = scripted_gateway(model, lambda prompt, sp: model.encode("ok<|im_end|>"), PODS)
+    return gw, pods
 
 
 ROWS = [(e, k) for e, table in _doc_table().items() for k in sorted(table)]
