@@ -23,7 +23,15 @@ import pytest
 
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from tests.integration.fleet_testlib import Fleet
-from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, grpo_run_flags, trainer_cmd
+from tests.integration.trainer_testlib import (
+    ROOT,
+    audit,
+    delete_stream,
+    dispatch_flags,
+    env,
+    grpo_run_flags,
+    trainer_cmd,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(600)]
 PROMPTS, N = 10, 2
@@ -72,26 +80,11 @@ def test_trainer_killed_three_times_trains_every_prompt_exactly_once(tiny_qwen3,
     seed = int(os.environ.get("MOLT_CHAOS_SEED", random.randrange(1 << 16)))
     rng = random.Random(seed)
     print(f"MOLT_CHAOS_SEED={seed}")
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(PROMPTS)))
     audit_path = tmp_path / "audit.jsonl"
     served = Fleet(tiny_qwen3, redis_url, stream_name)
     pod = served.pods[0]
     flags = [
-        "--actor.model_name_or_path",
-        str(tiny_qwen3),
-        "--redis.url",
-        redis_url,
-        "--redis.stream",
-        stream_name,
-        "--data.prompt_dataset",
-        str(dataset),
-        "--data.input_key",
-        "question",
-        "--data.label_key",
-        "answer",
-        "--envs.urls",
-        served.url,
+        *dispatch_flags(tmp_path, PROMPTS, tiny_qwen3, redis_url, stream_name, served.url),
         "--envs.retry_backoff_s",
         "0.05",
         "--rollout.grpc_targets",

@@ -26,6 +26,7 @@ from services.trainer.config import TrainerSettings, validate_settings
 from services.trainer.model import init_distributed
 from services.trainer.publish import CallbackPublisher
 from services.trainer.trainer import Trainer
+from tests.integration.trainer_testlib import dispatch_flags
 
 
 class Workers:
@@ -91,28 +92,13 @@ class Workers:
 
 
 def test_dispatch_trains_every_group_and_respects_the_staleness_bound(tiny_qwen3, redis_url, stream_name, tmp_path):
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(6)))
     workers = Workers(redis_url, stream_name)
     workers.start()
     audit = tmp_path / "audit.jsonl"
     s = parse_settings(
         TrainerSettings,
         [
-            "--actor.model_name_or_path",
-            str(tiny_qwen3),
-            "--redis.url",
-            redis_url,
-            "--redis.stream",
-            stream_name,
-            "--data.prompt_dataset",
-            str(dataset),
-            "--data.input_key",
-            "question",
-            "--data.label_key",
-            "answer",
-            "--envs.urls",
-            *workers.urls,
+            *dispatch_flags(tmp_path, 6, tiny_qwen3, redis_url, stream_name, *workers.urls),
             "--envs.max_retries",
             "2",
             "--envs.retry_backoff_s",

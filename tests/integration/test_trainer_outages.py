@@ -26,7 +26,7 @@ import redis
 
 from molt.bus.embedded import EmbeddedRedis
 from molt.net import free_port
-from tests.integration.trainer_testlib import ROOT, audit, env, grpo_run_flags, trainer_cmd
+from tests.integration.trainer_testlib import ROOT, audit, dispatch_flags, env, grpo_run_flags, trainer_cmd
 
 pytestmark = [pytest.mark.timeout(400)]
 PROMPTS, N = 8, 2
@@ -73,23 +73,8 @@ def test_trainer_waits_out_redis_and_env_worker_outages(tiny_qwen3, tmp_path):
     server = EmbeddedRedis(data_dir=tmp_path / "redis")
     redis_port, redis_url, stream = server.port, server.url, "molt:test:outages"
     records, audit_path, log_path = tmp_path / "written.jsonl", tmp_path / "audit.jsonl", tmp_path / "trainer.log"
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(PROMPTS)))
     flags = [
-        "--actor.model_name_or_path",
-        str(tiny_qwen3),
-        "--redis.url",
-        redis_url,
-        "--redis.stream",
-        stream,
-        "--data.prompt_dataset",
-        str(dataset),
-        "--data.input_key",
-        "question",
-        "--data.label_key",
-        "answer",
-        "--envs.urls",
-        f"http://127.0.0.1:{worker_port}",
+        *dispatch_flags(tmp_path, PROMPTS, tiny_qwen3, redis_url, stream, f"http://127.0.0.1:{worker_port}"),
         "--envs.retry_backoff_s",
         "0.1",
         "--envs.retry_backoff_max_s",

@@ -9,7 +9,6 @@ and a real HTTP env worker that only uses a ready pod (tests/integration/fleet_t
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from collections import Counter
@@ -17,7 +16,15 @@ from collections import Counter
 import pytest
 
 from tests.integration.fleet_testlib import Fleet
-from tests.integration.trainer_testlib import ROOT, audit, delete_stream, env, grpo_run_flags, trainer_cmd
+from tests.integration.trainer_testlib import (
+    ROOT,
+    audit,
+    delete_stream,
+    dispatch_flags,
+    env,
+    grpo_run_flags,
+    trainer_cmd,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 PROMPTS, N, QUEUE = 8, 2, 1
@@ -26,25 +33,10 @@ PROMPTS, N, QUEUE = 8, 2, 1
 def test_restarted_pod_joins_at_the_trainers_version_and_staleness_stays_bounded(
     tiny_qwen3, redis_url, stream_name, tmp_path
 ):
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(PROMPTS)))
     audit_path, log_path = tmp_path / "audit.jsonl", tmp_path / "trainer.log"
     fleet = Fleet(tiny_qwen3, redis_url, stream_name)
     flags = [
-        "--actor.model_name_or_path",
-        str(tiny_qwen3),
-        "--redis.url",
-        redis_url,
-        "--redis.stream",
-        stream_name,
-        "--data.prompt_dataset",
-        str(dataset),
-        "--data.input_key",
-        "question",
-        "--data.label_key",
-        "answer",
-        "--envs.urls",
-        fleet.url,
+        *dispatch_flags(tmp_path, PROMPTS, tiny_qwen3, redis_url, stream_name, fleet.url),
         "--envs.retry_backoff_s",
         "0.1",
         "--envs.retry_backoff_max_s",

@@ -51,6 +51,18 @@ def delete_stream(redis_url: str, stream: str) -> None:
     asyncio.run(go())
 
 
+def dispatch_flags(tmp_path: Path, prompts: int, model, redis_url: str, stream: str, *envs: str) -> list[str]:
+    """The trainer flags a dispatch test starts from: ``prompts`` question/answer rows written to a JSONL dataset
+    under ``tmp_path``, the model, the stream and the env workers at ``envs``."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(prompts)))
+    return [
+        *("--actor.model_name_or_path", str(model), "--redis.url", redis_url, "--redis.stream", stream),
+        *("--data.prompt_dataset", str(dataset), "--data.input_key", "question", "--data.label_key", "answer"),
+        *("--envs.urls", *envs),
+    ]
+
+
 def grpo_run_flags(n: int, steps: int) -> list[str]:
     """The small GRPO run the fault tests train: one prompt of ``n`` samples per dispatch, two per step, no KL."""
     return [
