@@ -46,6 +46,12 @@ def _ephemeral_port_low() -> int:
         return 0
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as URLs and gRPC targets spell it: an IPv6 literal in brackets (``[::]:50051``), since
+    its own colons would otherwise run into the port's."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def listening_socket(service: str, host: str, port: int, backlog: int = 2048) -> socket.socket:
     """Bind and listen on ``host:port`` (0: the kernel picks), then print the one line a supervisor or a test
     parses for the chosen port: ``molt-<service> listening on http://HOST:PORT``. Listening comes first, so a
@@ -55,7 +61,7 @@ def listening_socket(service: str, host: str, port: int, backlog: int = 2048) ->
     sock.bind((host, port))
     sock.listen(backlog)
     bound_host, bound_port = sock.getsockname()[:2]
-    print(f"molt-{service} listening on http://{bound_host}:{bound_port}", flush=True)
+    print(f"molt-{service} listening on http://{host_port(bound_host, bound_port)}", flush=True)
     return sock
 
 

@@ -37,7 +37,7 @@ import httpx
 import uvicorn
 
 from molt.config import ServerConfig
-from molt.net import listening_socket
+from molt.net import host_port, listening_socket
 from molt.serve_guard import guarded
 
 CPU_ENV = {
@@ -284,7 +284,7 @@ def freeze_before_exit() -> None:
 
 def announce_ready(service: str, host: str, port: int) -> None:
     """The line a service prints once its app has started: ``molt-<service> ready http://HOST:PORT``."""
-    print(f"molt-{service} ready http://{host}:{port}", flush=True)
+    print(f"molt-{service} ready http://{host_port(host, port)}", flush=True)
 
 
 def serve(

@@ -15,6 +15,7 @@ import grpc
 
 from molt._proto import weightsync_pb2 as pb
 from molt.metrics import Metrics
+from molt.net import host_port
 from molt.weightsync.auth import BearerInterceptor, check_exposure
 from molt.weightsync.core import SyncError, WeightSyncCore
 from molt.weightsync.wire import SERVICE, decode_chunk, grpc_options, identity, keep_malloc_hot, layout_from_begin
@@ -163,14 +164,14 @@ async def start_weightsync_server(
     options = [*grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers([_handler(WeightSyncServicer(core))])
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     try:  # grpc.aio raises RuntimeError where the sync API returns 0
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
     if not bound:
-        raise OSError(f"weight-sync gRPC server could not bind {host}:{port} (in use, or not a local address)")
+        raise OSError(f"weight-sync gRPC server could not bind {address} (in use, or not a local address)")
     await server.start()
     server.weightsync_core = core  # for the rollout app's /readyz and tests
-    log.info("weight-sync gRPC server on %s:%d", host, bound)
+    log.info("weight-sync gRPC server on %s", host_port(host, bound))
     return server, bound

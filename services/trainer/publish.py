@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from molt.net import host_port
+
 log = logging.getLogger("molt.trainer")
 DISCOVER_BACKOFF_S = (0.5, 5.0)  # first wait and cap while a --rollout.urls pod does not answer at start-up
 
@@ -86,7 +88,7 @@ def discover_targets(urls: list[str], wait_s: float, timeout_s: float = 10.0) ->
         port = body.get("grpc_port") if isinstance(body, dict) else None
         if not port:
             raise PodDiscoveryError(f"rollout pod {url} reports no grpc_port on /readyz; pass --rollout.grpc_targets")
-        targets.append(f"{urlparse(url).hostname}:{port}")
+        targets.append(host_port(urlparse(url).hostname or "", port))
     return targets
 
 

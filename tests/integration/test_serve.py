@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from molt.serve import start_service
-from tests.gateway_testlib import ROOT
+from tests.gateway_testlib import ROOT, stop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +26,21 @@ def test_a_service_announces_itself_answers_readyz_and_exits_0_on_sigterm(tmp_pa
     lines = log.read_text().splitlines()
     assert f"molt-instant-pod listening on {url}" in lines and f"molt-instant-pod ready {url}" in lines
     assert code == 0
+
+
+def test_a_service_on_every_ipv6_address_names_a_url_that_parses_and_serves_both_families(tmp_path):
+    """``--server.host ::`` (the chart's ``listenAddress`` on an IPv6 cluster): the skeleton's lines bracket the
+    address, so the URL ``start_service`` reads from them parses, and the one socket takes both families."""
+    serve = "from molt.config import ServerConfig; from molt.serve import serve; import tests.gateway_testlib as t; "
+    serve += "serve('instant-pod', t._instant_pod, ServerConfig(host='::', log_level='warning'))"
+    proc, url = start_service([sys.executable, "-c", serve], log_path=tmp_path / "pod.log", cwd=ROOT)
+    try:
+        port = httpx.URL(url).port
+        assert url == f"http://[::]:{port}"
+        for host in ("[::1]", "127.0.0.1"):
+            assert httpx.get(f"http://{host}:{port}/readyz").status_code == 200
+    finally:
+        stop(proc)
 
 
 def test_start_service_fails_fast_when_the_service_exits(tmp_path):
