@@ -218,7 +218,7 @@ def test_trainer_probes_check_rank_zero_and_pass_on_other_nodes():
 
 def _allowed(docs, src: str, dst: str, port: int | str, egress_port: int) -> bool:
     """Does a pod of component ``src`` reach component ``dst`` on ``port`` (a container port name or
-    number) under the rendered NetworkPolicies? Same namespace; namespace-wide selectors are not used."""
+    number) under the rendered NetworkPolicies? Same namespace: peers by namespace or IP block never match."""
     labels = {
         w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: w["spec"]["template"]["metadata"][
             "labels"
@@ -231,7 +231,7 @@ def _allowed(docs, src: str, dst: str, port: int | str, egress_port: int) -> boo
         return sel.get("matchLabels", {}).items() <= labels[comp].items()
 
     def peer_ok(peers, comp):
-        return peers is None or any("namespaceSelector" not in p and selects(p["podSelector"], comp) for p in peers)
+        return peers is None or any(p.keys() == {"podSelector"} and selects(p["podSelector"], comp) for p in peers)
 
     def port_ok(ports, want):
         return ports is None or any(p["port"] == want for p in ports)
@@ -275,6 +275,19 @@ def test_network_policies_let_only_the_trainer_change_weights_and_data_writers_r
     assert reach("trainer", "trainer", "torchrun", 29500) and not reach("gateway", "trainer", "torchrun", 29500)
     assert reach("trainer", "envs", "http", 8090)
     assert not by_kind(tools.render(sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+def test_narrowing_the_gateways_callers_keeps_the_releases_own_and_prometheus():
+    outside = {"ipBlock": {"cidr": "10.1.0.0/16"}}
+    docs = tools.render(sets=("networkPolicy.gatewayFrom[0].ipBlock.cidr=10.1.0.0/16",))
+    [rule] = by_kind(docs, "NetworkPolicy")["molt-gateway"]["spec"]["ingress"]
+    prometheus = yaml.safe_load((tools.CHART / "values.yaml").read_text())["networkPolicy"]["metricsFrom"]
+    assert outside in rule["from"] and all(p in rule["from"] for p in prometheus)
+    for src in ("envs", "gateway"):  # env workers open sessions; replicas forward each other's
+        assert _allowed(docs, src, "gateway", "http", 8080), src
+    assert not _allowed(docs, "rollout", "gateway", "http", 8080)
+    [open_rule] = by_kind(tools.render(), "NetworkPolicy")["molt-gateway"]["spec"]["ingress"]
+    assert "from" not in open_rule  # not narrowed: anyone who reaches the Service (keys still apply)
 
 
 def test_ci_values_name_files_that_exist():

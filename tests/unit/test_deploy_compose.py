@@ -195,6 +195,13 @@ def test_slim_services_import_without_torch(service):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_env_workers_stop_only_after_their_running_episodes_could_end(compose):
+    from services.envs.config import WorkerConfig
+
+    grace = compose["services"]["envs"]["stop_grace_period"]  # Docker's default is 10 s
+    assert float(grace.removesuffix("s")) > WorkerConfig().episode_timeout_s + 5
+
+
 def test_model_is_kept_and_rollout_starts_from_the_newest_export(compose):
     services = compose["services"]
     cmd = services["trainer"]["command"]

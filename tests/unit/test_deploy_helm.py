@@ -253,6 +253,16 @@ def test_gateway_replicas_route_sessions_to_their_owner(rendered):
     assert "molt-gateway" in by_kind(rendered["default"], "HorizontalPodAutoscaler")
 
 
+def test_env_workers_are_killed_only_after_their_running_episodes_could_end(rendered):
+    """A stopped worker lets its running episodes finish, up to the episode timeout plus 5 s: the pod's
+    termination grace period follows the timeout the chart passes."""
+    for values, docs in [*rendered.items(), ("1800 s", tools.render(sets=("envs.episodeTimeoutSeconds=1800",)))]:
+        timeout = float(flag(container(docs, "molt-envs"), "--envs.episode_timeout_s"))
+        spec = by_kind(docs, "Deployment")["molt-envs"]["spec"]["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] > timeout + 5, values
+    assert timeout == 1800
+
+
 def test_ipv6_cluster_listens_on_both_families_and_names_replicas_by_bracketed_ip():
     """On an IPv6 cluster $(POD_IP) expands to a bare address: the processes listen on "::", and the gateway
     brackets its public URL (services/gateway/config.py), so its session ids name a reachable URL."""
