@@ -31,8 +31,8 @@ RUN apt-get update \
 
 COPY requirements/gpu.lock ./requirements/gpu.lock
 RUN uv pip install -r requirements/gpu.lock
-# Optional: flash-attn (the trainer's default kernel on GPU) compiles for a long time and is not in the
-# lock; without it pass --fsdp.attn_implementation sdpa.
+# Optional: flash-attn (the trainer's default kernel on GPU where installed) compiles for a long time and
+# is not in the lock; without it the trainer runs sdpa.
 ARG FLASH_ATTN_VERSION=""
 RUN if [ -n "$FLASH_ATTN_VERSION" ]; then uv pip install -c /requirements/gpu.lock --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; fi
 

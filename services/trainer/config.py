@@ -341,7 +341,7 @@ class FsdpConfig(Section):
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """Mixed-precision parameter dtype on GPU (master weights fp32). CPU runs fp32 throughout."""
     attn_implementation: str | None = None
-    """Attention kernel. Unset: flash_attention_2 on GPU, sdpa on CPU."""
+    """Attention kernel. Unset: flash_attention_2 on GPU where flash-attn is installed, else sdpa."""
     sequence_parallel: bool = False
     """Sequence parallelism inside the tensor-parallel region (needs --fsdp.tp_size > 1; GPU, NeMo AutoModel)."""
     bf16_master_weights: bool = False

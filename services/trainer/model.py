@@ -14,6 +14,7 @@ A single plain process (no torchrun) runs the same code in a world of one.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -78,7 +79,15 @@ def _use_nemo(strategy: str) -> bool:
 
 
 def _attn(fsdp, on_gpu: bool) -> str:
-    return fsdp.attn_implementation or ("flash_attention_2" if on_gpu else "sdpa")
+    """The kernel asked for, else flash_attention_2 on GPU where flash-attn is installed, else sdpa. The images
+    ship without flash-attn (a long compile, not in the lock): a default that needs it would fail at load."""
+    if fsdp.attn_implementation:
+        return fsdp.attn_implementation
+    if on_gpu and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    if on_gpu:
+        log.info("flash-attn is not installed: attention runs on sdpa (--fsdp.attn_implementation picks one)")
+    return "sdpa"
 
 
 def _mp_policy(fsdp, on_gpu: bool):

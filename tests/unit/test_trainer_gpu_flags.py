@@ -128,3 +128,23 @@ def test_lora_reaches_nemos_loader_as_its_peft_config(tmp_path, nemo_calls):
     peft = nemo_calls[1]["peft_config"]
     assert type(peft) is model._nemo_peft_config()
     assert (peft.dim, peft.alpha, peft.dropout, peft.target_modules) == (4, 8, 0.1, ["q_proj", "v_proj"])
+
+
+def test_unset_attention_is_flash_on_gpu_only_where_flash_attn_is_installed(monkeypatch):
+    """The images ship without flash-attn: a GPU trainer started with no --fsdp.attn_implementation loads on
+    sdpa there instead of failing, and picks flash_attention_2 where it is installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def installed(flash: bool):
+        def find_spec(name, *args):
+            return (object() if flash else None) if name == "flash_attn" else real(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    installed(False)
+    assert model._attn(_fsdp(), True) == "sdpa" and model._attn(_fsdp(), False) == "sdpa"
+    installed(True)
+    assert model._attn(_fsdp(), True) == "flash_attention_2" and model._attn(_fsdp(), False) == "sdpa"
+    assert model._attn(_fsdp("--fsdp.attn_implementation", "eager"), True) == "eager"
