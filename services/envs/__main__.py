@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(
         EnvsSettings, normalize_argv(sys.argv[1:] if argv is None else argv), prog=PROG, validate=validate_settings
     )
+    # Agents run in this process and may start children that inherit its environment (Molt's python_executor
+    # tool runs model-written code in a plain python3): the key reaches the gateway client and ctx.api_key only.
+    os.environ.pop("MOLT_GATEWAY__API_KEY", None)
     preflight(PROG, ports=[("--server.port", settings.server.host, settings.server.port)])
     configure_logging(settings.server.log_level)
     configure_sandbox(settings.sandbox.isolation)

@@ -1,0 +1,61 @@
+"""The env worker's gateway key reaches the gateway and the agents' SDK clients (``ctx.api_key``), never the
+environment of what agents start: Molt's ``python_executor`` tool runs model-written code in a plain
+``python3`` child that inherits the worker's environment. A real worker process, the fake gateway on loopback."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import httpx
+
+from molt.agents.testing import FakeGateway
+from molt.serve import start_service
+from tests.gateway_testlib import ROOT, stop
+from tests.integration.envs_testlib import Served
+
+KEY = "sk-molt-worker-secret"
+AGENT = textwrap.dedent("""
+    import subprocess
+    import sys
+
+    from molt.agents import Env, Result, StepEnvRunner
+
+    CHILD = "import os; print(os.environ.get('MOLT_GATEWAY__API_KEY', 'absent'))"
+
+    class Probe(Env):
+        async def step(self, state):
+            seen = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True).stdout.strip()
+            return Result(reward=1.0 if seen == "absent" else 0.0)
+
+    class AgentRunner(StepEnvRunner):
+        def __init__(self):
+            super().__init__(Probe)
+""")
+
+
+def test_the_gateway_key_reaches_the_gateway_but_not_the_children_agents_start(tmp_path):
+    fake = FakeGateway(policy=lambda prompt, turn: "ok")
+    keys: list[str | None] = []
+
+    @fake.app.middleware("http")
+    async def record(request, call_next):
+        keys.append(request.headers.get("authorization"))
+        return await call_next(request)
+
+    gateway = Served(fake.app, "fake-gateway")
+    (tmp_path / "probe.py").write_text(AGENT)
+    cmd = [sys.executable, "-m", "services.envs", f"--agent=probe={tmp_path / 'probe.py'}"]
+    cmd += ["--gateway.url", gateway.url, "--server.port", "0", "--server.log_level", "warning"]
+    env = dict(os.environ, MOLT_GATEWAY__API_KEY=KEY)
+    worker, url = start_service(cmd, log_path=tmp_path / "worker.log", env=env, cwd=ROOT)
+    try:
+        body = {"agent": "probe", "prompt": "hi", "label": "", "group_id": "g", "sample_index": 0}
+        r = httpx.post(f"{url}/v1/episodes:run", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+        assert r.json()["reward"] == 1.0  # the agent's child did not see the key
+        assert keys and set(keys) == {f"Bearer {KEY}"}  # every gateway call carried it
+    finally:
+        stop(worker)
+        gateway.stop()
