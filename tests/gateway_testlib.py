@@ -40,6 +40,8 @@ class FakePod:
     version: int = 0
     down: bool = False
     calls: list[tuple[list[int], dict]] = field(default_factory=list)
+    images: list[list | None] = field(default_factory=list)
+    """Each call's ``images`` (None: the request had none)."""
 
 
 class FakePods(PodTransport):
@@ -64,6 +66,7 @@ class FakePods(PodTransport):
         req = json.loads(body)
         prompt, sp = req["prompt_token_ids"], req.get("sampling_params", {})
         pod.calls.append((list(prompt), dict(sp)))
+        pod.images.append(req.get("images"))
         outputs = []
         for _ in range(sp.get("n", 1)):
             ids = list(pod.script(prompt, sp))
@@ -79,7 +82,10 @@ class FakePods(PodTransport):
                     "policy_version": pod.version,
                 }
             )
-        return 200, json.dumps({"outputs": outputs, "policy_version": pod.version}).encode(), time.perf_counter()
+        answer: dict = {"outputs": outputs, "policy_version": pod.version}
+        if req.get("images"):  # a real pod answers with the prompt as its processor expanded it
+            answer["prompt_token_ids"] = list(prompt)
+        return 200, json.dumps(answer).encode(), time.perf_counter()
 
 
 def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -> tuple:

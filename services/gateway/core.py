@@ -19,6 +19,7 @@ from services.gateway.chat import (
     bad_request,
     canonical_messages,
     data_url_part,
+    message_images,
     parse_tool_calls,
     request_key,
     split_reasoning,
@@ -349,22 +350,26 @@ class Gateway(SessionLifecycle):
                 )
             # Molt's rule for an Env's feedback: images that do not fit the context (expanded) are dropped with
             # their image tokens, the feedback's text is kept.
+            stop = overrides.get("stop") or s.sampling_params.get("stop")
             plan, fitted, events = await self._generate_fitting(
-                s, self.model, plan, overrides, False, lambda: planned(drop_images=True)
+                s, self.model, plan, overrides, False, lambda: planned(drop_images=True), stop=stop
             )
             if fitted is None:  # contract: no room left -> finish "length" with no tokens; nothing is committed
                 return self._context_full(s, plan)
             gen = fitted
             seg = s.capture.commit(plan, gen, events)
             raw = self.model.decode(gen.token_ids, skip_special=False)
+            # As vLLM: the tokens keep the one that completed the stop string, the text ends before it.
+            cuts = [raw.find(x) for x in stop or [] if x and x in raw] if gen.extra.get("stop_string") else []
+            answer = raw[: min(cuts)] if cuts else raw
             result = TurnResult(
                 gen.token_ids,
                 gen.logprobs,
                 gen.finish_reason,
                 gen.policy_version,
-                raw,
-                raw,
-                raw,
+                answer,
+                answer,
+                answer,
                 [],
                 plan.num_tokens,
                 len(seg.token_ids),
@@ -396,11 +401,18 @@ class Gateway(SessionLifecycle):
             self._after_turn(s, plan, None, result)
             return result
 
-    async def plain_generate(
-        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None
+    async def plain_chat(
+        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict
     ) -> list[TurnResult]:
-        """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
-        request's image parts in order (chat.message_images)."""
+        """Session-less chat request on any wire: ``messages`` rendered with ``model`` (the gateway's, or one
+        with the request's template kwargs) and generated with their images, which are refused first on a
+        text-only model (its template cannot render them)."""
+        images = message_images(messages)
+        self._refuse_images(images)
+        ids = model.encode(model.render(messages, tools, generation_prompt=True))
+        return await self.plain_generate(ids, overrides, images)
+
+    def _refuse_images(self, images: list[dict] | None) -> None:
         if images and self.model.image_token_id is None:
             raise GatewayError(
                 400,
@@ -408,6 +420,13 @@ class Gateway(SessionLifecycle):
                 code="images_unsupported",
                 param="messages",
             )
+
+    async def plain_generate(
+        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None
+    ) -> list[TurnResult]:
+        """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
+        request's image parts in order (chat.message_images)."""
+        self._refuse_images(images)
         files = [p["data"] for p in images or []]
         limit = self.default_max_length - len(prompt_ids)
         if limit <= 0:

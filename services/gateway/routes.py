@@ -17,7 +17,7 @@ from services.gateway import anthropic_wire as an
 from services.gateway import openai_wire as oa
 from services.gateway import responses_wire as rw
 from services.gateway import sampling, surface, tool_choice
-from services.gateway.chat import bad_request, message_images, new_id
+from services.gateway.chat import bad_request, new_id
 from services.gateway.core import Gateway, TurnResult, resolve_future
 from services.gateway.errors import GatewayError
 from services.gateway.image_fetch import ImageFetcher
@@ -379,8 +379,7 @@ class Handlers:
         tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         if sid is None:
-            ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
-            results = await self.gw.plain_generate(ids, req.overrides, message_images(req.messages))
+            results = await self.gw.plain_chat(model, req.messages, req.tools, req.overrides)
             request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
             if req.stream:
                 fut = asyncio.get_running_loop().create_future()
@@ -452,8 +451,7 @@ class Handlers:
         feed = None
         loop = asyncio.get_running_loop()
         if sid is None:
-            ids = self.gw.model.encode(self.gw.model.render(req.messages, req.tools, generation_prompt=True))
-            r = (await self.gw.plain_generate(ids, req.overrides))[0]
+            r = (await self.gw.plain_chat(self.gw.model, req.messages, req.tools, req.overrides))[0]
             done = loop.create_future()
             done.set_result(r)
         else:
@@ -483,8 +481,7 @@ class Handlers:
         tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         if sid is None:
-            ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
-            r = (await self.gw.plain_generate(ids, req.overrides, message_images(req.messages)))[0]
+            r = (await self.gw.plain_chat(model, req.messages, req.tools, req.overrides))[0]
             ready, done = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
             feed = None
             ready.set_result(r.prompt_tokens)

@@ -461,6 +461,22 @@ def test_cli_short_flags_and_loopback_rule():
     GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}, "auth": {"api_keys": ["k"]}})
 
 
+async def test_stop_strings_cut_token_turns_as_vllm_does(env, model):
+    """A Molt Env's ``SamplingParams(stop=...)`` reaches the token-level /generate on the session or per turn:
+    the tokens end with the one that completes the stop string, the text before it (vLLM's output)."""
+    app, pods, replies, http = env()
+    for at_open, per_turn in (({"stop": ["STOP"]}, {}), ({}, {"stop": ["STOP"]})):
+        sid = (await http.post("/v1/sessions", json={"sampling_params": at_open})).json()["session_id"]
+        replies.queue = ["alpha STOP beta gamma<|im_end|>"]
+        turn = {"messages": [{"role": "user", "content": "x"}], "sampling_params": per_turn}
+        r = (await http.post(f"/v1/sessions/{sid}/generate", json=turn)).json()
+        assert r["text"] == "alpha " and r["finish_reason"] == "stop", r
+        assert model.decode(r["token_ids"], skip_special=True).rstrip().endswith("STOP")
+        ((start, end),) = app.gateway.sessions[sid].capture.segments[0].spans
+        assert list(app.gateway.sessions[sid].capture.segments[0].token_ids[start:end]) == r["token_ids"]
+        assert "stop" not in _calls(pods)[-1][1]
+
+
 async def test_stop_strings_and_session_completions(env, model):
     app, pods, replies, http = env()
     s = await _open(http)

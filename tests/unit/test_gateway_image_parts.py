@@ -179,3 +179,59 @@ def test_images_count_expanded_in_the_room_and_no_segment_outgrows_max_length(ti
     assert err.value.status == 400 and err.value.code == "context_length_exceeded"
     dropped = cap.plan_tokens(model, None, text + "<image>", None, [part], drop_images=True)
     assert dropped.new_images == 0 and token not in dropped.delta_ids and cap.check_room(dropped, hard=False) > 0
+
+
+def _sessionless(b64: str) -> dict[str, dict]:
+    """One image and a question, session-less, on each wire."""
+    url = f"data:image/png;base64,{b64}"
+    return {
+        "/v1/chat/completions": {
+            "model": "policy",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, _openai_image(url)]}],
+        },
+        "/v1/responses": {
+            "model": "policy",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": url}],
+                }
+            ],
+        },
+        "/v1/messages": {
+            "model": "policy",
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what?"},
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def _openai_image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def test_sessionless_requests_on_every_wire_carry_their_images_or_are_refused_by_name(tiny_idefics3, chat_model):
+    from services.gateway.chat import ChatModel
+    from tests.gateway_testlib import scripted_gateway
+
+    vl = ChatModel(tiny_idefics3)
+    _, pods, http = scripted_gateway(vl, lambda prompt, sp: vl.encode("ok"), ["http://pod:1"])
+    for path, body in _sessionless(B64).items():
+        r = await http.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert pods.pods["http://pod:1"].images[-1] == [{"data": B64}], path
+        assert pods.pods["http://pod:1"].calls[-1][0].count(vl.image_token_id) >= 1, path
+    _, _, http = scripted_gateway(chat_model, lambda prompt, sp: chat_model.encode("ok"), ["http://pod:1"])
+    for path, body in _sessionless(B64).items():
+        r = await http.post(path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and "text-only" in error["message"], (path, r.text)
+        assert error.get("code", error.get("type")) in ("images_unsupported", "invalid_request_error"), path
