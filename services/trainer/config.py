@@ -452,6 +452,13 @@ def validate_settings(s: TrainerSettings) -> list[str]:
             "--use_ms: nothing is downloaded here; pass a local model directory to --actor.model_name_or_path"
         )
     s.ckpt.check()
+    c = s.ckpt
+    if not c.output_dir and not c.disable_final_save and c.final_dir() == os.getcwd():
+        # The export writes config.json, model.safetensors and the tokenizer files into that folder.
+        raise ValueError(
+            f"--ckpt.path {c.path}: the final model would be written to the folder holding it, the working "
+            "directory, over any files of those names; pass --ckpt.output_dir DIR (or a --ckpt.path one level down)"
+        )
     t = s.train
     if s.fsdp.packing_samples:
         t.pack_shared_prefix = True

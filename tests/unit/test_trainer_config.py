@@ -174,6 +174,11 @@ def test_molts_output_and_semantics_flags():
 
     assert s.ckpt.final_dir() == os.path.abspath("./ckpt")  # Molt's default --ckpt.output_dir
     assert _settings("--ckpt.output_dir", "/out").ckpt.final_dir() == "/out"
+    # the folder holding a --ckpt.path of ./ckpt is the working directory: its files are not overwritten
+    with pytest.raises(ValueError, match="--ckpt.path ./ckpt: the final model would be written"):
+        validate_settings(_settings("--ckpt.path", "./ckpt"))
+    for fine in (("--ckpt.output_dir", "out"), ("--ckpt.disable_final_save",)):
+        validate_settings(_settings("--ckpt.path", "./ckpt", *fine))
 
 
 def test_moe_aux_loss_is_divided_by_the_windows_micro_batches():
