@@ -139,6 +139,8 @@ def check_sampling(params: Any, prompt_len: int, limits: Limits) -> dict[str, An
             "sampling_params.max_tokens",
             "context_length_exceeded",
         )
+    if out["seed"] == -1:  # vLLM's spelling of "unseeded": every sample unseeded, not -1 + i from the second on
+        out["seed"] = None
     seed = out["seed"]
     if seed is not None and seed + n - 1 > INT64_MAX:  # sample i is seeded with seed + i
         raise _bad(

@@ -54,6 +54,11 @@ def test_sampling_defaults_and_limits():
     p = check_sampling({"n": 2, "max_tokens": 10}, prompt_len=5, limits=LIMITS)
     assert p["n"] == 2 and p["temperature"] == 1.0 and p["top_k"] == -1 and p["logprobs"] is True
     assert check_sampling(None, 5, LIMITS)["max_tokens"] == 16
+    # seed -1 is vLLM's "unseeded" for every sample; a seed s seeds sample i with s + i
+    from services.rollout.params import vllm_params
+
+    assert [sp.seed for sp in vllm_params(check_sampling({"n": 3, "seed": -1}, 5, LIMITS))] == [None] * 3
+    assert [sp.seed for sp in vllm_params(check_sampling({"n": 3, "seed": 7}, 5, LIMITS))] == [7, 8, 9]
     p = check_sampling(
         {"top_logprobs": 3, "logit_bias": {"7": -5}, "structured_outputs": {"json_object": True}}, 5, LIMITS
     )
