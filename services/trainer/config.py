@@ -70,9 +70,12 @@ class OptimizerConfig(Section):
 
 
 def checkpoint_mode(value) -> str:
-    """Molt's activation-checkpoint spellings -> full, selective or off (``--actor/--model.gradient_checkpoint``)."""
+    """Molt's activation-checkpoint spellings -> full, selective or off (``--actor/--model.gradient_checkpoint``):
+    as Molt reads them, only the off words ('', false, none, off, 0) turn it off; any other word is full."""
     v = "" if value is None else str(value).strip().lower()
-    return "full" if v in ("full", "true", "1") else ("selective" if v == "selective" else "off")
+    if v == "selective":
+        return "selective"
+    return "off" if v in ("", "false", "none", "off", "0") else "full"
 
 
 class ActorConfig(ActorLossConfig, OptimizerConfig):

@@ -125,7 +125,7 @@ class Learner:
         assert a.model_name_or_path is not None  # TrainerSettings falls back to --model.path or refuses
         self.hf_source: str = a.model_name_or_path  # checkpoints carry its config and tokenizer (molt export)
         self.actor = load_causal_lm(
-            a.model_name_or_path, settings.fsdp, info, gradient_checkpoint=a.gradient_checkpoint == "full"
+            a.model_name_or_path, settings.fsdp, info, gradient_checkpoint=a.gradient_checkpoint
         )
         self.frozen_names = freeze_router(self.actor) if a.freeze_moe_router else []
         self.vision = None

@@ -155,7 +155,7 @@ def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
     return model
 
 
-def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = False, lora=None) -> nn.Module:
+def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: str = "off", lora=None) -> nn.Module:
     """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring); LoRA is
     NeMo's own (the adapters' names and scale are services/trainer/lora.py's)."""
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
@@ -166,7 +166,7 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: bool = 
     cfg = FSDP2Config(
         mp_policy=_mp_policy(fsdp, True),
         offload_policy=CPUOffloadPolicy() if fsdp.offload != "none" else None,
-        activation_checkpointing=gradient_checkpoint,
+        activation_checkpointing="selective" if gradient_checkpoint == "selective" else gradient_checkpoint == "full",
         sequence_parallel=fsdp.sequence_parallel,
     )
     sizes = ParallelismSizes(tp_size=fsdp.tp_size, cp_size=fsdp.cp_size, ep_size=fsdp.ep_size)
@@ -208,7 +208,7 @@ def load_causal_lm(
     fsdp,
     info: DistInfo,
     *,
-    gradient_checkpoint: bool = False,
+    gradient_checkpoint: str = "off",
     trainable: bool = True,
     lora=None,
     seed: int = 0,
@@ -243,7 +243,9 @@ def load_causal_lm(
             from services.trainer import lora as lora_mod
 
             lora_mod.apply(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, seed)
-        if gradient_checkpoint:
+        if gradient_checkpoint == "selective":
+            raise ValueError("--gradient_checkpoint selective (per-op) needs NeMo AutoModel on GPU; use full or none")
+        if gradient_checkpoint == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = shard(model, fsdp, info)
     if not trainable:

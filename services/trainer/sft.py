@@ -135,7 +135,7 @@ class SftLearner:
             self.hf_source,
             s.fsdp,
             info,
-            gradient_checkpoint=s.model.gradient_checkpoint == "full",
+            gradient_checkpoint=s.model.gradient_checkpoint,
             lora=self.lora,
             seed=s.train.seed,
         )

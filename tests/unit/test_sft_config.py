@@ -25,7 +25,10 @@ def test_molt_defaults():
 
 
 @pytest.mark.parametrize(
-    "value, mode", [("full", "full"), ("", "off"), ("none", "off"), ("off", "off"), ("selective", "selective")]
+    "value, mode",
+    # as Molt reads the flag: the off words turn it off, any other word (a typo too) is full
+    [("full", "full"), ("", "off"), ("none", "off"), ("off", "off"), ("false", "off"), ("0", "off")]
+    + [("selective", "selective"), ("true", "full"), ("ful", "full"), ("yes", "full")],
 )
 def test_gradient_checkpoint_modes(value, mode):
     assert _s("--model.gradient_checkpoint", value).model.gradient_checkpoint == mode

@@ -148,3 +148,9 @@ def test_unset_attention_is_flash_on_gpu_only_where_flash_attn_is_installed(monk
     installed(True)
     assert model._attn(_fsdp(), True) == "flash_attention_2" and model._attn(_fsdp(), False) == "sdpa"
     assert model._attn(_fsdp("--fsdp.attn_implementation", "eager"), True) == "eager"
+
+
+@pytest.mark.parametrize(("mode", "given"), [("full", True), ("off", False), ("selective", "selective")])
+def test_the_activation_checkpoint_mode_reaches_nemos_fsdp2_config(tmp_path, nemo_calls, mode, given):
+    model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(), GPU, gradient_checkpoint=mode)
+    assert nemo_calls[0]["fsdp2_config"].activation_checkpointing == given
