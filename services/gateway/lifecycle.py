@@ -224,7 +224,9 @@ class SessionLifecycle:
                 retry_after_s=1,
             )
         sp = sampling.session_params(body.get("sampling_params"), len(self.model.tokenizer))
-        max_length = body.get("max_length") or self.default_max_length
+        max_length = body.get("max_length")
+        if max_length is None:
+            max_length = self.default_max_length
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
             raise bad_request(f"'max_length' must be a positive integer, got {max_length!r}", "max_length")
         limit = self.model.max_model_len

@@ -63,9 +63,7 @@ def sampling_overrides(body: dict) -> dict:
 
 def parse_chat(body: dict) -> ChatRequest:
     surface.check(body, "chat")
-    stream_opts = body.get("stream_options")
-    if stream_opts is not None and not isinstance(stream_opts, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = stream_usage(body)
     logprobs, top = sampling.flag(body, "logprobs"), sampling.top_logprobs(body)
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -78,12 +76,15 @@ def parse_chat(body: dict) -> ChatRequest:
     overrides["tool_choice"] = tool_choice.from_openai(body.get("tool_choice"), body.get("parallel_tool_calls"))
     if body.get("chat_template_kwargs") is not None:
         overrides["chat_template_kwargs"] = body["chat_template_kwargs"]  # checked against the template's variables
+    stream = sampling.flag(body, "stream")
+    if stream and overrides.get("n", 1) > 1:
+        raise bad_request("'n' > 1 is not streamed: drop 'stream', or ask for one choice per request", "n")
     return ChatRequest(
         messages=canonical_messages(body.get("messages")),
         tools=canonical_tools(body.get("tools")),
         overrides=overrides,
-        stream=sampling.flag(body, "stream"),
-        include_usage=sampling.flag(stream_opts or {}, "include_usage"),
+        stream=stream,
+        include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top,
     )
@@ -286,18 +287,15 @@ def completion_response(
 ) -> dict:
     """``echo``: the prompt's text, put before each choice's text (``echo: true``). ``want_logprobs``: how many
     alternatives each token's ``top_logprobs`` holds besides the token itself (None: no logprobs)."""
-    choices = []
-    for i, r in enumerate(results):
-        lp = None
-        if want_logprobs is not None:
-            toks = [model.decode([t], skip_special=False) for t in r.token_ids]
-            alts = r.top_logprobs or [[] for _ in toks]
-            top = [
-                {**{model.decode([t], skip_special=False): x for t, x in best[:want_logprobs]}, tok: own}
-                for tok, own, best in zip(toks, r.logprobs, alts)
-            ]
-            lp = {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": top, "text_offset": []}
-        choices.append({"index": i, "text": echo + r.text, "logprobs": lp, "finish_reason": _finish(r)})
+    choices = [
+        {
+            "index": i,
+            "text": echo + r.text,
+            "logprobs": _completion_lp(model, r, want_logprobs),
+            "finish_reason": _finish(r),
+        }
+        for i, r in enumerate(results)
+    ]
     return {
         "id": "cmpl-" + new_id(),
         "object": "text_completion",
@@ -309,21 +307,47 @@ def completion_response(
     }
 
 
-async def completion_stream(results: list[TurnResult], model_name: str, echo: str = "") -> AsyncIterator[bytes]:
+def _completion_lp(model: ChatModel, r: TurnResult, want_logprobs: int | None) -> dict | None:
+    """A completions choice's ``logprobs`` object: each token with its own and up to ``want_logprobs`` others."""
+    if want_logprobs is None:
+        return None
+    toks = [model.decode([t], skip_special=False) for t in r.token_ids]
+    alts = r.top_logprobs or [[] for _ in toks]
+    top = [
+        {**{model.decode([t], skip_special=False): x for t, x in best[:want_logprobs]}, tok: own}
+        for tok, own, best in zip(toks, r.logprobs, alts)
+    ]
+    return {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": top, "text_offset": []}
+
+
+async def completion_stream(
+    results: list[TurnResult],
+    model: ChatModel,
+    model_name: str,
+    want_logprobs: int | None = None,
+    echo: str = "",
+    include_usage: bool = False,
+) -> AsyncIterator[bytes]:
+    """SSE of answers already generated: each choice's text in chunks, its logprobs with the first one, its
+    finish; then the usage when ``stream_options.include_usage`` asked for it."""
     base = {"id": "cmpl-" + new_id(), "object": "text_completion", "created": int(time.time()), "model": model_name}
     for i, r in enumerate(results):
-        text = echo + r.text
-        for j in range(0, len(text), CHUNK_CHARS):
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {"index": i, "text": text[j : j + CHUNK_CHARS], "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
+        text, lp = echo + r.text, _completion_lp(model, r, want_logprobs)
+        for j in range(0, max(len(text), 1), CHUNK_CHARS):
+            piece = {"index": i, "text": text[j : j + CHUNK_CHARS], "logprobs": lp if j == 0 else None}
+            yield _sse({**base, "choices": [{**piece, "finish_reason": None}]})
         yield _sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": _finish(r)}]})
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": _usage(results)})
     yield b"data: [DONE]\n\n"
+
+
+def stream_usage(body: dict) -> bool:
+    """``stream_options.include_usage`` (a 400 when ``stream_options`` is not an object or the flag not a bool)."""
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return sampling.flag(opts or {}, "include_usage")
 
 
 def models_response(model_name: str) -> dict:

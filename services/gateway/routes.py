@@ -414,6 +414,7 @@ class Handlers:
         prompt = oa.parse_prompt(body)
         overrides = oa.sampling_overrides(body)
         stream, want_logprobs = sampling.flag(body, "stream"), oa.completion_logprobs(body)
+        include_usage = oa.stream_usage(body)
         if want_logprobs:
             overrides["top_logprobs"] = want_logprobs
         echo = (
@@ -433,7 +434,7 @@ class Handlers:
         request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
         if stream:
             return StreamingResponse(
-                oa.completion_stream(results, self.model_name, echo),
+                oa.completion_stream(results, self.gw.model, self.model_name, want_logprobs, echo, include_usage),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )

@@ -112,4 +112,6 @@ def session_params(sp: Any, vocab_size: int, where: str = "sampling_params", tur
         raise bad_request(str(exc), exc.param) from None
     if sp.get("ignore_eos") is not None and not isinstance(sp["ignore_eos"], bool):
         raise bad_request(f"'{where}.ignore_eos' must be true or false", f"{where}.ignore_eos")
+    if out.get("n", 1) != 1:
+        raise bad_request(f"'{where}.n' must be 1 on a session (each sample is its own session)", f"{where}.n")
     return out

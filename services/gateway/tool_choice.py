@@ -161,8 +161,9 @@ def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, over
     if spec is not None:
         if overrides.get("structured_outputs") is not None:
             raise bad_request(
-                'a structured response format and a tool choice other than "auto" cannot be combined: the reply '
-                "is either the JSON or a tool call",
+                "a structured response format cannot be combined with a tool choice that constrains the reply "
+                "(required, a named tool, none, or auto without parallel calls): the reply is either the JSON or "
+                "a tool call",
                 "tool_choice",
             )
         overrides["structured_outputs"] = spec

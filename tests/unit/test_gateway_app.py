@@ -461,6 +461,43 @@ def test_cli_short_flags_and_loopback_rule():
     GatewaySettings.model_validate({"server": {"host": "0.0.0.0"}, "auth": {"api_keys": ["k"]}})
 
 
+async def test_session_values_that_would_be_ignored_are_refused_by_name(env):
+    """Nothing accepted and ignored: a max_length of 0 or false is not "the default", and a session's n is 1."""
+    _, _, _, http = env()
+    for body, param in (
+        ({"max_length": 0}, "max_length"),
+        ({"max_length": False}, "max_length"),
+        ({"sampling_params": {"n": 4}}, "sampling_params.n"),
+    ):
+        r = await http.post("/v1/sessions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    sid = (await http.post("/v1/sessions", json={"sampling_params": {"n": 1}})).json()["session_id"]
+    turn = {"append_text": "x", "sampling_params": {"n": 2}}
+    r = await http.post(f"/v1/sessions/{sid}/generate", json=turn)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.n", r.text
+
+
+async def test_streamed_completions_carry_logprobs_and_usage_and_chat_refuses_what_it_cannot_stream(env):
+    import json
+
+    _, _, replies, http = env()
+    replies.queue = ["Hello world.", "Hello again."]
+    body = {"model": "policy", "prompt": "Once", "max_tokens": 4, "n": 2, "logprobs": 2, "stream": True}
+    r = await http.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    firsts = {i: next(e for e in events if e["choices"] and e["choices"][0]["index"] == i) for i in (0, 1)}
+    for first in firsts.values():
+        lp = first["choices"][0]["logprobs"]
+        assert lp["tokens"] and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+    assert not any("usage" in e for e in events[:-1]) and r.text.endswith("data: [DONE]\n\n")
+    r = await http.post("/v1/completions", json={**body, "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_usage", r.text
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}
+    r = await http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
 async def test_stop_strings_cut_token_turns_as_vllm_does(env, model):
     """A Molt Env's ``SamplingParams(stop=...)`` reaches the token-level /generate on the session or per turn:
     the tokens end with the one that completes the stop string, the text before it (vLLM's output)."""
