@@ -139,6 +139,8 @@ def train_rl(argv: list[str]) -> int:
     gpus = _gpu_count() if target == "local" else 0
     try:
         routed = tr.route(rest, target, gpus=gpus)
+        if target == "local" and not gpus:
+            tr.cpu_pod_defaults(routed)
         if target == "helm":
             tr.write_helm_values(routed, Path(str(own["--emit"])))
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
@@ -150,9 +152,7 @@ def train_rl(argv: list[str]) -> int:
             print(tr.describe(routed))
             return 0
         run_dir = Path(str(own["--run-dir"])) if own.get("--run-dir") else None
-        plan = tr.local_plan(
-            routed, run_dir, str(own.get("--redis-url") or "") or None, not own.get("--no-progress"), gpus
-        )
+        plan = tr.local_plan(routed, run_dir, str(own.get("--redis-url") or "") or None, not own.get("--no-progress"))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ POD_FLAGS = {
     "vllm.mm_encoder_attn_backend",
     "vllm.gdn_prefill_backend",
     "vllm.mamba_ssm_cache_dtype",
+    "vllm.kv_cache_memory_bytes",  # not Molt's: the KV-cache size CPU pods need (see route)
 }
 
 # Pod flags Molt declares with argparse's BooleanOptionalAction: --no-<flag> turns them off.
@@ -234,6 +235,17 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     return r
 
 
+def cpu_pod_defaults(r: Routed) -> Routed:
+    """``r`` for pods on a machine without GPUs (a local run, and what its --dry-run prints): vLLM sizes the
+    KV cache from GPU memory unless told, and downcasts "auto" to bf16, where fp32 keeps the pods' logprobs
+    equal to the fp32 trainer's. Flags the user gave win."""
+    if "vllm.kv_cache_memory_bytes" not in r.raw:
+        r.rollout = ["--vllm.kv_cache_memory_bytes", str(256 << 20), *r.rollout]
+    if "vllm.dtype" not in r.raw:
+        r.rollout = ["--vllm.dtype", "float32", *r.rollout]
+    return r
+
+
 # Trainer flags the chart sets itself from values (storage and model live in the cluster, not at the paths of
 # the machine that ran `molt train-rl`); their values go to the chart's keys instead.
 CHART_OWNED = {
@@ -295,7 +307,7 @@ def write_helm_values(r: Routed, path: Path) -> None:
     )
 
 
-def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress: bool, gpus: int = 0):
+def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress: bool):
     from molt.stack.up import StackPlan
 
     assert r.model and r.agent_path  # route() refuses a run without them
@@ -311,13 +323,6 @@ def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress:
         if key in os.environ:
             env[key] = os.environ[key]
     rollout = list(r.rollout)
-    if not gpus:
-        # On CPU the pods need an explicit KV-cache size (vLLM sizes it from GPU memory otherwise), and vLLM
-        # downcasts "auto" to bf16: fp32 keeps the pods' logprobs equal to the fp32 trainer's.
-        if "vllm.kv_cache_memory_bytes" not in r.raw:
-            rollout = ["--vllm.kv_cache_memory_bytes", str(256 << 20), *rollout]
-        if "vllm.dtype" not in r.raw:
-            rollout = ["--vllm.dtype", "float32", *rollout]
     return StackPlan(
         name="train-rl",
         model=model,

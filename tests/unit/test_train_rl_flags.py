@@ -232,3 +232,18 @@ def test_a_bad_trainer_flag_stops_the_stack_before_anything_starts(tmp_path, cap
         run_plan(plan)
     assert stop.value.code == 2 and "--ckpt.max_mem: a disk budget is not supported" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing started, no run folder
+
+
+def test_cpu_pods_get_an_explicit_kv_cache_and_fp32_which_the_dry_run_shows_and_a_flag_overrides(tmp_path, capsys):
+    from molt import cli
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "agent.py").write_text("")
+    base = ["--actor.model_name_or_path", str(tmp_path / "model"), "--train.agent_path", str(tmp_path / "agent.py")]
+    rollout = tr.cpu_pod_defaults(tr.route(base, "local")).rollout
+    assert rollout == ["--vllm.dtype", "float32", "--vllm.kv_cache_memory_bytes", str(256 << 20)]
+    given = [*base, "--vllm.kv_cache_memory_bytes", "1000000", "--vllm.dtype", "bfloat16"]
+    assert tr.cpu_pod_defaults(tr.route(given, "local")).rollout == given[4:]
+    assert cli.train_rl(["--dry-run", *base, "--data.prompt_dataset", "/d"]) == 0  # this machine: no GPU
+    assert json.loads(capsys.readouterr().out)["rollout"] == rollout
