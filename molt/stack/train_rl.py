@@ -162,6 +162,8 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
         return "bf16 master weights are for NeMo AutoModel on GPUs; this machine has none (weights stay fp32)"
     if name == "fsdp.use_liger_kernel" and _true(values) and target == "local" and gpus == 0:
         return "Liger's kernels are Triton (GPU only); drop the flag on CPU"
+    if name == "fsdp.offload" and v not in ("", "none") and target == "local" and gpus == 0:
+        return "CPU offload is NeMo AutoModel's, for GPU runs; this machine has none (drop the flag)"
     gpu_count = name in ("actor.num_gpus_per_node", "ref.num_gpus_per_node")
     if gpu_count and target == "local" and _int(name, values) > gpus:
         return f"asks for {v} GPUs per node; this machine has {gpus} (the local trainer then runs on CPU: drop it)"

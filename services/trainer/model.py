@@ -234,6 +234,11 @@ def load_causal_lm(
                 "--fsdp.use_liger_kernel: Liger's Triton kernels come with NeMo AutoModel on GPU "
                 "(--fsdp.strategy auto or nemo); drop the flag on CPU or with --fsdp.strategy torch"
             )
+        if fsdp.offload != "none":
+            raise ValueError(
+                f"--fsdp.offload {fsdp.offload}: CPU offload is NeMo AutoModel's, for GPU runs (--fsdp.strategy auto "
+                "or nemo); use none on CPU or with --fsdp.strategy torch"
+            )
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM

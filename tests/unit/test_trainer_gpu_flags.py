@@ -154,3 +154,13 @@ def test_unset_attention_is_flash_on_gpu_only_where_flash_attn_is_installed(monk
 def test_the_activation_checkpoint_mode_reaches_nemos_fsdp2_config(tmp_path, nemo_calls, mode, given):
     model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp(), GPU, gradient_checkpoint=mode)
     assert nemo_calls[0]["fsdp2_config"].activation_checkpointing == given
+
+
+def test_offload_is_refused_where_nothing_would_offload(tmp_path):
+    """NeMo AutoModel offloads; the CPU path has nothing to offload to, and says so rather than ignoring it."""
+    with pytest.raises(ValueError, match="--fsdp.offload optimizer: CPU offload is NeMo AutoModel's"):
+        model.load_causal_lm(_model_dir(tmp_path, vision=False), _fsdp("--fsdp.offload", "optimizer"), CPU)
+    argv = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", "--fsdp.offload", "optimizer"]
+    with pytest.raises(ValueError, match="this machine has none"):
+        tr.route(argv, "local", gpus=0)
+    assert "--fsdp.offload" in tr.route(argv, "helm").trainer
