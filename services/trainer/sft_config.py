@@ -9,6 +9,7 @@ tensor/context/expert parallelism without GPUs, Muon, the ModelScope hub. Additi
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -224,6 +225,12 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
         )
     if f.offload != "none" and not on_gpu:
         raise ValueError(f"--fsdp.offload {f.offload}: CPU offload is for GPU runs; on CPU use none")
+    template = s.data.tokenizer_chat_template
+    if template and not os.path.exists(template) and "{{" not in template and "{%" not in template:
+        # Molt reads a file of that name, else the text itself as the template: a mistyped path would be it.
+        raise ValueError(
+            f"--data.tokenizer_chat_template {template[:120]!r}: no such file, and not a Jinja template ({{{{ or {{%)"
+        )
     s.ckpt.check()
     if len(s.adam.betas) != 2:
         raise ValueError(f"--adam.betas takes two values B1 B2, got {s.adam.betas}")

@@ -50,11 +50,18 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--fsdp.attn_implementation", "flash_attention_2"], "on CPU use sdpa"),
         (["--data.dataset_probs", "0.5,0.5"], "one weight per dataset"),
         (["--eval.steps", "0"], "--eval.steps"),
+        (["--data.tokenizer_chat_template", "./templats/chatml.jinja"], "no such file, and not a Jinja template"),
     ],
 )
 def test_what_cpu_cannot_do_is_refused_with_the_reason(flags, needle):
     with pytest.raises(ValueError, match=needle):
         validate_sft(_s(*flags))
+
+
+def test_a_chat_template_is_a_file_or_a_template(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    for value in (str(tmp_path / "t.jinja"), "{% for m in messages %}{{ m.content }}{% endfor %}"):
+        validate_sft(_s("--data.tokenizer_chat_template", value))
 
 
 def test_required_inputs():
