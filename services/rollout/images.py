@@ -74,6 +74,14 @@ def decode_image(data: bytes, limits: ImageLimits, param: str):
 def check_images(images: Any, prompt_token_ids: list[int], limits: ImageLimits | None) -> list:
     """The request's images as PIL images (empty list when it has none), after every check."""
     if images is None or images == []:
+        token = None if limits is None else limits.image_token_id
+        if token is not None and token in prompt_token_ids:  # placeholders with nothing to fill them
+            raise _bad(
+                f"prompt_token_ids hold {prompt_token_ids.count(token)} image token(s) (id {token}) but no images "
+                "were sent; send one image per image token",
+                "images",
+                "image_placeholder_mismatch",
+            )
         return []
     if limits is None or limits.image_token_id is None:
         raise _bad(

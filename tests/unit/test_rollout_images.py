@@ -41,6 +41,7 @@ def test_text_only_model_refuses_images():
 def test_each_refusal():
     assert _code([_png()] * 3, [IMG] * 3) == "too_many_images"
     assert _code([_png()], [1, 2]) == "image_placeholder_mismatch"
+    assert _code(None, [1, IMG]) == _code([], [IMG]) == "image_placeholder_mismatch"  # tokens, nothing to fill them
     assert _code([_png()], [IMG, IMG]) == "image_placeholder_mismatch"
     assert _code([{"data": "!!"}], [IMG]) == "invalid_image"
     assert _code([{"data": base64.b64encode(b"GIF89a nope").decode()}], [IMG]) == "invalid_image"
