@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar=("SERVICE", "FLAG"),
-        help="extra flags for one service, e.g. --set trainer --actor.adam.lr 1e-3",
+        help="extra flags for one service, written without their dashes (argparse takes no value starting with "
+        "one), e.g. --set trainer actor.adam.lr=1e-3 train.num_steps=5",
     )
     sub.add_parser(
         "train-rl", add_help=False, help="Molt's train_rl_ray flags on the local stack (molt train-rl --help)"
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for service, *flags in args.set:
         if service not in ("rollout", "gateway", "envs", "trainer"):
             parser.error(f"--set {service}: service must be rollout, gateway, envs or trainer")
-        extra.setdefault(service, []).extend(flags)
+        extra.setdefault(service, []).extend(f if f.startswith("-") else "--" + f for f in flags)
     summary = run_stack(
         UpOptions(
             recipe=args.recipe,

@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_sandbox(settings.sandbox.isolation)
     try:
         app = build_app(settings)
-    except ValueError as exc:
-        sys.exit(f"{PROG}: error: {exc}")
+    except ValueError as exc:  # an agent module that does not load: a config error, as the flags' are
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     # SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     serve("envs", app, settings.server, graceful_s=settings.envs.episode_timeout_s + 5)
 

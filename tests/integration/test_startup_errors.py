@@ -40,8 +40,9 @@ def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def error_line(proc: subprocess.CompletedProcess, prog: str) -> str:
-    """The process failed with exactly one line on stderr, ``<prog>: error: ...``, and never listened."""
-    assert proc.returncode != 0, proc.stdout + proc.stderr
+    """The process failed with exit status 2 and exactly one line on stderr, ``<prog>: error: ...``, and never
+    listened."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert " listening on " not in proc.stdout, proc.stdout
     lines = proc.stderr.strip().splitlines()
@@ -130,6 +131,15 @@ def test_a_service_started_before_its_redis_waits_for_it(service, tiny_qwen3, tm
             proc.kill()
             proc.wait()
         redis_server.stop()
+
+
+def test_an_agent_module_without_an_agent_runner_is_one_line(tmp_path):
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    proc = run(["services.envs", "--agent", f"e={tmp_path / 'empty.py'}", "--gateway.url", "http://127.0.0.1:9"])
+    # the agents load after logging is set up: the error is the last line, not the only one
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m services.envs: error: ") and "defines no AgentRunner" in last
 
 
 def test_molt_up_with_a_dead_redis_starts_nothing(tmp_path):

@@ -247,3 +247,16 @@ def test_cpu_pods_get_an_explicit_kv_cache_and_fp32_which_the_dry_run_shows_and_
     assert tr.cpu_pod_defaults(tr.route(given, "local")).rollout == given[4:]
     assert cli.train_rl(["--dry-run", *base, "--data.prompt_dataset", "/d"]) == 0  # this machine: no GPU
     assert json.loads(capsys.readouterr().out)["rollout"] == rollout
+
+
+def test_molt_up_set_passes_any_service_flag_written_without_its_dashes(monkeypatch):
+    """argparse takes no option value starting with a dash, so README's `--set trainer actor.adam.lr=1e-3`
+    form is the one that parses; each value gets its dashes back for the service."""
+    from molt import cli
+    from molt.stack import up
+
+    seen = {}
+    monkeypatch.setattr(up, "run_stack", lambda options: seen.update(options.extra) or {})
+    argv = ["up", "--set", "trainer", "actor.adam.lr=1e-3", "train.num_steps=5", "--set", "rollout"]
+    assert cli.main([*argv, "vllm.enforce_eager", "--steps", "3"]) == 0
+    assert seen == {"trainer": ["--actor.adam.lr=1e-3", "--train.num_steps=5"], "rollout": ["--vllm.enforce_eager"]}
