@@ -190,6 +190,12 @@ class Controller:
         """Hand deliveries to the assembler; ack at once (untrained) the ones no group of this run wants."""
         if not deliveries:
             return
+        # A repeat of a trajectory trained in a step not durable yet (a producer's retried write) passes the
+        # bus's check, which knows only committed ids: it is acked with that step, never trained again.
+        trained = {d.trajectory.trajectory_id for d in self.uncommitted}
+        repeats = [d for d in deliveries if d.trajectory.trajectory_id in trained]
+        self.uncommitted.extend(repeats)
+        deliveries = [d for d in deliveries if d.trajectory.trajectory_id not in trained]
         unwanted = [d for d in deliveries if not self._wanted(d.trajectory.group_id)]
         for d in deliveries:
             if self._wanted(d.trajectory.group_id):

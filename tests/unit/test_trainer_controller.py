@@ -179,3 +179,21 @@ async def test_a_group_whose_written_rollouts_never_arrive_is_dispatched_again()
     tag = c.run_tag
     assert c.dispatcher.calls == [(f"{tag}-0", [0, 1]), (f"{tag}-0", [1])]
     assert sorted(group.trajectory_ids) == [f"{tag}-0/0-try1", f"{tag}-0/1-try2"]
+
+
+async def test_a_repeat_of_a_trajectory_trained_but_not_yet_committed_is_acked_with_it_never_trained():
+    """A producer's retried write (its first reply lost) can reach the stream after the first copy was trained in
+    a step whose checkpoint is not durable yet; with one sample per prompt it would form a complete group again."""
+    q = MemoryTrajectoryQueue()
+    c = _controller(q, "--rollout.n_samples_per_prompt", "1")
+    await c.resume(None)
+    await q.put_many([_traj("a1", "A", 1)])
+    assert [g.group_id for g in await c.next_batch(1)] == ["A"]
+    await q.put_many([_traj("a1", "A", 1)])  # the retry, delivered before the step's commit
+    try:
+        again = await asyncio.wait_for(c.next_batch(1), 0.5)
+    except TimeoutError:
+        again = None
+    assert again is None
+    assert await c.commit() == 2  # the first copy and its repeat, both acked now
+    assert (await q.lag()).pending == 0
