@@ -72,6 +72,15 @@ def _unserved(app, title: str) -> list[str]:
     return sorted(p for p in paths if not _served(app, p))
 
 
+def test_every_flag_has_the_help_text_readme_promises():
+    """README: each service's --help lists every flag with its docstring (pydantic's attribute docstrings)."""
+    from services.trainer.push import PushSettings
+
+    settings = (EnvsSettings, GatewaySettings, RolloutSettings, TrainerSettings, SftSettings, PushSettings)
+    bare = [f"{s.__name__}: --{d}" for s in settings for d, _, info in iter_fields(s) if not (info.description or "")]
+    assert bare == []
+
+
 def test_every_rollout_endpoint_in_contracts_is_served():
     from services.rollout.app import build_app
     from tests.unit.test_rollout_routes import FakeEngine
