@@ -95,6 +95,12 @@ async def test_failures_keep_old_version_then_next_sync_succeeds(pod, tiny_qwen3
     stream = client.open_push()
     for raw in chunks[: len(chunks) // 2]:
         await stream.write(raw)
+    # Cut it once the pod has staged some of it: a write returns when gRPC has queued the bytes, so on a busy
+    # machine a cancel right away can reach the pod before any chunk, which names no sync to fail.
+    for _ in range(200):
+        if (await client.status()).buckets_staged > 0:
+            break
+        await asyncio.sleep(0.01)
     stream.cancel()
     status = await _until_error(client, "interrupted")
     assert status.version == before and status.state == "idle"
