@@ -93,11 +93,17 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
     surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
     wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win."""
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.config import TrainerSettings, trainer_on_gpu, validate_settings
 
+    on_gpu = trainer_on_gpu()  # the trainer runs here, on this machine's device
     local = "http://127.0.0.1:1"
     wiring = ["--model.path", str(model), "--rollout.urls", local, "--envs.urls", local, "--envs.agent", agent]
-    parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate_settings)
+    parse_settings(
+        TrainerSettings,
+        [*wiring, *flags],
+        prog="molt (the trainer's flags)",
+        validate=lambda s: validate_settings(s, on_gpu=on_gpu),
+    )
 
 
 def mode_args(opts: UpOptions) -> list[str]:

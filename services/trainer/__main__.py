@@ -14,7 +14,7 @@ import sys
 
 from molt.config import parse_settings
 from molt.serve import configure_logging, freeze_before_exit, preflight
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.config import TrainerSettings, trainer_on_gpu, validate_settings
 
 PROG = "python -m services.trainer"
 
@@ -22,11 +22,12 @@ PROG = "python -m services.trainer"
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     hints: list[str] = []
+    on_gpu = trainer_on_gpu()  # what this machine's loader refuses is refused at parse time, --dry-run too
     settings = parse_settings(
         TrainerSettings,
         sys.argv[1:] if argv is None else argv,
         prog=PROG,
-        validate=lambda s: hints.extend(validate_settings(s)),
+        validate=lambda s: hints.extend(validate_settings(s, on_gpu=on_gpu)),
     )
     rank = int(os.environ.get("RANK", "0"))
     port = settings.metrics.port if settings.metrics.port is not None else settings.server.port

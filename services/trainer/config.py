@@ -443,8 +443,42 @@ def load_plugins(paths: list[str]) -> None:
                 raise ValueError(f"--train.plugins: cannot import {item!r} ({exc})") from exc
 
 
-def validate_settings(s: TrainerSettings) -> list[str]:
-    """Molt's cross-flag rules (spec 8.2) plus the service's; fills derived defaults; returns hints to log."""
+def transformers_path_problem(fsdp: FsdpConfig) -> str | None:
+    """A flag only NeMo AutoModel on GPU honours, on the transformers + FSDP2 path (CPU, or --fsdp.strategy
+    torch): the loader refuses it, and so does validation where the device is known, so --dry-run does too."""
+    if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
+        return (
+            "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
+            "pure FSDP2 data parallel (leave them at 1)"
+        )
+    if fsdp.bf16_master_weights:
+        return (
+            "--fsdp.bf16_master_weights: bf16 master weights are for NeMo AutoModel on GPU (--fsdp.strategy "
+            "auto or nemo); here the weights stay fp32: drop the flag"
+        )
+    if fsdp.use_liger_kernel:
+        return (
+            "--fsdp.use_liger_kernel: Liger's Triton kernels come with NeMo AutoModel on GPU "
+            "(--fsdp.strategy auto or nemo); drop the flag on CPU or with --fsdp.strategy torch"
+        )
+    if fsdp.offload != "none":
+        return (
+            f"--fsdp.offload {fsdp.offload}: CPU offload is NeMo AutoModel's, for GPU runs (--fsdp.strategy auto "
+            "or nemo); use none on CPU or with --fsdp.strategy torch"
+        )
+    return None
+
+
+def trainer_on_gpu() -> bool:
+    """Whether this machine's trainer runs on CUDA (the rule ``model.init_distributed`` applies)."""
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
+
+
+def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[str]:
+    """Molt's cross-flag rules plus the service's; fills derived defaults; returns hints to log. ``on_gpu``
+    (where the trainer runs, when known) adds the checks of what that device's loader refuses."""
     load_plugins(s.train.plugins)
     if not s.actor.model_name_or_path:
         s.actor.model_name_or_path = s.model.path  # the shared --model.path block every service reads
@@ -489,6 +523,14 @@ def validate_settings(s: TrainerSettings) -> list[str]:
     if t.batch_size % t.micro_batch_size:
         raise ValueError(
             f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size {t.micro_batch_size}"
+        )
+    if on_gpu is False or (on_gpu and s.fsdp.strategy == "torch"):
+        problem = transformers_path_problem(s.fsdp)
+        if problem:
+            raise ValueError(problem)
+    if on_gpu is False and s.fsdp.attn_implementation not in (None, "sdpa", "eager"):
+        raise ValueError(
+            f"--fsdp.attn_implementation {s.fsdp.attn_implementation} needs GPUs; on CPU use sdpa (or leave it unset)"
         )
     if s.actor.gradient_checkpoint == "selective":
         raise ValueError(

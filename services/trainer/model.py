@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.trainer.config import transformers_path_problem
+
 log = logging.getLogger("molt.trainer")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -219,26 +221,9 @@ def load_causal_lm(
     if info.on_gpu and fsdp.strategy != "torch":
         model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint, lora)
     else:
-        if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
-            raise ValueError(
-                "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
-                "pure FSDP2 data parallel (leave them at 1)"
-            )
-        if fsdp.bf16_master_weights:
-            raise ValueError(
-                "--fsdp.bf16_master_weights: bf16 master weights are for NeMo AutoModel on GPU (--fsdp.strategy "
-                "auto or nemo); here the weights stay fp32: drop the flag"
-            )
-        if fsdp.use_liger_kernel:
-            raise ValueError(
-                "--fsdp.use_liger_kernel: Liger's Triton kernels come with NeMo AutoModel on GPU "
-                "(--fsdp.strategy auto or nemo); drop the flag on CPU or with --fsdp.strategy torch"
-            )
-        if fsdp.offload != "none":
-            raise ValueError(
-                f"--fsdp.offload {fsdp.offload}: CPU offload is NeMo AutoModel's, for GPU runs (--fsdp.strategy auto "
-                "or nemo); use none on CPU or with --fsdp.strategy torch"
-            )
+        problem = transformers_path_problem(fsdp)
+        if problem:
+            raise ValueError(problem)
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM

@@ -200,3 +200,33 @@ def test_molt_up_sync_and_queue_flags_reach_the_trainer():
     assert sync.train.force_sync_mode and max_versions_ahead(sync.train) == 0
     queued = _settings(*RECIPES["tiny"].trainer, *mode_args(UpOptions(async_queue_size=3)))
     assert not queued.train.force_sync_mode and queued.train.async_queue_size == 3
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fsdp.use_liger_kernel"],
+        ["--fsdp.bf16_master_weights"],
+        ["--fsdp.offload", "optimizer"],
+        ["--fsdp.tp_size", "2"],
+        ["--fsdp.attn_implementation", "flash_attention_2"],
+    ],
+)
+def test_gpu_only_flags_are_refused_where_the_trainer_runs_on_cpu(flags):
+    """The CPU loader refuses these; validation with the device known refuses them first, so a dry run
+    does; on a GPU with NeMo (strategy auto) they pass, and with --fsdp.strategy torch the NeMo-only ones don't."""
+    with pytest.raises(ValueError, match=flags[0]):
+        validate_settings(_settings(*flags), on_gpu=False)
+    validate_settings(_settings(*flags), on_gpu=True)
+    if flags[0] != "--fsdp.attn_implementation":
+        with pytest.raises(ValueError, match=flags[0]):
+            validate_settings(_settings(*flags, "--fsdp.strategy", "torch"), on_gpu=True)
+
+
+def test_dry_run_of_the_trainer_process_refuses_a_gpu_only_flag_on_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "services.trainer", *BASE, "--fsdp.use_liger_kernel", "--dry-run"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={"MOLT_TRAINER_DEVICE": "cpu"}, cwd=tmp_path)
+    assert out.returncode == 2 and "--fsdp.use_liger_kernel" in out.stderr and out.stdout == ""
