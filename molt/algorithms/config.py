@@ -1,4 +1,4 @@
-"""Typed config blocks for the RL algorithm knobs, with Molt's flag names and defaults (spec 8.1).
+"""Typed config blocks for the RL algorithm knobs, with Molt's flag names and defaults.
 
 Services embed these sections in their settings (``algo: AlgoConfig``, ``reward: RewardConfig``; the
 trainer's ``--actor.*`` section subclasses ``ActorLossConfig`` and adds its optimizer fields), so the
@@ -7,7 +7,7 @@ flags read exactly as in Molt: ``--algo.advantage.estimator grpo --algo.kl.targe
 Checks that involve one field live on the field (pydantic validators: ``parse_settings`` reports them
 with the flag name). Checks across sections live in ``validate_algo``, which the trainer runs once at
 start-up after parsing: it applies Molt's derived defaults in place (clip range, beta,
-on-policy-distillation forcing) and its rejections (spec 5 and 8.2), raising ``ValueError`` that
+on-policy-distillation forcing) and its rejections, raising ``ValueError`` that
 names the flags and says how to fix them, and returns the non-fatal hints for the caller to log.
 """
 

@@ -1,4 +1,4 @@
-"""The built-in advantage estimators (Molt spec 4.3), registered on import.
+"""The built-in advantage estimators, registered on import.
 
 Notation: rollout reward r_i, group G with n rollouts, action mask m_t, per-token KL k_t,
 beta = ``kl_coef``, gamma / lambda from ``--algo.advantage.gamma`` / ``--algo.advantage.lam``.

@@ -1,4 +1,4 @@
-"""Dynamic filtering of prompt groups (DAPO-style; Molt spec 4.9, ``--algo.dynamic_filtering_enable``).
+"""Dynamic filtering of prompt groups (DAPO-style; ``--algo.dynamic_filtering_enable``).
 
 A group whose rollouts all succeed or all fail has zero group-relative advantage: it costs a train
 step and teaches nothing. The rollout side therefore judges every finished group and refills the

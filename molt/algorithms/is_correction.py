@@ -1,4 +1,4 @@
-"""Importance-sampling correction for the train/rollout mismatch (Molt spec 5).
+"""Importance-sampling correction for the train/rollout mismatch.
 
 Rollouts are sampled by vLLM, whose log-probs differ from the trainer's (kernels, precision, and in
 async mode older weights). The per-token unit ratio compares the trainer's *old* log-probs (pi_old,

@@ -1,4 +1,4 @@
-"""Per-token KL estimators and the KL coefficient controller (Molt spec 4.4, 4.5).
+"""Per-token KL estimators and the KL coefficient controller.
 
 ``approx_kl(logp, logp_base, estimator)`` estimates KL(pi || pi_base) per token from log-probs of the
 sampled tokens. With l = log pi - log pi_base (NaN -> 0, +-inf -> +-30):

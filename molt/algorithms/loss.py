@@ -1,4 +1,4 @@
-"""Policy losses behind a name registry, with IS correction and the global token-mean (Molt spec 4.6).
+"""Policy losses behind a name registry, with IS correction and the global token-mean.
 
 One ``PolicyLoss`` is built per run from the actor/algo config (invalid combinations fail there, at
 start-up) and called once per micro-batch on step-axis tensors:

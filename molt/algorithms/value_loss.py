@@ -1,4 +1,4 @@
-"""Clipped value loss for the PPO critic (``gae`` estimator; Molt spec 4.8).
+"""Clipped value loss for the PPO critic (``gae`` estimator).
 
 The critic's new prediction V may move at most ``value_clip`` (``--critic.value_clip``, default 0.2)
 away from the value it predicted at rollout time (V_old) before the clipped branch takes over; the

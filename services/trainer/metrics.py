@@ -1,7 +1,7 @@
 """The trainer's Prometheus metrics (catalog names ``molt_trainer_*`` and ``molt_queue_*``).
 
 One ``Metrics`` per trainer process on its own registry. ``record_step`` maps a learner step's
-metrics (Molt's keys, spec 9.2) onto the catalog names; phases of the step loop are timed with
+metrics (Molt's keys) onto the catalog names; phases of the step loop are timed with
 ``phase(name)``.
 """
 

@@ -133,3 +133,21 @@ def test_readme_data_path_table_names_code_that_exists():
                 assert f"class {cls}" in source and re.search(rf"def {meth}\b", source), f"{token} not in {current}"
                 checked += 1
     assert checked >= 8
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    """Code and docs state the rule they follow; a section number of a reference that ships elsewhere
+    ("spec 4.3", "molt-spec", "cpu-stack.md", "peers.md") tells a reader nothing they can open."""
+    cite = re.compile(r"\bspec \d|molt-spec|cpu-stack|peers\.md|\.\./shared|§")
+    folders = ("molt", "services", "bench", "deploy", "docs", "examples", "scripts", "tests", "proto")
+    suffixes = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".proto", ".tpl", ".json"}
+    files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "docker-compose.yml", ROOT / "pyproject.toml"]
+    files += [p for f in folders for p in (ROOT / f).rglob("*") if p.suffix in suffixes and "fixtures" not in p.parts]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in files
+        if p != pathlib.Path(__file__).resolve()
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if cite.search(line)
+    ]
+    assert found == []
