@@ -24,6 +24,10 @@ nothing else (services/trainer/lora.py); exports fold them into the base weights
 
 A checkpoint's client state is the number of optimizer steps taken: the order is a pure function of
 seed and epoch, so a resumed run continues with exactly the windows the killed run had not finished.
+
+SIGTERM/SIGINT (a preemption, Ctrl-C) on any rank: every rank finishes the step in progress, a checkpoint of
+it is saved (with ``--ckpt.save_steps`` set) and the process exits 0 without the final export, which the
+resumed run writes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -322,7 +327,33 @@ class Sinks:
             self.tb.close()
 
 
-def train(s: SftSettings, info: DistInfo) -> dict:
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the ranks agree on it once per step (any rank's signal stops them all), so none
+    leaves a collective the others are in."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, *_) -> None:
+        self.requested = True
+
+    def agreed(self, info: DistInfo) -> bool:
+        flag = torch.tensor([float(self.requested)], device=info.device)
+        if info.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _save(s: SftSettings, learner, tok, info: DistInfo, step: int) -> None:
+    checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max())
+    if s.ckpt.save_hf:
+        hf_root = Path(s.ckpt.path) / "_hf"
+        save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)
+        if info.is_main:
+            checkpoint.prune(hf_root, s.ckpt.max_num, keep=f"global_step{step}")
+
+
+def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
     if s.train.full_determinism_enable:
         torch.use_deterministic_algorithms(True, warn_only=True)
     tok = load_tokenizer(s)
@@ -404,13 +435,22 @@ def train(s: SftSettings, info: DistInfo) -> dict:
                 sinks.write("eval", step, {"eval_loss": last["eval_loss"]})
                 if info.is_main:
                     log.info("step %d eval_loss %.4f", step, last["eval_loss"])
-            if s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0:
-                checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max())
-                if s.ckpt.save_hf:
-                    hf_root = Path(s.ckpt.path) / "_hf"
-                    save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)
-                    if info.is_main:
-                        checkpoint.prune(hf_root, s.ckpt.max_num, keep=f"global_step{step}")
+            saved = s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0
+            if saved:
+                _save(s, learner, tok, info, step)
+            if stop is not None and step < total and stop.agreed(info):
+                if s.ckpt.save_steps > 0 and not saved:
+                    _save(s, learner, tok, info, step)
+                if info.is_main:
+                    log.warning(
+                        "stopped by a signal after step %d of %d: %s",
+                        step,
+                        total,
+                        f"checkpoint saved, resume with --ckpt.load_enable (path {s.ckpt.path})"
+                        if s.ckpt.save_steps > 0
+                        else "no checkpoint (--ckpt.save_steps is -1), this progress is lost",
+                    )
+                return {"steps": step, "stopped": True}
         if not s.ckpt.disable_final_save:
             save_hf(learner.actor, learner.hf_source, s.ckpt.output_dir, tok)
     finally:
@@ -433,8 +473,11 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     if not s.logger.wandb.run_name:
         s.logger.wandb.run_name = time.strftime("sft_%m%dT%H:%M")
     info = init_distributed()
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop.request)
+    signal.signal(signal.SIGINT, stop.request)
     try:
-        summary = train(s, info)
+        summary = train(s, info, stop)
     except ValueError as exc:
         sys.exit(f"{prog}: error: {exc}")
     if info.is_main:

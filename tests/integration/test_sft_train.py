@@ -1,4 +1,4 @@
-"""SFT through the real CLIs: 2 gloo processes equal 1, kill + resume continues the same curve, the HF
+"""SFT through the real CLIs: 2 gloo processes equal 1, kill or SIGTERM + resume continues the same curve, the HF
 export loads in transformers and in the RL trainer, bad input is a clear error."""
 
 from __future__ import annotations
@@ -163,9 +163,19 @@ def test_two_processes_equal_one_and_the_export_loads_everywhere(tiny_qwen3, dat
         delete_stream(redis_url, stream_name)
     assert len(lines(tmp_path / "rl.jsonl")) == 1
 
+    # A resume may take another number of ranks (DCP reshards): one rank's step-2 checkpoint goes on with
+    # two, two ranks' with one, and step 3 is the same either way.
+    step3 = ["--train.num_steps", "3", "--ckpt.load_enable"]
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "one", *steps, *step3), nproc=2, molt_cli=True)
+    run_sft(_flags(tiny_qwen3, data, tmp_path, "two", *steps, *step3))
+    (one, one_eval), (two, two_eval) = _curve(tmp_path / "one.jsonl"), _curve(tmp_path / "two.jsonl")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    assert one[3]["loss"] == pytest.approx(two[3]["loss"], abs=1e-5)
+    assert one_eval[3] == pytest.approx(two_eval[3], abs=1e-5)
+
 
 @pytest.mark.slow
-def test_resume_after_a_kill_continues_the_same_curve(tiny_qwen3, data, tmp_path):
+def test_resume_after_a_kill_or_a_sigterm_continues_the_same_curve(tiny_qwen3, data, tmp_path):
     run_sft(_flags(tiny_qwen3, data, tmp_path, "whole", "--ckpt.save_hf", "--ckpt.max_num", "2"))
     whole, whole_eval = _curve(tmp_path / "whole.jsonl")
     assert sorted(whole) == [1, 2, 3, 4, 5, 6]
@@ -207,6 +217,36 @@ def test_resume_after_a_kill_continues_the_same_curve(tiny_qwen3, data, tmp_path
     w2 = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
     for name in w1:
         assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+
+    # SIGTERM (a preemption) at step 3: that step is finished and saved, the run exits 0 without the final
+    # export, and the resume continues from step 3, not from the last periodic checkpoint.
+    flags = _flags(tiny_qwen3, data, tmp_path, "term")
+    proc = subprocess.Popen(
+        sft_cmd() + flags, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while 3 not in _curve(tmp_path / "term.jsonl")[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 3"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    stopped = max(_curve(tmp_path / "term.jsonl")[0])
+    assert stopped < 6
+    assert f"stopped by a signal after step {stopped} of 6" in err
+    assert not (tmp_path / "term" / "hf").exists()
+    assert f"global_step{stopped}" in {p.name for p in (tmp_path / "term" / "state").glob("global_step*")}
+    proc = run_sft(flags + ["--ckpt.load_enable"])
+    assert f"(step {stopped})" in proc.stderr
+    term, _ = _curve(tmp_path / "term.jsonl")
+    assert sorted(term) == [1, 2, 3, 4, 5, 6]
+    for k in term:
+        assert term[k]["loss"] == pytest.approx(whole[k]["loss"], abs=1e-5), k
 
 
 @pytest.mark.slow
