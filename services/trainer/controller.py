@@ -249,26 +249,35 @@ class Controller:
         return len(self.dataset) * self.s.train.num_episodes
 
     def dispatch_exhausted(self) -> bool:
-        return self.dataset is None or (self.position >= self._total_prompts() and self.inflight_groups == 0)
+        return self.dataset is None or (
+            self.position >= self._total_prompts() and self.inflight_groups == 0 and not self._redispatch
+        )
 
     def _room_in_flight(self) -> bool:
         cap = self.s.rollout.vllm_generate_batch_size
         return cap is None or self.inflight_groups < cap
 
-    async def _dispatch_loop(self) -> None:
-        for position in self._redispatch:  # allowed by the gate when they were first dispatched
-            self._launch(position)
-        self._redispatch = []
+    async def _wait_until(self, ready) -> bool:
+        """Wait, woken by a new policy version or a freed slot, until ``ready()``; False once a stop is requested."""
         version_changed = self._version_changed
         assert version_changed is not None  # start_dispatch created it before this task
+        while not ready() and not self.stop_requested:
+            version_changed.clear()
+            try:
+                await asyncio.wait_for(version_changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+        return not self.stop_requested
+
+    async def _dispatch_loop(self) -> None:
+        # A checkpoint's open groups were allowed by the gate when first dispatched, but they can outnumber
+        # the in-flight cap (rollouts written, not trained yet): they are dispatched again under it.
+        while self._redispatch:
+            if not await self._wait_until(self._room_in_flight):
+                return
+            self._launch(self._redispatch.pop(0))
         while self.position < self._total_prompts() and not self.stop_requested:
-            while not (self.gate.may_dispatch(self.version) and self._room_in_flight()) and not self.stop_requested:
-                version_changed.clear()
-                try:
-                    await asyncio.wait_for(version_changed.wait(), 1.0)
-                except TimeoutError:
-                    pass
-            if self.stop_requested:
+            if not await self._wait_until(lambda: self.gate.may_dispatch(self.version) and self._room_in_flight()):
                 return
             position = self.position
             self.position += 1
@@ -284,6 +293,9 @@ class Controller:
             self.assembler.dispatched(group_id)
         held = self.assembler.held_samples(group_id)
         missing = [k for k in range(self.s.rollout.n_samples_per_prompt) if k not in held]
+        if not missing:  # all its rollouts are on the stream already: nothing runs, no slot is taken
+            self._settled[position] = time.monotonic()
+            return
         self.inflight_groups += 1
         task = asyncio.get_running_loop().create_task(self._run_group(self.dataset.get(position), position, missing))
         self._group_tasks.add(task)
@@ -328,7 +340,7 @@ class Controller:
                 continue
             if drained is None:
                 drained = (await self._bus(self.queue.lag)).undelivered == 0
-            if not drained:
+            if not drained or not self._room_in_flight():  # its samples run under the cap too: retried later
                 return
             del self._settled[position]
             log.warning(

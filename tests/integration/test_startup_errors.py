@@ -186,3 +186,14 @@ def test_dry_run_rejects_what_start_up_rejects_with_the_same_message(service, ti
     assert error_line(dry, f"python -m services.{service}") == line
     assert dry.returncode == started.returncode == 2
     assert dry.stdout == ""  # no config printed
+
+
+@pytest.mark.parametrize("service", ["gateway", "trainer"])
+def test_redis_startup_wait_0_fails_at_once_on_an_unreachable_redis(service, tiny_qwen3):
+    """README: --redis.startup_wait_s 0 fails at once. The wait line is printed before the first backoff sleep,
+    so its absence shows the service never waited, whatever the machine's start-up time."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run([f"services.{service}", *valid_flags(service, tiny_qwen3, dead), "--redis.startup_wait_s", "0"])
+    line = error_line(proc, f"python -m services.{service}")
+    assert f"--redis.url {dead}: Redis does not answer (" in line and "start Redis there" in line
+    assert "waiting up to" not in proc.stdout, proc.stdout
