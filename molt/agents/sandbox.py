@@ -7,16 +7,19 @@ Model-written code never runs in the worker. Each call starts ``python -I`` unde
   killed, the kernel kills everything left in the namespace (setsid / double-forked children too);
   the worker's processes, and so its ``/proc/<pid>/environ``, are not visible;
 - filesystem: an empty root with read-only binds of the system dirs and the Python installation, and
-  a size-capped tmpfs ``/tmp`` (the cwd and HOME) as the only writable place: the project dir is absent;
+  a size-capped tmpfs ``/tmp`` (the cwd and HOME) as the only writable place (``/dev`` is read-only, so
+  no ``/dev/shm`` either): the project dir is absent;
 - environment: cleared (none of the worker's variables or API keys), a minimal PATH/HOME/locale set;
 - uid 65534 (nobody) without capabilities; rlimits: RLIMIT_AS (soft, hard = 1.5x, as Molt's
   executor), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (forks and fork bombs are bounded, not banned);
 - time: a wall-clock limit, after which bwrap is SIGKILLed (``--die-with-parent`` takes the
   namespace's init, and with it the whole tree, down).
 
-A non-root worker runs bwrap in a user namespace (uid 65534 inside). A root worker (a dev box, a
-container run as root) runs it without one and the child switches to uid 65534 before the tool's
-code runs, so the code never holds root's file rights or its exemption from RLIMIT_NPROC.
+A non-root worker runs bwrap in a user namespace (uid 65534 inside). A root worker with CAP_SYS_ADMIN
+(a dev box, CI) runs it without one and the child switches to uid 65534 before the tool's code runs.
+A root worker without it (a container run as root) starts bwrap as uid 65534 (CAP_SETUID/SETGID/KILL),
+which then takes the user-namespace path. Either way the code never holds root's file rights or its
+exemption from RLIMIT_NPROC.
 
 Where the kernel forbids these namespaces the call raises ``SandboxUnavailable`` with the fix,
 unless isolation is explicitly ``"none"`` (``MOLT_SANDBOX__ISOLATION=none``, the env worker's
@@ -25,20 +28,22 @@ sockets and new processes, which in-process code can switch off. Only for truste
 
 Defaults come from Molt's ``PYTHON_EXECUTOR_TIMEOUT`` (10 s), ``PYTHON_EXECUTOR_MEM_BYTES`` (1 GiB)
 and ``PYTHON_EXECUTOR_OUTPUT_CHARS`` (2048); ``MOLT_SANDBOX_MAX_PROCS`` (32) and
-``MOLT_SANDBOX_TMP_BYTES`` (64 MiB) size the process count and the scratch tmpfs.
+``MOLT_SANDBOX_TMP_BYTES`` (64 MiB) size the process count and the scratch tmpfs. A value that is not a
+positive number raises ``ValueError`` naming the variable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 Isolation = Literal["auto", "bwrap", "none"]
 ISOLATION_ENV = "MOLT_SANDBOX__ISOLATION"
@@ -148,6 +153,37 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+# Capability bits (linux/capability.h) the choice of path reads from the worker's effective set.
+_CAP_KILL, _CAP_SETGID, _CAP_SETUID, _CAP_SYS_ADMIN = 5, 6, 7, 21
+
+
+def _effective_caps() -> int | None:
+    """This process's effective capability set (None when /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _root_without_userns() -> bool:
+    """Root that may create namespaces itself (CAP_SYS_ADMIN): bwrap runs without a user namespace."""
+    caps = _effective_caps()
+    return os.geteuid() == 0 and (caps is None or bool(caps >> _CAP_SYS_ADMIN & 1))
+
+
+def _spawn_as() -> dict[str, Any]:
+    """Subprocess arguments that start bwrap as nobody: a root worker without CAP_SYS_ADMIN only."""
+    # Such a root (a container run as root) cannot unshare without a user namespace, and a user namespace
+    # of root would map the sandbox to host uid 0 (root's files, no RLIMIT_NPROC): bwrap runs as nobody instead.
+    if os.geteuid() == 0 and not _root_without_userns():
+        return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+    return {}
+
+
 def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[list[str], int]:
     """(bwrap argv up to the command, uid the child must switch to itself: -1 when bwrap sets it)."""
     argv = [
@@ -165,7 +201,7 @@ def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[lis
         "--cap-drop",
         "ALL",
     ]
-    if os.geteuid() == 0:
+    if _root_without_userns():
         # No user namespace: the child starts as root with only these two capabilities and uses them to
         # become nobody before the tool's code runs (setuid then clears them).
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -189,11 +225,15 @@ def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[lis
         argv += ["--perms", "0755", "--dir", parent]
     for root in roots:
         argv += ["--ro-bind", root, root]
+    # bwrap would create /etc 0700 as well: without a user namespace nobody could not read the files in it.
+    argv += ["--perms", "0755", "--dir", "/etc"]
     for f in _ETC_FILES:
         argv += ["--ro-bind-try", f, f]
     if with_proc:
         argv += ["--proc", "/proc"]
-    argv += ["--dev", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
+    # In a user namespace the sandbox user owns bwrap's /dev tmpfs: read-only, or /dev/shm would be a second,
+    # uncapped scratch space beside /tmp.
+    argv += ["--dev", "/dev", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
     return argv, switch_uid
 
 
@@ -212,9 +252,29 @@ def _probe(bwrap: str, with_proc: bool) -> str:
     prefix, uid = _bwrap_argv(bwrap, 1 << 20, with_proc)
     probe = f"import os, sys; sys.exit(0 if os.getuid() == {SANDBOX_UID} else 3)"
     cmd = prefix + [sys.executable, "-I", "-c", _BOOTSTRAP, str(1 << 30), "5", str(1 << 20), "0", str(uid), "0"]
+    spawn_as = _spawn_as()
+    if spawn_as:
+        # Switching to nobody needs SETUID/SETGID; killing nobody's bwrap on a timeout needs KILL.
+        missing = [
+            n
+            for n, b in (("KILL", _CAP_KILL), ("SETGID", _CAP_SETGID), ("SETUID", _CAP_SETUID))
+            if not (_effective_caps() or 0) >> b & 1
+        ]
+        if missing:
+            return (
+                f"a root worker without CAP_SYS_ADMIN starts bwrap as uid {SANDBOX_UID}, which needs "
+                f"CAP_{', CAP_'.join(missing)}: run the worker as a non-root user, or grant them"
+            )
     try:
-        done = subprocess.run(cmd, input=probe.encode(), capture_output=True, timeout=30, env=_CHILD_ENV, check=False)
+        done = subprocess.run(
+            cmd, input=probe.encode(), capture_output=True, timeout=30, env=_CHILD_ENV, check=False, **spawn_as
+        )
     except (OSError, subprocess.SubprocessError) as exc:
+        if spawn_as:
+            return (
+                f"a root worker without CAP_SYS_ADMIN starts bwrap as uid {SANDBOX_UID}, which could not run "
+                f"{bwrap} (it needs a bwrap and a Python that uid can read): {exc}"
+            )
         return f"{bwrap} did not run: {exc}"
     if done.returncode != 0:
         return done.stderr.decode("utf-8", "replace").strip() or f"bwrap exited {done.returncode}"
@@ -235,14 +295,21 @@ def bwrap_status() -> SandboxSupport:
     return SandboxSupport(False, why)
 
 
-def _env_default(name: str, default: float) -> float:
+def _env_default(name: str, default: float, whole: bool = True) -> float:
+    """A positive limit from the environment (``whole``: a whole number); else ValueError naming the variable."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+    # 0 or a negative value would switch a limit off (tmpfs size=0, RLIMIT_* -1 = unlimited) or fail later
+    # inside bwrap with a message that names no variable; the upper bound keeps setrlimit and bwrap in range.
+    if not (math.isfinite(value) and 0 < value < 2**62) or (whole and value != int(value)):
+        kind = "a positive whole number" if whole else "a positive number"
+        raise ValueError(f"{name}={raw!r} must be {kind} (below 2**62)")
+    return value
 
 
 def _isolation(isolation: Isolation | None) -> str:
@@ -291,7 +358,7 @@ async def run_python(
 
     ``isolation``: None reads ``MOLT_SANDBOX__ISOLATION`` (default auto = bwrap, or SandboxUnavailable).
     """
-    timeout_s = timeout_s if timeout_s is not None else _env_default("PYTHON_EXECUTOR_TIMEOUT", 10.0)
+    timeout_s = timeout_s if timeout_s is not None else _env_default("PYTHON_EXECUTOR_TIMEOUT", 10.0, whole=False)
     mem_bytes = int(mem_bytes if mem_bytes is not None else _env_default("PYTHON_EXECUTOR_MEM_BYTES", 1 << 30))
     if output_chars is None:
         output_chars = int(_env_default("PYTHON_EXECUTOR_OUTPUT_CHARS", 2048))
@@ -316,7 +383,7 @@ async def run_python(
             str(uid),
             "0",
         ]
-        return await _run(argv, code, timeout_s, output_chars, cwd=None)
+        return await _run(argv, code, timeout_s, output_chars, cwd=None, spawn_as=_spawn_as())
     import tempfile
 
     argv = [sys.executable, "-I", "-c", _BOOTSTRAP, str(mem_bytes), str(cpu_s), str(fsize), "0", "-1", "1"]
@@ -324,7 +391,14 @@ async def run_python(
         return await _run(argv, code, timeout_s, output_chars, cwd=workdir)
 
 
-async def _run(argv: list[str], code: str, timeout_s: float, output_chars: int, cwd: str | None) -> SandboxResult:
+async def _run(
+    argv: list[str],
+    code: str,
+    timeout_s: float,
+    output_chars: int,
+    cwd: str | None,
+    spawn_as: dict[str, Any] | None = None,
+) -> SandboxResult:
     env = dict(_CHILD_ENV, HOME=cwd or "/tmp")
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -334,6 +408,7 @@ async def _run(argv: list[str], code: str, timeout_s: float, output_chars: int, 
         cwd=cwd,
         start_new_session=True,
         env=env,
+        **(spawn_as or {}),
     )
     assert proc.stdin and proc.stdout and proc.stderr  # all three are pipes
     cap_bytes = output_chars * 4 + 64  # utf-8: at most 4 bytes a char
