@@ -312,6 +312,23 @@ def _env_default(name: str, default: float, whole: bool = True) -> float:
     return value
 
 
+# The limit variables a call reads, with whether each must be whole.
+LIMIT_VARS = {
+    "PYTHON_EXECUTOR_TIMEOUT": False,
+    "PYTHON_EXECUTOR_MEM_BYTES": True,
+    "PYTHON_EXECUTOR_OUTPUT_CHARS": True,
+    "MOLT_SANDBOX_MAX_PROCS": True,
+    "MOLT_SANDBOX_TMP_BYTES": True,
+}
+
+
+def check_env_limits() -> None:
+    """Every limit variable set in the environment, checked now: the env worker runs this at start-up, so a
+    bad value stops it there instead of failing each tool call (ValueError naming the variable)."""
+    for name, whole in LIMIT_VARS.items():
+        _env_default(name, 1, whole=whole)
+
+
 def _isolation(isolation: Isolation | None) -> str:
     chosen = isolation or os.environ.get(ISOLATION_ENV) or "auto"
     if chosen not in ("auto", "bwrap", "none"):

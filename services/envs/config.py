@@ -93,6 +93,9 @@ def validate_settings(settings: EnvsSettings) -> None:
         raise ValueError("no gateway: pass --gateway.url http://HOST:PORT")
     if not settings.agent:
         raise ValueError("no agent to serve: pass --agent NAME=PATH (a .py file exporting AgentRunner)")
+    from molt.agents.sandbox import check_env_limits
+
+    check_env_limits()
 
 
 # Users repeat --agent (short --port / --host are expanded by molt.config).

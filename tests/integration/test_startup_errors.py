@@ -197,3 +197,11 @@ def test_redis_startup_wait_0_fails_at_once_on_an_unreachable_redis(service, tin
     line = error_line(proc, f"python -m services.{service}")
     assert f"--redis.url {dead}: Redis does not answer (" in line and "start Redis there" in line
     assert "waiting up to" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("variable", ["MOLT_SANDBOX_TMP_BYTES", "PYTHON_EXECUTOR_TIMEOUT"])
+def test_a_bad_sandbox_limit_stops_the_env_worker_at_start_up(variable):
+    """A tool-sandbox limit that is not a positive number (0 would switch it off) is a start-up error naming
+    the variable, not a failure of every tool call later."""
+    proc = run(["services.envs", *valid_flags("envs", ROOT, "")], env={variable: "0"})
+    assert f"{variable}='0' must be a positive" in error_line(proc, "python -m services.envs")
