@@ -12,6 +12,8 @@ import subprocess
 import time
 from collections import Counter
 
+import pytest
+
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.trainer import checkpoint
 from tests.integration.trainer_testlib import (
@@ -109,7 +111,10 @@ def _stop_with_sigterm(cmd, log_path, until, timeout_s=120):
             proc.wait()
 
 
-def test_sigterm_mid_run_saves_acks_the_trained_and_exits_0(tiny_qwen3, redis_url, stream_name, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_mid_run_saves_acks_the_trained_and_exits_0(nproc, tiny_qwen3, redis_url, stream_name, tmp_path):
+    """With 2 ranks the signal goes to torchrun, as Kubernetes and compose send it: torchrun passes it on to
+    every rank and waits --shutdown-timeout for them (the charts set it inside the pod's grace)."""
     groups = 100  # a step takes a few ms here: enough of them that the signal lands mid-run
     produced = synthetic_groups(groups, 2, seed=11)
     ids = [t.trajectory_id for t in produced]
@@ -117,13 +122,16 @@ def test_sigterm_mid_run_saves_acks_the_trained_and_exits_0(tiny_qwen3, redis_ur
     flags = _flags(tiny_qwen3, redis_url, stream_name, tmp_path)
     try:
         put(redis_url, stream_name, produced)
-        code, _ = _stop_with_sigterm(
-            trainer_cmd() + flags, tmp_path / "run1.log", lambda _: len(_steps(audit_path)) >= 2
-        )
+        cmd = trainer_cmd(nproc)
+        if nproc > 1:
+            cmd.insert(1, "--shutdown-timeout=60")
+        code, _ = _stop_with_sigterm(cmd + flags, tmp_path / "run1.log", lambda _: len(_steps(audit_path)) >= 2)
         log = (tmp_path / "run1.log").read_text()
-        assert code == 0, log[-3000:]
         done = _steps(audit_path)
         last = done[-1]
+        # torchrun itself exits 1 after a signal (its SignalException), however its ranks ended: they
+        # finished the step, saved and left together, which is what the log says.
+        assert code == 0 if nproc == 1 else f"done: {{'steps': {last}," in log, log[-3000:]
         assert done == list(range(1, last + 1)) and last < groups, log[-3000:]
         # The step in progress was finished, then saved: the checkpoint is the last step trained.
         latest = checkpoint.latest_dir(str(tmp_path / "ckpt" / "run"))

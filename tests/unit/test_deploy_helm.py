@@ -373,3 +373,20 @@ def test_crd_schemas_are_strict(rendered):
     monitor["spec"]["endpoints"][0]["honorLabel"] = True
     for doc in (rule, monitor):
         assert list(jsonschema.Draft202012Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc)), doc["kind"]
+
+
+def test_a_stopped_trainer_has_time_to_finish_its_step_and_save():
+    """SIGTERM reaches torchrun, which passes it on to the ranks (they finish the step, save, ack) but
+    SIGKILLs them after --shutdown-timeout (30 s by default): the chart sets it inside the pod's grace period,
+    which follows trainer.stopGraceSeconds; compose sets both the same way."""
+    for grace, docs in [(300, tools.render()), (900, tools.render(sets=("trainer.stopGraceSeconds=900",)))]:
+        spec = by_kind(docs, "StatefulSet")["molt-trainer"]["spec"]["template"]["spec"]
+        args = spec["containers"][0]["args"]
+        [timeout] = [int(a.split("=", 1)[1]) for a in args if a.startswith("--shutdown-timeout=")]
+        assert spec["terminationGracePeriodSeconds"] == grace and 30 < timeout < grace
+        assert args.index(f"--shutdown-timeout={timeout}") < args.index("-m")  # torchrun's flag, not the trainer's
+    import yaml
+
+    trainer = yaml.safe_load((tools.ROOT / "docker-compose.yml").read_text())["services"]["trainer"]
+    [timeout] = [int(a.split("=", 1)[1]) for a in trainer["command"] if a.startswith("--shutdown-timeout=")]
+    assert trainer["command"][0] == "torchrun" and 30 < timeout < int(trainer["stop_grace_period"].rstrip("s"))
