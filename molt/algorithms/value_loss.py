@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from molt.algorithms.tensor_ops import as_bool_mask, masked_mean, token_mean
+from molt.algorithms.tensor_ops import as_bool_mask, at_least_fp32, masked_mean, token_mean
 
 DEFAULT_VALUE_CLIP = 0.2
 
@@ -48,6 +48,9 @@ def value_loss(
     if value_clip is not None and value_clip <= 0:
         raise ValueError(f"--critic.value_clip must be > 0 (or unset for no clipping), got {value_clip}")
     mask = as_bool_mask(action_mask)
+    # As Molt: the squared errors are taken in fp32 even for a bf16 critic head, whose 8 mantissa bits
+    # would round small value errors away (the cast keeps the graph back to the bf16 values).
+    values = at_least_fp32(values)
     old_values = old_values.to(values.dtype)
     returns = returns.to(values.dtype)
     unclipped = (values - returns) ** 2

@@ -88,6 +88,16 @@ class PromptDataset:
             prompt = row[input_key]
             if chat and isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
+            if not chat and isinstance(prompt, list):
+                # As Molt: completion-style data is a pre-rendered string; messages without the flag
+                # would reach the model untemplated.
+                raise ValueError(
+                    f"{flag} {path}: row {n}'s {input_key!r} holds chat messages: pass --data.apply_chat_template"
+                )
+            if label_key and label_key not in row:
+                raise ValueError(
+                    f"{flag} {path}: row {n} has no {label_key!r} (--data.label_key); keys: {sorted(row)}"
+                )
             tools = row.get(tools_key) if tools_key else None
             if isinstance(tools, str):  # Molt's datasets may store the tool schemas as a JSON string
                 tools = json.loads(tools) if tools.strip() else None
@@ -103,7 +113,7 @@ class PromptDataset:
                 Prompt(
                     n,
                     prompt,
-                    row.get(label_key, "") if label_key else "",
+                    row[label_key] if label_key else "",
                     tools or None,
                     str(row.get("datasource") or "default"),
                     list(images) if images else None,

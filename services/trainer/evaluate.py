@@ -16,6 +16,10 @@ from collections import defaultdict
 
 from services.trainer.dispatch import EpisodeDispatcher, Prompt, PromptDataset
 
+# As Molt: --data.max_samples caps the training prompts only; a small debug run still evaluates the whole
+# eval set, so its pass@k stays comparable.
+EVAL_ALL = 1 << 62
+
 
 class Evaluator:
     def __init__(self, settings, dispatcher: EpisodeDispatcher) -> None:
@@ -26,7 +30,7 @@ class Evaluator:
             d.input_key,
             d.label_key,
             chat=d.apply_chat_template,
-            max_samples=d.max_samples,
+            max_samples=EVAL_ALL,
             seed=0,
             tools_key=d.tools_key,
             image_key=d.image_key,

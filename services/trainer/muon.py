@@ -10,13 +10,14 @@ coefficients, the step scaled by ``sqrt(max(1, rows / cols))``) with two differe
 orthogonalized whole (an FSDP2 shard is gathered first, so every world size computes the same update) and in the
 parameters' precision (fp32 master weights), where torch rounds to bf16. Molt runs Dion's Muon, which is not on
 PyPI, so updates are not bit-equal to Molt's. Grouped MoE experts (a 3-D tensor in an ``*Experts`` module, as
-transformers and NeMo store them) go to Muon expert by expert, as in Molt; other 3-D+ tensors (convolutions)
-stay on AdamW.
+transformers and NeMo store them) go to Muon expert by expert, as in Molt, or to AdamW with Molt's escape hatch
+``MUON_EXPERTS_ADAMW=1``; other 3-D+ tensors (convolutions) stay on AdamW.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 def param_groups(model: nn.Module, cfg) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(Muon groups, AdamW groups) of ``model``'s trainable parameters under the optimizer block ``cfg``."""
     modules = dict(model.named_modules())
+    # Molt's escape hatch MUON_EXPERTS_ADAMW=1 (or true) puts grouped experts back on AdamW, e.g. when
+    # orthogonalising expert stacks misbehaves on an expert-parallel layout.
+    experts_to_muon = os.environ.get("MUON_EXPERTS_ADAMW", "") not in ("1", "true", "True")
     matrix: list[nn.Parameter] = []
     vector: list[nn.Parameter] = []
     embed: list[nn.Parameter] = []
@@ -41,7 +45,7 @@ def param_groups(model: nn.Module, cfg) -> tuple[list[dict[str, Any]], list[dict
             head.append(p)
         elif name.endswith("bias") or p.ndim < 2:
             vector.append(p)
-        elif p.ndim == 2 or (p.ndim == 3 and "Experts" in type(owner).__name__):
+        elif p.ndim == 2 or (experts_to_muon and p.ndim == 3 and "Experts" in type(owner).__name__):
             matrix.append(p)  # a grouped experts tensor [experts, out, in]: each expert's matrix on its own
         else:
             vector.append(p)  # convolutions and other 3-D+ tensors

@@ -363,8 +363,8 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
     data = load_examples(
         s, tok, s.data.dataset, s.data.dataset_split, "--data.dataset", s.data.dataset_probs, vision=vision
     )
-    evals = (
-        load_examples(s, tok, s.eval.dataset, s.eval.split, "--eval.dataset", vision=vision)
+    evals = (  # the whole eval set: --data.max_samples caps the training rows only, as in Molt
+        load_examples(s, tok, s.eval.dataset, s.eval.split, "--eval.dataset", max_samples=1 << 62, vision=vision)
         if s.eval.dataset
         else None
     )

@@ -117,3 +117,29 @@ def test_prompt_datasets_mix_by_molts_prompt_probs_and_split(tmp_path):
     assert [build().get(p).prompt for p in range(20)] == prompts  # the same mix after a restart
     with pytest.raises(ValueError, match="2 datasets need as many non-negative sampling weights"):
         PromptDataset(d.prompt_dataset, "input", None, chat=False, max_samples=20, seed=1, split="test", probs="1")
+
+
+def test_prompt_rows_molt_refuses_are_refused_naming_the_flag(tmp_path):
+    """As Molt: chat messages need --data.apply_chat_template (else they would reach the model untemplated),
+    and a --data.label_key a row lacks is an error, not an empty label every reward then scores against."""
+    from services.trainer.dispatch import PromptDataset
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"input": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="row 0's 'input' holds chat messages: pass --data.apply_chat_template"):
+        PromptDataset(str(chat), "input", "answer", chat=False, max_samples=9, seed=0)
+    assert PromptDataset(str(chat), "input", "answer", chat=True, max_samples=9, seed=0).get(0).label == "1"
+    with pytest.raises(ValueError, match=r"row 0 has no 'label' \(--data.label_key\)"):
+        PromptDataset(str(chat), "input", "label", chat=True, max_samples=9, seed=0)
+
+
+def test_the_eval_set_is_read_whole_whatever_data_max_samples(tmp_path):
+    """As Molt: --data.max_samples caps the training prompts; evaluation keeps every eval row."""
+    from molt.config import parse_settings
+    from services.trainer.config import TrainerSettings
+    from services.trainer.evaluate import Evaluator
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"input": f"q{i}"}) + "\n" for i in range(10)))
+    flags = ["--actor.model_name_or_path", "m", "--eval.dataset", str(path), "--data.max_samples", "4"]
+    assert len(Evaluator(parse_settings(TrainerSettings, flags, environ={}), dispatcher=None).dataset) == 10
