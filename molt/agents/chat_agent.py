@@ -29,7 +29,7 @@ class ChatContext:
     """The dataset row as OpenAI wire messages (a string prompt becomes one user message), each ``<image>`` of a
     user string replaced by the next image as an ``image_url`` part."""
     prompt: str
-    """Text of the last user turn."""
+    """Text of the row's last user turn, ``<image>`` markers kept (images skipped)."""
     label: Any
     base_url: str
     """OpenAI SDK base URL of this episode's session (…/s/{id}/v1)."""
@@ -62,7 +62,7 @@ def _extract_prompt_text(prompt: Any) -> str:
 class ChatAgent(abc.ABC):
     """An agent that runs its own loop against ``ctx.base_url`` / ``ctx.session_url``; fresh per episode."""
 
-    def __init__(self) -> None:  # noqa: B027 - Molt's constructor: subclasses call super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - Molt's constructor, arguments ignored
         pass
 
     @abc.abstractmethod
@@ -96,7 +96,9 @@ class ChatAgentRunner(Runner):
             episode.trajectory_id = session.id
             ctx = ChatContext(
                 messages=messages,
-                prompt=_extract_prompt_text(messages),
+                # From the row as the dataset gave it, as Molt's ChatAgentRunner does: after inlining, a user
+                # string's "<image>" markers are image parts and would drop out of the text an agent grades on.
+                prompt=_extract_prompt_text(episode.prompt),
                 label=episode.label,
                 base_url=session.openai_base_url,
                 session_url=session.anthropic_base_url,

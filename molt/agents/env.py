@@ -12,9 +12,9 @@ is token-exact because the gateway holds the tokens.
 - ``sampling_params``: a ``SamplingParams`` (vLLM attribute names), a copy of this turn's params
   (mutating it has no effect).
 
-Rewards of all turns are summed; score and info come from the last turn. Feedback is appended even
-on the terminal turn. The loop stops when the env says terminated / truncated or when the total
-``max_length`` budget is spent. A turn cut by its per-turn cap (finish_reason "length") marks the
+Rewards of all turns are summed; score and info come from the last turn (no score: that turn's reward).
+Feedback is appended even on the terminal turn. The loop stops when the env says terminated / truncated
+or when the total ``max_length`` budget is spent. A turn cut by its per-turn cap (finish_reason "length") marks the
 episode truncated but does not end it, as in Molt. There is no turn limit of the framework's own:
 the env decides.
 """
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class Env(abc.ABC):
     """A reward environment. Built with no arguments, one fresh instance per episode."""
 
-    def __init__(self) -> None:  # noqa: B027 - Molt's constructor: subclasses call super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - Molt's constructor, arguments ignored
         pass
 
     async def reset(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +137,10 @@ class StepEnvRunner(Runner):
                     "sampling_params": copy.deepcopy(sp),
                 }
                 result = check_result(await env.step(state), f"{self.env_cls.__name__}.step")
-                reward += first_scalar(result.reward)
-                score = result.score
+                turn_reward = first_scalar(result.reward)
+                reward += turn_reward
+                # As Molt: the score is the last turn's, else that turn's reward (not the summed one).
+                score = turn_reward if result.score is None else result.score
                 info = result.info
                 truncated = truncated or length_cut or bool(result.truncated)
                 observation_text += state["action_text"] + (result.observation or "")

@@ -47,6 +47,8 @@ class EngineSession:
             t.truncated = True
             return {"token_ids": [], "finish_reason": "length", "num_tokens": len(t.observation_tokens)}
         t.observation_tokens += new
+        # Molt's Trajectory carries the episode as text too: every appended observation and every action.
+        t.observation_text += append_text or ""
         if t.rollout_log_probs is not None:
             t.rollout_log_probs += [0.0] * len(new)
         if (sampling_params or {}).get("max_tokens") == 0:  # append only (the terminal turn's feedback)
@@ -69,6 +71,7 @@ class EngineSession:
             t.rollout_log_probs += extract_generation_logprobs(ids, gen.logprobs)
         t.action_ranges.append((len(t.observation_tokens), len(t.observation_tokens) + len(ids)))
         t.observation_tokens += ids
+        t.observation_text += text
         return {
             "token_ids": ids,
             "text": text,
