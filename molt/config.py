@@ -290,13 +290,15 @@ def parse_settings(
 
 _SECRET_ENDINGS = {"key", "keys", "password", "passwd", "secret", "token", "credential", "credentials"}
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@:\s]*:)(?P<password>[^/@\s]+)(?=@)", re.IGNORECASE)
+# redis-py also reads the password from the query (``?password=...``).
+_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)(?P<password>[^&#\s]+)", re.IGNORECASE)
 MASK = "***"
 
 
 def mask_secrets(value: Any, name: str = "") -> Any:
     """A resolved config with its secrets masked, for ``--dry-run``: any field named like a key, password,
     secret, token or credential (API keys, weight-sync credentials), and the password inside any URL
-    (``redis://:PASSWORD@host``). Counts (``max_*``, ``num_*``) are not secrets."""
+    (``redis://:PASSWORD@host``, ``redis://host?password=PASSWORD``). Counts (``max_*``, ``num_*``) are not secrets."""
     leaf = name.rsplit(".", 1)[-1].lower()
     secret = leaf.split("_")[-1] in _SECRET_ENDINGS and not leaf.startswith(("max_", "num_", "min_"))
     if isinstance(value, dict):
@@ -306,7 +308,8 @@ def mask_secrets(value: Any, name: str = "") -> Any:
     if secret and value not in (None, "", False):
         return MASK
     if isinstance(value, str):
-        return _URL_PASSWORD.sub(lambda m: m["head"] + MASK, value)
+        value = _URL_PASSWORD.sub(lambda m: m["head"] + MASK, value)
+        return _QUERY_PASSWORD.sub(lambda m: m["head"] + MASK, value) if "://" in value else value
     return value
 
 

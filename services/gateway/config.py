@@ -149,6 +149,9 @@ class GatewaySettings(Section):
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
+        if any(not k.strip() for k in self.auth.api_keys):
+            # An empty key (an empty Secret value, a stray quote) would match a request that sends no key.
+            raise ValueError("--auth.api_keys: a key is empty or blank; give non-empty keys (or none for loopback)")
         if not self.auth.api_keys and not _is_loopback(self.server.host):
             raise ValueError(
                 f"refusing to bind {self.server.host} without API keys: set --auth.api_keys KEY "

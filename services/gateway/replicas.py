@@ -108,7 +108,9 @@ class Replicas:
         if not self._tag or not sid or sid.count(".") != 2:
             return None
         encoded, _, sig = sid.partition(".")[2].partition(".")
-        if f"{encoded}.{sig}" == self._tag or not hmac.compare_digest(self._sign(encoded), f"{encoded}.{sig}"):
+        # Bytes: compare_digest refuses text with non-ASCII characters, which a client may put in the path.
+        signed = f"{encoded}.{sig}"
+        if signed == self._tag or not hmac.compare_digest(self._sign(encoded).encode(), signed.encode()):
             return None
         try:
             return base64.b32decode(encoded.upper() + "=" * (-len(encoded) % 8)).decode()
