@@ -75,6 +75,23 @@ def thinking_model(model: ChatModel, overrides: dict) -> ChatModel:
     return model.with_kwargs(overrides.get("chat_template_kwargs"))
 
 
+def _result_blocks(content: Any, where: str) -> str | list[dict]:
+    """A tool_result's content: text, or text and image blocks in their order (a tool that returns a
+    screenshot), as the OpenAI wire's tool message carries them."""
+    if not isinstance(content, list):
+        return _text_blocks(content, where)
+    parts: list[str | dict] = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            parts.append(str(b.get("text", "")))
+        elif kind == "image":
+            parts.append(_image_block(b.get("source"), f"{where}[{j}].source"))
+        else:
+            raise bad_request(f"{where}[{j}]: expected a text or image block, got {str(b)[:100]}", where)
+    return joined_parts(parts)
+
+
 def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -112,7 +129,7 @@ def _message(msg: Any, i: int) -> list[dict]:
             out.append(
                 {
                     "role": "tool",
-                    "content": _text_blocks(b.get("content"), bw + ".content"),
+                    "content": _result_blocks(b.get("content"), bw + ".content"),
                     "tool_call_id": str(b.get("tool_use_id") or ""),
                 }
             )

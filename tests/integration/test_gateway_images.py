@@ -132,6 +132,32 @@ def test_anthropic_base64_image_block(stack):
     _check_reproducible(stack, _trajectory(stack, session["session_id"]), [a])
 
 
+def test_anthropic_tool_result_with_a_screenshot(stack):
+    """A tool that answers with an image (a screenshot, as computer-use agents' tools do): the tool_result's
+    text and image blocks reach the model in their order and the trajectory reproduces."""
+    a = image_bytes(4)
+    session = _open(stack)
+    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key="x")
+    shot = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(a).decode()},
+    }
+    messages = [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Here:"}, shot]}
+            ],
+        },
+    ]
+    tools = [{"name": "screenshot", "description": "Capture the screen.", "input_schema": {"type": "object"}}]
+    client.messages.create(model="m", max_tokens=5, messages=messages, tools=tools)
+    assert _finish(stack, session["session_id"])["written"] is True
+    _check_reproducible(stack, _trajectory(stack, session["session_id"]), [a])
+
+
 def test_responses_input_image_through_the_openai_sdk(stack):
     a = image_bytes(4)
     session = _open(stack)
