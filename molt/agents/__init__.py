@@ -7,7 +7,7 @@
 - ``local``: Molt's in-process form of ``StepEnvRunner.execute`` (a local engine and tokenizer) and its
   ``Trajectory``.
 - ``gateway``: the session-API client both runners use; ``sandbox``: sandboxed Python for tool envs;
-  ``client``: a dispatcher-side client that spreads episodes over env-worker replicas.
+  ``testing``: ``FakeGateway``, an in-memory session API for testing an agent without a model.
 """
 
 from molt.agents.base import Episode, EpisodeResult, Result, Runner, Trajectory, load_agent_runner

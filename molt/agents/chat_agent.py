@@ -43,7 +43,7 @@ class ChatContext:
     images: list[Any] | None = None
     """The row's images (PIL); those its ``<image>`` markers name are also inlined in ``messages``."""
     model_name: str = "policy"
-    api_key: str = "EMPTY"
+    api_key: str = field(default="EMPTY", repr=False)  # an agent that logs its ctx must not log the key
     gateway_url: str = ""
     """The gateway's root URL, for calls that must not be captured (e.g. an LLM judge: {gateway_url}/v1)."""
 

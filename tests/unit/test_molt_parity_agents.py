@@ -398,3 +398,10 @@ def test_math_grader_scores_the_last_balanced_boxed_answer(grader):
     assert grader.score_response("\\boxed{\\frac{3}{4}}", "", {"ground_truth": "0.75"})["reward"] == 1.0
     missing = grader.score_response("no box here", "", "3")
     assert missing["reward"] == 0.0 and missing["missing_answer"] == 1.0
+
+
+def test_a_chat_context_printed_by_an_agent_does_not_show_the_gateway_key():
+    ctx = ChatContext(
+        messages=[], prompt="p", label=None, base_url="u", session_url="s", session_id="i", api_key="sk-9"
+    )
+    assert "sk-9" not in repr(ctx) and "sk-9" not in str(ctx) and ctx.api_key == "sk-9"
