@@ -128,7 +128,8 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     # every push passed the pod's probe check (--train.check_weight_update_equal): the pod is at version 2
     assert json.loads((run / "summary.json").read_text())["pod_policy_versions"] == [2]
     (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]  # --eval.steps 2: at step 2
-    assert ev["step"] == 2 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2  # 4 prompts (max_samples) x 2
+    # the whole eval set, 8 prompts x 2 (--data.max_samples 4 caps the training prompts only, as in Molt)
+    assert ev["step"] == 2 and ev["eval_num_samples"] + ev["eval_failed"] == 8 * 2
     assert {"eval_default_pass1", "eval_default_pass2", "eval_truncated_rate"} <= set(ev)
     assert ev["eval_response_length_mean"] == ev["eval_default_response_length_mean"] > 0
     assert sorted(p.name for p in (run / "ckpt").glob("global_step*")) == ["global_step1", "global_step2"]

@@ -333,8 +333,13 @@ def test_only_the_size_capped_tmp_is_writable(report):
     writes = report["writes"]
     assert isinstance(writes, dict), writes
     assert writes.pop("/tmp/scratch") == "written"
+    # A checkout or venv under /tmp (a CI clone) is bound inside the sandbox's /tmp tmpfs, whose directories
+    # above the bind are the sandbox's own: a write there lands in the capped tmpfs (``escaped`` checks the host).
+    inside_tmp = {p for p, why in writes.items() if p.startswith("/tmp/") and why == "written"}
     assert all(
-        why in ("Read-only file system", "Permission denied", "No such file or directory") for why in writes.values()
+        why in ("Read-only file system", "Permission denied", "No such file or directory")
+        for p, why in writes.items()
+        if p not in inside_tmp
     ), writes
     assert report["escaped"] == []
     assert report["identity"]["passwd_has_nobody"]
@@ -342,7 +347,8 @@ def test_only_the_size_capped_tmp_is_writable(report):
 
 def test_the_scratch_dir_is_gone_after_the_call(report):
     wrote, next_call = report["scratch_next_call"]
-    assert wrote == "wrote\n" and next_call == "False []\n"
+    # (the listing may show the directory a bind under /tmp needs, as above; never the file left behind)
+    assert wrote == "wrote\n" and next_call.startswith("False [") and "left-behind" not in next_call
 
 
 def test_the_documented_rlimits_are_set(report):
