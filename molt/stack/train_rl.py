@@ -174,6 +174,30 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
     return None
 
 
+def _combination_errors(raw: dict[str, list[str]]) -> list[str]:
+    """Molt's start-up refusals that span services (each service alone cannot see the other's flag)."""
+    errors: list[str] = []
+    for name, what in (("vllm.num_engines", "rollout pods"), ("rollout.num_runners", "env workers")):
+        # Rollouts need both: with none of either the trainer would wait for episodes forever.
+        if name in raw and raw[name][:1] and raw[name][0].lstrip("-").isdigit() and int(raw[name][0]) < 1:
+            errors.append(f"--{name} {raw[name][0]}: RL rollouts need at least one ({what}); set it to 1 or more")
+    mtp_values = raw.get("vllm.mtp_num_speculative_tokens", ["0"])[:1] or ["0"]
+    mtp = mtp_values[0].isdigit() and int(mtp_values[0]) > 0
+    # The pods' routed-experts capture and their cached-block reuse both misalign under speculative decoding,
+    # so these runs train on corrupted rollout log-probs or routing: refused, as Molt refuses them.
+    if mtp and "train.routing_replay" in raw and _true(raw["train.routing_replay"]):
+        errors.append(
+            "--vllm.mtp_num_speculative_tokens is incompatible with --train.routing_replay: the pods' "
+            "routed-experts capture misaligns under speculative decoding; disable MTP or routing replay"
+        )
+    if mtp and "vllm.enable_prefix_caching" in raw and _true(raw["vllm.enable_prefix_caching"]):
+        errors.append(
+            "--vllm.mtp_num_speculative_tokens is incompatible with --vllm.enable_prefix_caching: speculative "
+            "decoding corrupts rollout log-probs when prefix-cached blocks are reused; enable at most one"
+        )
+    return errors
+
+
 def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
     known = trainer_flag_names()
@@ -228,6 +252,7 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
         else:
             match = difflib.get_close_matches(name, sorted(every), n=1, cutoff=0.6)
             errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match[0]}?" if match else ""))
+    errors += _combination_errors(r.raw)
     if not r.model:
         errors.append("--actor.model_name_or_path is required: a local HF model directory")
     if not r.agent_path:
