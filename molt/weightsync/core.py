@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -402,7 +403,9 @@ class WeightSyncCore:
         )
         if len(got) != len(want):
             return float("inf")
-        return max((abs(a - b) for a, b in zip(got, want)), default=0.0)
+        # A NaN diff compares below any threshold: a pod (or trainer) producing NaN must fail the check.
+        diffs = [abs(a - b) for a, b in zip(got, want)]
+        return max((d if math.isfinite(d) else float("inf") for d in diffs), default=0.0)
 
     async def _roll_back(self, p: _Pending, version: int, previous_version: int, diff: float, limit: float) -> str:
         msg = f"weight check failed for version {version}: max |pod - trainer| logprob diff {diff:.3g} > {limit:.3g}"

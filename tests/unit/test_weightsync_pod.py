@@ -340,3 +340,16 @@ async def test_abort_drops_the_pending_sync():
     with pytest.raises(Exception, match="no pending sync"):
         await core.commit("s1", 1)
     assert engine.policy_version == 0 and engine.applied == 0
+
+
+async def test_a_nan_in_the_probe_fails_the_check():
+    """NaN compares below any threshold: a pod whose new weights give NaN logprobs (or a trainer sending NaN)
+    must not be promoted."""
+    engine = FakeEngine(_state(0))
+    core = WeightSyncCore(engine)
+    pusher = WeightPusher([LocalPodClient(core, "p")], tie_word_embeddings=True)
+    v1 = _state(1)
+    check = _check(v1)
+    check.expected_logprobs[0] = float("nan")
+    with pytest.raises(WeightPushError, match="weight check failed for version 1"):
+        await pusher.push_async(v1, version=1, check=check)
