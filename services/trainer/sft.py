@@ -269,6 +269,10 @@ def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+# W&B / TensorBoard names of the losses, as Molt's SFT trainer logs them (the JSONL keeps loss / eval_loss).
+MOLT_NAMES = {"loss": "sft_loss", "eval_loss": "eval sft_loss"}
+
+
 class Sinks:
     """--logger.steps_jsonl, W&B (--logger.wandb.key) or TensorBoard (--logger.tensorboard_dir); rank 0 only."""
 
@@ -296,6 +300,10 @@ class Sinks:
                 config=s.model_dump(mode="json"),
                 reinit=True,
             )
+            # Molt's step axes: train/* against train/global_step, eval/* against eval/global_step.
+            for kind in ("train", "eval"):
+                wandb.define_metric(f"{kind}/global_step")
+                wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/global_step", step_sync=True)
             self.wandb = wandb
         elif lg.tensorboard_dir:
             try:
@@ -312,10 +320,11 @@ class Sinks:
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self.jsonl.flush()
+        named = {MOLT_NAMES.get(k, k): v for k, v in values.items()}  # dashboards built on Molt's runs keep working
         if self.wandb:
-            self.wandb.log({f"{kind}/{k}": v for k, v in {**values, "global_step": step}.items()})
+            self.wandb.log({f"{kind}/{k}": v for k, v in {**named, "global_step": step}.items()})
         if self.tb:
-            for k, v in values.items():
+            for k, v in named.items():
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
 
     def close(self) -> None:

@@ -188,3 +188,40 @@ def test_dry_run_runs_every_start_up_check(capsys, tmp_path, monkeypatch):
         assert exc.value.code == 2 and needle in capsys.readouterr().err
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text("{}")
+
+
+def test_sft_logs_losses_under_molts_names_and_step_axes(tmp_path, monkeypatch):
+    """W&B and TensorBoard get Molt's SFT names (train/sft_loss, eval/'eval sft_loss') so dashboards built on
+    Molt's runs keep working; W&B steps train/* and eval/* by their own global_step, as Molt defines them."""
+    import sys
+    import types
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from services.trainer.sft import Sinks
+
+    s = _s("--logger.tensorboard_dir", str(tmp_path / "tb"), "--logger.wandb.run_name", "r")
+    sinks = Sinks(s, on=True)
+    sinks.write("train", 1, {"loss": 2.0, "lr": 1e-3})
+    sinks.write("eval", 1, {"eval_loss": 3.0})
+    sinks.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "r"))
+    events.Reload()
+    assert {"train/sft_loss", "train/lr", "eval/eval sft_loss"} <= set(events.Tags()["scalars"])
+
+    logged, defined = [], []
+    fake = types.SimpleNamespace(
+        api=types.SimpleNamespace(api_key="set"),
+        init=lambda **kw: None,
+        define_metric=lambda name, **kw: defined.append((name, kw.get("step_metric"))),
+        log=logged.append,
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sinks = Sinks(_s("--logger.wandb.key", "k"), on=True)
+    sinks.write("train", 4, {"loss": 2.0})
+    sinks.write("eval", 4, {"eval_loss": 3.0})
+    assert logged == [
+        {"train/sft_loss": 2.0, "train/global_step": 4},
+        {"eval/eval sft_loss": 3.0, "eval/global_step": 4},
+    ]
+    assert ("train/*", "train/global_step") in defined and ("eval/*", "eval/global_step") in defined
