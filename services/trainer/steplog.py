@@ -39,17 +39,21 @@ class StepLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=os.path.join(cfg.tensorboard_dir, self.run_name))
-        if cfg.wandb.key or cfg.wandb.mode == "offline":
+        # WANDB_MODE=offline in the environment wins over the flag's default, as it does for Molt (which
+        # passes no mode): an explicit mode argument would override what wandb reads from the environment.
+        env_mode = os.environ.get("WANDB_MODE", "").lower()
+        mode = "offline" if cfg.wandb.mode == "offline" or env_mode in ("offline", "dryrun") else cfg.wandb.mode
+        if cfg.wandb.key or mode == "offline":
             import wandb
 
-            if cfg.wandb.key and cfg.wandb.mode != "offline":
+            if cfg.wandb.key and mode != "offline":
                 wandb.login(key=cfg.wandb.key)
             self.wandb = wandb.init(
                 entity=cfg.wandb.org,
                 project=cfg.wandb.project,
                 group=cfg.wandb.group,
                 name=self.run_name,
-                mode=cfg.wandb.mode,
+                mode=mode,
                 dir=cfg.wandb.dir,
                 config=None,
                 reinit="finish_previous",

@@ -189,3 +189,16 @@ def test_the_probe_carries_the_trainers_prompt_logprobs_of_vocab_clipped_ids():
         logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
     want = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
     torch.testing.assert_close(torch.tensor(list(check.expected_logprobs)), want, atol=1e-5, rtol=0)
+
+
+def test_wandb_mode_offline_in_the_environment_keeps_the_run_offline(monkeypatch):
+    """As with Molt, which passes wandb no mode: WANDB_MODE=offline is honoured (no login, an offline run)."""
+    from services.trainer.steplog import StepLog
+
+    _fake_wandb(monkeypatch)
+    import sys
+
+    fake = sys.modules["wandb"]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    StepLog(LoggerConfig(wandb={"key": "k", "run_name": "test"}))
+    assert not fake.login.called and fake.init.call_args.kwargs["mode"] == "offline"
