@@ -579,8 +579,22 @@ def planned_optimizer_steps(s: TrainerSettings, num_prompts: int | None) -> int:
     else 1000) x windows per step x --train.max_epochs."""
     t, r = s.train, s.rollout
     steps = t.num_steps or (math.ceil(num_prompts * t.num_episodes / r.batch_size) if num_prompts else 1000)
+    return max(1, steps * optimizer_steps_per_train_step(s))
+
+
+def optimizer_steps_per_train_step(s: TrainerSettings) -> int:
+    """Optimizer steps one train step takes: its windows (--train.batch_size each) x --train.max_epochs."""
+    t, r = s.train, s.rollout
     windows = 1 if t.force_on_policy else math.ceil(r.batch_size * r.n_samples_per_prompt / t.batch_size)
-    return max(1, steps * windows * t.max_epochs)
+    return windows * t.max_epochs
+
+
+def actor_schedule_steps(s: TrainerSettings, total_steps: int) -> int:
+    """The actor's scheduler horizon: as Molt, the optimizer steps it actually takes, so without the train steps
+    it is frozen for the critic's warmup (--actor.freezing_steps, gae); the critic keeps ``total_steps``."""
+    if not needs_critic(s) or not s.actor.freezing_steps:
+        return total_steps
+    return max(1, total_steps - s.actor.freezing_steps * optimizer_steps_per_train_step(s))
 
 
 def max_versions_ahead(t: TrainConfig) -> int:

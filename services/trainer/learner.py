@@ -43,7 +43,7 @@ from molt.algorithms import (
     value_loss,
 )
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
-from services.trainer.config import TrainerSettings, needs_critic, needs_reference
+from services.trainer.config import TrainerSettings, actor_schedule_steps, needs_critic, needs_reference
 from services.trainer.model import (
     DistInfo,
     freeze_router,
@@ -142,7 +142,7 @@ class Learner:
             from services.trainer.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay(self.actor)
-        self.optim, self.sched = build_optimizer(self.actor, a, total_steps)
+        self.optim, self.sched = build_optimizer(self.actor, a, actor_schedule_steps(settings, total_steps))
         self.ref = None
         if needs_reference(settings):
             self.ref = load_causal_lm(

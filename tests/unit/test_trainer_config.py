@@ -230,3 +230,18 @@ def test_dry_run_of_the_trainer_process_refuses_a_gpu_only_flag_on_cpu(tmp_path)
     cmd = [sys.executable, "-m", "services.trainer", *BASE, "--fsdp.use_liger_kernel", "--dry-run"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={"MOLT_TRAINER_DEVICE": "cpu"}, cwd=tmp_path)
     assert out.returncode == 2 and "--fsdp.use_liger_kernel" in out.stderr and out.stdout == ""
+
+
+def test_the_actors_schedule_spans_only_the_steps_it_takes():
+    """As Molt: with a critic warmup (--actor.freezing_steps, gae) the actor takes no optimizer step for those
+    train steps, so its LR schedule is that much shorter (else its warmup and decay shift and min_lr is never
+    reached); the critic keeps the whole horizon."""
+    from services.trainer.config import actor_schedule_steps, planned_optimizer_steps
+
+    flags = ["--train.num_steps", "10", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2"]
+    flags += ["--train.batch_size", "4", "--train.max_epochs", "2", "--algo.kl.init_coef", "0"]
+    gae = _settings(*flags, "--algo.advantage.estimator", "gae", "--actor.freezing_steps", "3")
+    total = planned_optimizer_steps(gae, None)
+    assert total == 10 * 2 * 2  # 2 windows of 4 samples, 2 epochs
+    assert actor_schedule_steps(gae, total) == total - 3 * 2 * 2
+    assert actor_schedule_steps(_settings(*flags, "--algo.advantage.estimator", "grpo"), total) == total
