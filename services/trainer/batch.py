@@ -122,6 +122,15 @@ def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs
     return out
 
 
+def with_actions(samples: list[Sample]) -> tuple[list[Sample], int]:
+    """(the samples with at least one action token, how many were dropped). A batch of only such samples is
+    kept as it is: it trains nothing either way, and the step still runs on every rank."""
+    acting = [x for x in samples if x.num_actions > 0]
+    if not acting:
+        return samples, 0
+    return acting, len(samples) - len(acting)
+
+
 def padding_sample() -> Sample:
     """A 2-token sample with no action: ranks with fewer samples run it so collectives stay in step."""
     z = torch.zeros(1)

@@ -36,7 +36,7 @@ from molt.bus import open_queue
 from molt.schema import Trajectory, decode, encode
 from services.trainer import checkpoint
 from services.trainer.app import TrainerStatus
-from services.trainer.batch import samples_from_trajectory
+from services.trainer.batch import samples_from_trajectory, with_actions
 from services.trainer.config import TrainerSettings, planned_optimizer_steps
 from services.trainer.controller import Controller, LoopThread
 from services.trainer.export import save_hf
@@ -330,6 +330,15 @@ class Trainer:
             return True
         trajs = [decode(b) for b in plan["trajs"]]
         samples = [x for t in trajs for x in samples_from_trajectory(t, self.s.data.max_len, self.learner.vision)]
+        # As Molt (no_action_tokens): a segment whose actions all lie past --data.max_len trains nothing, and its
+        # reward must not weigh in its group's baseline; a rollout left with no segment drops out of the group.
+        samples, idle = with_actions(samples)
+        if idle and self.info.is_main:
+            log.warning(
+                "%d segment(s) have no action token within --data.max_len %d: dropped before the advantages",
+                idle,
+                self.s.data.max_len,
+            )
         version = self.learner.global_step  # policy version of the weights being trained
         t0 = time.perf_counter()
         if self.info.is_main:

@@ -202,3 +202,16 @@ def test_wandb_mode_offline_in_the_environment_keeps_the_run_offline(monkeypatch
     monkeypatch.setenv("WANDB_MODE", "offline")
     StepLog(LoggerConfig(wandb={"key": "k", "run_name": "test"}))
     assert not fake.login.called and fake.init.call_args.kwargs["mode"] == "offline"
+
+
+def test_a_segment_with_no_action_token_within_max_len_is_dropped_before_the_advantages():
+    """As Molt (no_action_tokens): its reward must not weigh in its group's baseline."""
+    from services.trainer.batch import with_actions
+
+    long = Segment(np.arange(10), [[8, 10]], [-1.0, -1.0], [0, 0])  # its actions lie past max_len 6
+    short = Segment(np.arange(6), [[3, 5]], [-1.0, -1.0], [0, 0])
+    trajs = [Trajectory("a", "g", 0, [long], reward=1.0), Trajectory("b", "g", 1, [short], reward=0.0)]
+    samples = [x for t in trajs for x in samples_from_trajectory(t, 6)]
+    kept, dropped = with_actions(samples)
+    assert [x.trajectory_id for x in kept] == ["b"] and dropped == 1
+    assert with_actions(samples[:1]) == (samples[:1], 0)  # nothing to train either way: the step still runs
