@@ -11,10 +11,11 @@ dropped slots with new prompts:
    (``--algo.dynamic_filtering_range``, default 0 1), else drop (``dynamic_filter``). A group with a
    missing score is kept (nothing to judge it by).
 
-``filtering_metrics`` summarises a batch of verdicts: ``dynamic_filtering_pass_rate`` (kept / judged,
-in percent), ``rollout/pre_filter_mean_score`` (mean score over all representatives, before
-filtering), ``rollout/group_all_pass_rate`` / ``rollout/group_all_fail_rate`` (fraction of scored
-groups with mean >= high / mean <= low).
+``filtering_metrics`` summarises a batch of verdicts as Molt logs it: ``dynamic_filtering_pass_rate`` (kept /
+judged, in percent), ``rollout/pre_filter_mean_score`` (mean score over the representatives of every scored
+group, incomplete ones too, before filtering), ``rollout/group_all_pass_rate`` /
+``rollout/group_all_fail_rate`` (percent of scored groups with mean >= high / mean <= low), and
+``rollout/dropped/<reason>`` / ``rollout/dropped/total`` (samples dropped, when any were).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ class GroupVerdict:
     reason: str | None
     """None when kept, else ``incomplete_group`` or ``dynamic_filter`` (the drop-reason metric suffix)."""
     scores: tuple[float, ...] | None
-    """One score per rollout, or None if the group was incomplete or a score was missing."""
+    """One score per rollout (an incomplete group's too), or None if a score was missing."""
     score_range: tuple[float, float]
+    samples: int = 0
+    """Samples (segments) of the group, which a drop counts in ``rollout/dropped/<reason>``."""
 
     @property
     def mean_score(self) -> float | None:
@@ -48,6 +51,7 @@ def filter_group(
     score_range: Sequence[float] = (0.0, 1.0),
 ) -> GroupVerdict:
     """Judge one finished group given its samples' rollout ids and scores (one entry per sample)."""
+    samples = len(rollout_ids)
     if len(rollout_ids) != len(scores):
         raise ValueError(f"{len(rollout_ids)} rollout ids but {len(scores)} scores")
     low, high = float(score_range[0]), float(score_range[1])
@@ -56,14 +60,15 @@ def filter_group(
     representative: dict[str, float | None] = {}
     for rollout_id, score in zip(rollout_ids, scores):
         representative.setdefault(rollout_id, score)
+    missing = any(s is None for s in representative.values())
+    group_scores = None if missing else tuple(float(s) for s in representative.values() if s is not None)
     if len(representative) < n_samples_per_prompt:
-        return GroupVerdict(False, INCOMPLETE_GROUP, None, (low, high))
-    if any(s is None for s in representative.values()):
-        return GroupVerdict(True, None, None, (low, high))
-    group_scores = tuple(float(s) for s in representative.values() if s is not None)  # none is None (above)
+        return GroupVerdict(False, INCOMPLETE_GROUP, group_scores, (low, high), samples)
+    if group_scores is None:
+        return GroupVerdict(True, None, None, (low, high), samples)
     mean = sum(group_scores) / len(group_scores)
     keep = low < mean < high
-    return GroupVerdict(keep, None if keep else DYNAMIC_FILTER, group_scores, (low, high))
+    return GroupVerdict(keep, None if keep else DYNAMIC_FILTER, group_scores, (low, high), samples)
 
 
 def filtering_metrics(verdicts: Sequence[GroupVerdict]) -> dict[str, float]:
@@ -77,8 +82,15 @@ def filtering_metrics(verdicts: Sequence[GroupVerdict]) -> dict[str, float]:
         all_scores = [s for scores, _ in scored for s in scores]
         means = [(sum(scores) / len(scores), lo, hi) for scores, (lo, hi) in scored]
         metrics["rollout/pre_filter_mean_score"] = sum(all_scores) / len(all_scores)
-        metrics["rollout/group_all_pass_rate"] = sum(m >= hi for m, _, hi in means) / len(scored)
-        metrics["rollout/group_all_fail_rate"] = sum(m <= lo for m, lo, _ in means) / len(scored)
+        metrics["rollout/group_all_pass_rate"] = 100.0 * sum(m >= hi for m, _, hi in means) / len(scored)
+        metrics["rollout/group_all_fail_rate"] = 100.0 * sum(m <= lo for m, lo, _ in means) / len(scored)
+    for v in verdicts:
+        if v.reason is not None:
+            key = f"rollout/dropped/{v.reason}"
+            metrics[key] = metrics.get(key, 0.0) + v.samples
+    dropped = sum(v.samples for v in verdicts if v.reason is not None)
+    if dropped:
+        metrics["rollout/dropped/total"] = float(dropped)
     return metrics
 
 

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 
-from molt.algorithms import filter_group
+from molt.algorithms import GroupVerdict, filter_group
 from molt.bus import Delivery, TrajectoryQueue
 from services.trainer.config import TrainerSettings, max_versions_ahead
 from services.trainer.groups import DispatchGate, Group, GroupAssembler
@@ -96,6 +96,7 @@ class Controller:
         self.fatal: BaseException | None = None
         self.inflight_groups = 0
         self.dropped = {"dynamic_filter": 0, "incomplete_group": 0}
+        self.verdicts: list[GroupVerdict] = []  # judged since the last step's record (take_verdicts)
         self.run_tag = uuid.uuid4().hex[:8]
         self._version_changed: asyncio.Event | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -357,16 +358,22 @@ class Controller:
         if not self.s.algo.dynamic_filtering_enable:
             return True
         trajs = group.trajectories
-        verdict = filter_group(
-            [t.trajectory_id for t in trajs],
-            [t.score if t.score is not None else t.reward for t in trajs],
+        verdict = filter_group(  # one entry per segment: a drop counts samples, as Molt's rollout/dropped/*
+            [t.trajectory_id for t in trajs for _ in t.segments],
+            [t.score if t.score is not None else t.reward for t in trajs for _ in t.segments],
             n_samples_per_prompt=self.s.rollout.n_samples_per_prompt,
             score_range=self.s.algo.dynamic_filtering_range,
         )
+        self.verdicts.append(verdict)
         if not verdict.keep:
             assert verdict.reason is not None  # every dropped group carries its reason
             self.dropped[verdict.reason] += 1
         return verdict.keep
+
+    def take_verdicts(self) -> list[GroupVerdict]:
+        """The dynamic-filtering verdicts since the last call (the step's rollout metrics)."""
+        out, self.verdicts = self.verdicts, []
+        return out
 
     async def next_batch(self, num_groups: int) -> list[Group] | None:
         """Block until ``num_groups`` complete, kept groups are available (fewer at the end of the

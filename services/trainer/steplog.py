@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 
 def info_means(trajectories) -> dict[str, float]:
@@ -42,7 +42,8 @@ class StepLog:
         # WANDB_MODE=offline in the environment wins over the flag's default, as it does for Molt (which
         # passes no mode): an explicit mode argument would override what wandb reads from the environment.
         env_mode = os.environ.get("WANDB_MODE", "").lower()
-        mode = "offline" if cfg.wandb.mode == "offline" or env_mode in ("offline", "dryrun") else cfg.wandb.mode
+        offline = cfg.wandb.mode == "offline" or env_mode in ("offline", "dryrun")
+        mode: Literal["online", "offline"] = "offline" if offline else "online"
         if cfg.wandb.key or mode == "offline":
             import wandb
 

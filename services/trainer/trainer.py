@@ -32,6 +32,7 @@ import msgspec
 import torch.distributed as dist
 import transformers
 
+from molt.algorithms import filtering_metrics
 from molt.bus import open_queue
 from molt.schema import Trajectory, decode, encode
 from services.trainer import checkpoint
@@ -408,6 +409,8 @@ class Trainer:
             **{k: v for k, v in stats.items() if isinstance(v, float)},
             "grad_norm": stats.get("actor_grad_norm", 0.0),
         }
+        # Molt's rollout metrics of dynamic filtering (pass rate, pre-filter scores, drops by reason).
+        line.update(filtering_metrics(self.controller.take_verdicts()))
         line.update({k: v for k, v in info_means(trajs).items() if k not in line})
         line["trajectory_ids"] = [t.trajectory_id for t in trajs]
         self.steplog.log(self.learner.global_step, line)

@@ -41,9 +41,12 @@ def test_metrics():
     verdicts = [_judge([1, 0, 0, 0]), _judge([1, 1, 1, 1]), _judge([0, 0, 0, 0]), _judge([1, 0], n=4)]
     metrics = filtering_metrics(verdicts)
     assert metrics["dynamic_filtering_pass_rate"] == pytest.approx(25.0)  # 1 kept of 4 judged
-    assert metrics["rollout/pre_filter_mean_score"] == pytest.approx(5 / 12)  # over the 12 scored rollouts
-    assert metrics["rollout/group_all_pass_rate"] == pytest.approx(1 / 3)
-    assert metrics["rollout/group_all_fail_rate"] == pytest.approx(1 / 3)
+    # as Molt: every scored group counts before filtering, the incomplete one too (14 rollouts, 4 groups)
+    assert metrics["rollout/pre_filter_mean_score"] == pytest.approx(6 / 14)
+    assert metrics["rollout/group_all_pass_rate"] == pytest.approx(25.0)  # percent, as Molt logs them
+    assert metrics["rollout/group_all_fail_rate"] == pytest.approx(25.0)
+    assert metrics["rollout/dropped/dynamic_filter"] == 8 and metrics["rollout/dropped/incomplete_group"] == 2
+    assert metrics["rollout/dropped/total"] == 10
     assert filtering_metrics([]) == {}
 
 

@@ -64,6 +64,13 @@ async def test_dynamic_filtering_drops_uniform_groups_but_acks_them_at_commit():
     assert sorted(c.client_state()["unacked_ids"]) == ["a1", "a2", "b1", "b2"]
     await c.commit()
     assert all(await q.consumed(["a1", "a2", "b1", "b2"]))
+    # the step's rollout metrics, as Molt logs them: 1 of 2 groups kept, A's 2 samples dropped as uniform
+    from molt.algorithms import filtering_metrics
+
+    metrics = filtering_metrics(c.take_verdicts())
+    assert metrics["dynamic_filtering_pass_rate"] == 50.0 and metrics["rollout/group_all_pass_rate"] == 50.0
+    assert metrics["rollout/dropped/dynamic_filter"] == 2 and metrics["rollout/pre_filter_mean_score"] == 0.75
+    assert c.take_verdicts() == []  # taken once per step
 
 
 async def test_stop_request_ends_collection():
