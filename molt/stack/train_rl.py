@@ -255,6 +255,14 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     errors += _combination_errors(r.raw)
     if not r.model:
         errors.append("--actor.model_name_or_path is required: a local HF model directory")
+    estimator = r.raw.get("algo.advantage.estimator", [""])[:1]
+    if not r.agent_path and estimator == ["on_policy_distill"]:
+        # As Molt: pure distillation needs no task agent, only one sampled completion per prompt.
+        from molt.agents import distill_agent
+
+        # (in the images the package sits at /app/molt, the env workers' working directory)
+        r.agent_path = "molt/agents/distill_agent.py" if target == "helm" else distill_agent.__file__
+        r.notes.append("--train.agent_path unset with on_policy_distill: the built-in molt.agents.distill_agent")
     if not r.agent_path:
         errors.append("--train.agent_path is required: the agent module (.py exporting AgentRunner)")
     if errors:

@@ -205,6 +205,24 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
     assert (run / "hf" / "config.json").exists()
 
 
+def test_molts_distillation_runs_without_an_agent_path(tiny_qwen3, tmp_path):
+    """As Molt's distillation script: on_policy_distill with a teacher and no --train.agent_path runs the
+    built-in one-completion agent; the signal is the reverse KL to the teacher, so rewards are all 0."""
+    run = tmp_path / "run"
+    flags = [
+        *("--actor.model_name_or_path", str(tiny_qwen3), "--ref.model_name_or_path", str(tiny_qwen3)),
+        *("--data.prompt_dataset", str(_sums(tmp_path / "data", 4)), "--data.input_key", "prompt"),
+        *("--data.apply_chat_template", "--data.max_len", "128", "--rollout.batch_size", "2"),
+        *("--rollout.n_samples_per_prompt", "1", "--rollout.max_new_tokens", "8", "--train.batch_size", "2"),
+        *("--train.micro_batch_size", "2", "--vllm.num_engines", "1", "--vllm.enforce_eager"),
+        *("--algo.advantage.estimator", "on_policy_distill", "--ckpt.save_steps", "-1"),
+        *("--ckpt.disable_final_save",),
+    ]
+    _train_rl(run, flags)
+    steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["reward_mean"] == 0.0 for s in steps)
+
+
 def test_eval_only_scores_the_eval_set_once_and_trains_nothing(tiny_qwen3, tmp_path):
     """Molt's `--eval.eval_only --eval.dataset`: one evaluation of the model, no training, no prompt dataset."""
     run = tmp_path / "run"

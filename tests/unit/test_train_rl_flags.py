@@ -260,3 +260,25 @@ def test_molt_up_set_passes_any_service_flag_written_without_its_dashes(monkeypa
     argv = ["up", "--set", "trainer", "actor.adam.lr=1e-3", "train.num_steps=5", "--set", "rollout"]
     assert cli.main([*argv, "vllm.enforce_eager", "--steps", "3"]) == 0
     assert seen == {"trainer": ["--actor.adam.lr=1e-3", "--train.num_steps=5"], "rollout": ["--vllm.enforce_eager"]}
+
+
+def test_molts_distillation_script_runs_without_an_agent_as_molt_supplies_one():
+    """Molt's distillation script passes no --train.agent_path: on_policy_distill then serves the built-in
+    one-completion agent (here molt.agents.distill_agent), locally and in the images."""
+    import asyncio
+
+    from molt.agents import load_agent_runner
+    from molt.agents.distill_agent import AgentRunner, DistillationEnv
+
+    base = ["--actor.model_name_or_path", "/m", "--algo.advantage.estimator", "on_policy_distill"]
+    base += ["--ref.model_name_or_path", "/teacher"]
+    local = tr.route(base, "local", gpus=0)
+    assert local.agent_path is not None and Path(local.agent_path).name == "distill_agent.py"
+    runner = load_agent_runner(local.agent_path)  # as the env workers load it: a module of its own
+    assert type(runner).__name__ == AgentRunner.__name__ and runner.env_cls.__name__ == "DistillationEnv"
+    helm = tr.route(base, "helm")
+    assert tr.helm_values(helm)["envs"]["agents"] == {"agent": "molt/agents/distill_agent.py"}
+    assert (SCRIPTS.parents[3] / helm.agent_path).exists()  # the images copy the package from the checkout
+    assert asyncio.run(DistillationEnv().step({})).reward == 0.0
+    with pytest.raises(ValueError, match="--train.agent_path is required"):
+        tr.route(["--actor.model_name_or_path", "/m"], "local", gpus=0)  # other estimators still need one
