@@ -499,10 +499,13 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
     t = s.train
     if s.fsdp.packing_samples:
         t.pack_shared_prefix = True
+    # Combinations Molt accepts and this trainer reads one way: said at start-up, not refused, so Molt's
+    # scripts run as they are.
+    notes: list[str] = []
     if t.force_sync_mode and t.async_queue_size > 1:
-        raise ValueError(
-            f"--train.force_sync_mode dispatches strictly on-policy and contradicts --train.async_queue_size "
-            f"{t.async_queue_size}; drop one of them"
+        notes.append(
+            f"--train.force_sync_mode dispatches strictly on-policy: --train.async_queue_size {t.async_queue_size} "
+            "has no effect"
         )
     if t.force_on_policy and t.max_epochs != 1:
         raise ValueError(f"--train.force_on_policy needs --train.max_epochs 1 (got {t.max_epochs})")
@@ -559,11 +562,13 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
     if s.eval.dataset and not t.dispatch:
         raise ValueError("--eval.dataset runs episodes on --envs.urls, which needs --train.dispatch")
     if s.eval.dataset and s.eval.steps <= 0 and not (s.eval.eval_at_start or s.eval.eval_only):
-        raise ValueError("--eval.dataset is set but never used: add --eval.steps N (evaluate every N steps)")
+        notes.append("--eval.dataset is never evaluated: --eval.steps is off (add --eval.steps N to evaluate)")
     if s.actor.freezing_steps and s.algo.advantage.estimator != "gae":
-        raise ValueError("--actor.freezing_steps is a critic warmup and needs --algo.advantage.estimator gae")
+        notes.append(
+            "--actor.freezing_steps is a critic warmup: without the gae estimator there is none, it is ignored"
+        )
     get_advantage_estimator(s.algo.advantage.estimator)
-    return validate_algo(
+    return notes + validate_algo(
         s.algo,
         s.actor,
         s.rollout.n_samples_per_prompt,
