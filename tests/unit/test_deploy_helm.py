@@ -390,3 +390,36 @@ def test_a_stopped_trainer_has_time_to_finish_its_step_and_save():
     trainer = yaml.safe_load((tools.ROOT / "docker-compose.yml").read_text())["services"]["trainer"]
     [timeout] = [int(a.split("=", 1)[1]) for a in trainer["command"] if a.startswith("--shutdown-timeout=")]
     assert trainer["command"][0] == "torchrun" and 30 < timeout < int(trainer["stop_grace_period"].rstrip("s"))
+
+
+def test_the_trainer_logs_to_wandb_with_its_key_from_a_secret(tmp_path):
+    """docs/deploy.md's W&B recipe: the key reaches the trainer from a Secret as MOLT_LOGGER__WANDB__KEY (never a
+    flag, so never in `ps` or the pod spec), the project through trainer.extraArgs; the trainer reads both."""
+    import yaml
+
+    from molt.config import mask_secrets
+
+    values = tmp_path / "wandb.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "extraEnv": [
+                        {
+                            "name": "MOLT_LOGGER__WANDB__KEY",
+                            "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
+                        }
+                    ],
+                    "extraArgs": ["--logger.wandb.project=rl-runs"],
+                }
+            }
+        )
+    )
+    docs = tools.render(str(values))
+    c = container(docs, "molt-trainer")
+    [key] = [e for e in c["env"] if e["name"] == "MOLT_LOGGER__WANDB__KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "wandb", "key": "api-key"}
+    service, argv = tools.service_argv([c.get("command", [""])[0], *c["args"]])
+    settings = tools.parse_service(service, argv, {"MOLT_LOGGER__WANDB__KEY": "secret-value"})
+    assert settings.logger.wandb.key == "secret-value" and settings.logger.wandb.project == "rl-runs"
+    assert "secret-value" not in str(mask_secrets(settings.model_dump()))
