@@ -105,7 +105,9 @@ TRAIN_RL_HELP = """usage: molt train-rl [--emit helm-values FILE] [--run-dir DIR
                      [--no-progress] <flags of Molt's python -m molt.cli.train_rl_ray>
 
 Runs Molt's RL flag list on the local stack (embedded Redis, rollout pods, gateway, env workers, trainer as
-processes; each flag goes to the service that owns it). The agent module is Molt's --train.agent_path.
+processes; each flag goes to the service that owns it). The agent module is Molt's --train.agent_path
+(on_policy_distill without one samples one completion per prompt, as Molt's built-in agent does).
+  --no-progress             no per-step progress lines
   --emit helm-values FILE   write the run as values for deploy/k8s/molt instead of running it
   --run-dir DIR             run folder (default runs/train-rl-<time>)
   --redis-url URL           use this Redis instead of an embedded one
