@@ -426,7 +426,15 @@ class Capture:
             seg.logprobs.extend(gen.logprobs)
             seg.versions.extend([gen.policy_version] * len(gen.token_ids))
         if gen.routed_experts is not None:
-            seg.routed_experts = _fit_rows(gen.routed_experts, len(seg.token_ids))
+            rows = _fit_rows(gen.routed_experts, len(seg.token_ids))
+            if seg.routed_experts is not None:
+                # As Molt (first writer wins): a token keeps the routing of the turn that produced it, under
+                # which its logprobs were sampled; only rows earlier turns left to live routing (-1) are
+                # taken from this turn's prefill.
+                old = _fit_rows(seg.routed_experts, len(seg.token_ids))
+                unset = (old == -1).reshape(len(old), -1).all(axis=1).reshape(-1, *[1] * (old.ndim - 1))
+                rows = np.where(unset, rows, old)
+            seg.routed_experts = rows
         elif seg.routed_experts is not None:  # this turn's pod returned none: the new tokens replay live routing
             seg.routed_experts = _fit_rows(seg.routed_experts, len(seg.token_ids))
         seg.truncated |= gen.finish_reason == "length"

@@ -61,6 +61,8 @@ class Gateway(SessionLifecycle):
             if overrides.get(k) is not None:
                 sp[k] = overrides[k]
         sp["max_tokens"] = max(1, min(int(sp.get("max_tokens") or remaining), remaining))
+        if sp.get("min_tokens"):  # as Molt: a cap on the room left lowers min_tokens too, else the pod refuses
+            sp["min_tokens"] = min(int(sp["min_tokens"]), sp["max_tokens"])
         sp["n"] = int(overrides.get("n") or 1)
         sp.pop("stop", None)
         return sp

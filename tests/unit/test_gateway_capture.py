@@ -341,5 +341,7 @@ def test_each_turns_routing_covers_the_segment_so_far_and_replaces_the_last(mode
     g2 = _gen(model, "Bye.<|im_end|>")
     g2.routed_experts = np.full((len(plan2.prompt_ids) + len(g2.token_ids) + 3, 2, 2), 2, np.int16)
     cap.commit(plan2, g2, [])
-    assert seg.routed_experts.shape == (len(seg.token_ids), 2, 2) and (seg.routed_experts == 2).all()  # cut to T
+    # cut to T; first writer wins, as Molt: turn 1's rows stay, its unrouted last row and turn 2's are new
+    assert seg.routed_experts.shape == (len(seg.token_ids), 2, 2)
+    assert (seg.routed_experts[: t1 - 1] == 1).all() and (seg.routed_experts[t1 - 1 :] == 2).all()
     assert cap.trainable_segments()[0].routed_experts.shape == (len(seg.token_ids), 2, 2)
