@@ -106,6 +106,22 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
     )
 
 
+def pod_seed_args(rollout: list[str], i: int) -> list[str]:
+    """Pod ``i``'s flags with engine seed base + i, as Molt seeds its engines: unseeded requests draw from the
+    engine's generator, and pods started with one seed would sample the same first completions."""
+    args, base = list(rollout), 0
+    for k, a in enumerate(rollout):
+        name, eq, value = a.partition("=")
+        if name == "--vllm.seed":
+            raw = value if eq else (rollout[k + 1] if k + 1 < len(rollout) else "")
+            if not raw.lstrip("-").isdigit():
+                return list(rollout)  # not a number: the pod refuses it with the flag's own message
+            base = int(raw)
+            args = rollout[:k] + rollout[k + (1 if eq else 2) :]
+            break
+    return [*args, "--vllm.seed", str(base + i)]
+
+
 def mode_args(opts: UpOptions) -> list[str]:
     """The trainer flags of `--async-queue-size Q` and `--sync`."""
     args = []
@@ -197,7 +213,7 @@ def run_plan(plan: StackPlan) -> dict:
                 cmd = _py(
                     "services.rollout",
                     *("--model.path", str(model), "--server.port", str(http), "--grpc.port", str(grpc)),
-                    *plan.rollout,
+                    *pod_seed_args(plan.rollout, i),
                 )
                 return ManagedProcess(
                     f"rollout-{i}", cmd, run_dir / f"rollout-{i}.log", f"http://127.0.0.1:{http}", weights_env

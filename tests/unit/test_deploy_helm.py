@@ -325,6 +325,11 @@ def test_bad_values_fail_with_the_fix_in_the_message(sets, message):
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
+def _stand_in(env: dict) -> str:
+    field = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+    return "0" if "pod-index" in field else "sk-test-0123456789abcdef"
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_container_commands_parse_with_the_service_settings(rendered, name, tmp_path):
     """Every flag and MOLT_* variable the chart gives a service is one the service accepts."""
@@ -338,7 +343,8 @@ def test_container_commands_parse_with_the_service_settings(rendered, name, tmp_
             if "services." not in " ".join(cmd):
                 continue
             service, argv = tools.service_argv(cmd)
-            env = {e["name"]: e.get("value", "sk-test-0123456789abcdef") for e in c.get("env", [])}
+            # a value the cluster fills in: a pod index (a number) or a secret (a token)
+            env = {e["name"]: e.get("value", _stand_in(e)) for e in c.get("env", [])}
             found = tools.settings_model(service)
             if found is None:
                 continue
@@ -423,3 +429,18 @@ def test_the_trainer_logs_to_wandb_with_its_key_from_a_secret(tmp_path):
     settings = tools.parse_service(service, argv, {"MOLT_LOGGER__WANDB__KEY": "secret-value"})
     assert settings.logger.wandb.key == "secret-value" and settings.logger.wandb.project == "rl-runs"
     assert "secret-value" not in str(mask_secrets(settings.model_dump()))
+
+
+def test_each_rollout_pod_seeds_its_engine_with_its_index(tmp_path):
+    """As Molt seeds engine i with seed + i: the chart gives each pod its StatefulSet index as MOLT_VLLM__SEED,
+    which the pod's settings read (a --vllm.seed flag would win); the local stack gives pod i base + i."""
+    from molt.stack.up import pod_seed_args
+
+    c = container(tools.render(), "molt-rollout")
+    [seed] = [e for e in c["env"] if e["name"] == "MOLT_VLLM__SEED"]
+    assert seed["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    service, argv = tools.service_argv(c["command"] + c["args"])
+    assert tools.parse_service(service, argv, {"MOLT_VLLM__SEED": "3"}).vllm.seed == 3
+    assert pod_seed_args(["--vllm.enforce_eager"], 2) == ["--vllm.enforce_eager", "--vllm.seed", "2"]
+    assert pod_seed_args(["--vllm.seed", "10", "--x"], 1) == ["--x", "--vllm.seed", "11"]
+    assert pod_seed_args(["--vllm.seed=10"], 0) == ["--vllm.seed", "10"]
