@@ -29,14 +29,19 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # an agent module that does not load: a config error, as the flags' are
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    report_sandbox(settings.sandbox.isolation)  # after the agents loaded: a start-up error stays one line
     # SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     serve("envs", app, settings.server, graceful_s=settings.envs.episode_timeout_s + 5)
 
 
 def configure_sandbox(isolation: str) -> None:
-    """Export --sandbox.isolation to the agents' tool calls and log what they will get."""
+    """Export --sandbox.isolation to the agents' tool calls, before the agents load (one may read it at import)."""
     # Agents call molt.agents.sandbox.run_python without config: the resolved flag reaches them through the env.
     os.environ["MOLT_SANDBOX__ISOLATION"] = isolation
+
+
+def report_sandbox(isolation: str) -> None:
+    """Log what the agents' tool calls will get under --sandbox.isolation."""
     log = logging.getLogger("molt.envs")
     if isolation == "none":
         log.warning("--sandbox.isolation none: tool code runs WITHOUT OS isolation (trusted code only)")
