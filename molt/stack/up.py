@@ -93,7 +93,8 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
     surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
     wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win."""
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, trainer_on_gpu, validate_settings
+    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.device import trainer_on_gpu
 
     on_gpu = trainer_on_gpu()  # the trainer runs here, on this machine's device
     local = "http://127.0.0.1:1"

@@ -25,6 +25,7 @@ from molt.algorithms import (
     validate_algo,
 )
 from molt.config import MetricsConfig, ModelConfig, RedisConfig, Section, ServerConfig
+from services.trainer.device import transformers_path_problem
 
 
 class AdamConfig(Section):
@@ -441,39 +442,6 @@ def load_plugins(paths: list[str]) -> None:
                 importlib.import_module(item)
             except ImportError as exc:
                 raise ValueError(f"--train.plugins: cannot import {item!r} ({exc})") from exc
-
-
-def transformers_path_problem(fsdp: FsdpConfig) -> str | None:
-    """A flag only NeMo AutoModel on GPU honours, on the transformers + FSDP2 path (CPU, or --fsdp.strategy
-    torch): the loader refuses it, and so does validation where the device is known, so --dry-run does too."""
-    if max(fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) > 1:
-        return (
-            "--fsdp.tp_size/cp_size/ep_size > 1 need GPUs and NeMo AutoModel; on CPU the trainer is "
-            "pure FSDP2 data parallel (leave them at 1)"
-        )
-    if fsdp.bf16_master_weights:
-        return (
-            "--fsdp.bf16_master_weights: bf16 master weights are for NeMo AutoModel on GPU (--fsdp.strategy "
-            "auto or nemo); here the weights stay fp32: drop the flag"
-        )
-    if fsdp.use_liger_kernel:
-        return (
-            "--fsdp.use_liger_kernel: Liger's Triton kernels come with NeMo AutoModel on GPU "
-            "(--fsdp.strategy auto or nemo); drop the flag on CPU or with --fsdp.strategy torch"
-        )
-    if fsdp.offload != "none":
-        return (
-            f"--fsdp.offload {fsdp.offload}: CPU offload is NeMo AutoModel's, for GPU runs (--fsdp.strategy auto "
-            "or nemo); use none on CPU or with --fsdp.strategy torch"
-        )
-    return None
-
-
-def trainer_on_gpu() -> bool:
-    """Whether this machine's trainer runs on CUDA (the rule ``model.init_distributed`` applies)."""
-    import torch
-
-    return torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
 
 
 def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from services.trainer.config import transformers_path_problem
+from services.trainer.device import trainer_on_gpu, transformers_path_problem
 
 log = logging.getLogger("molt.trainer")
 
@@ -49,7 +49,7 @@ class DistInfo:
 
 def init_distributed() -> DistInfo:
     """Join torchrun's group (nccl on GPU, gloo on CPU), or make a world of one for a plain process."""
-    use_cuda = torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
+    use_cuda = trainer_on_gpu()
     backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -468,12 +468,11 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
-    import torch.cuda
-
     from molt.config import parse_settings
+    from services.trainer.device import trainer_on_gpu
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    on_gpu = torch.cuda.is_available() and os.environ.get("MOLT_TRAINER_DEVICE", "") != "cpu"
+    on_gpu = trainer_on_gpu()
     s = parse_settings(
         SftSettings, sys.argv[1:] if argv is None else argv, prog=prog, validate=lambda x: check(x, on_gpu)
     )
