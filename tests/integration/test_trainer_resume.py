@@ -14,77 +14,22 @@ from molt.bus.redis_stream import RedisTrajectoryQueue
 from tests.integration.trainer_testlib import (
     ROOT,
     audit,
+    consumed,
     delete_stream,
     env,
+    lag,
     put,
     run_trainer,
+    stream_flags,
     synthetic_groups,
     trainer_cmd,
 )
-
-
-def _flags(model, redis_url, stream, tmp):
-    return [
-        "--actor.model_name_or_path",
-        str(model),
-        "--train.dispatch",
-        "false",
-        "--redis.url",
-        redis_url,
-        "--redis.stream",
-        stream,
-        "--train.consumer",
-        "trainer-a",
-        "--algo.advantage.estimator",
-        "rloo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        "2",
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--actor.adam.lr",
-        "1e-4",
-        "--train.num_steps",
-        "6",
-        "--ckpt.path",
-        str(tmp / "ckpt"),
-        "--ckpt.save_steps",
-        "2",
-        "--ckpt.load_enable",
-        "--logger.steps_jsonl",
-        str(tmp / "audit.jsonl"),
-        "--fsdp.strategy",
-        "torch",
-    ]
-
-
-def _pending(redis_url, stream):
-    async def go():
-        q = RedisTrajectoryQueue(redis_url, stream)
-        lag = await q.lag()
-        await q.close()
-        return lag
-
-    return asyncio.run(go())
 
 
 def _read_all(redis_url, stream):
     async def go():
         q = RedisTrajectoryQueue(redis_url, stream)
         out = await q.read("trainer-a", 100, block_s=0.1)
-        await q.close()
-        return out
-
-    return asyncio.run(go())
-
-
-def _consumed(redis_url, stream, ids):
-    async def go():
-        q = RedisTrajectoryQueue(redis_url, stream)
-        out = await q.consumed(ids)
         await q.close()
         return out
 
@@ -105,7 +50,8 @@ def _wait_for(path, needle, proc, timeout_s=120):
 def test_kill_between_consume_and_ack_trains_each_trajectory_once(tiny_qwen3, redis_url, stream_name, tmp_path):
     produced = synthetic_groups(6, 2, seed=7)
     ids = [t.trajectory_id for t in produced]
-    flags = _flags(tiny_qwen3, redis_url, stream_name, tmp_path)
+    flags = stream_flags(tiny_qwen3, redis_url, stream_name, tmp_path, "--actor.adam.lr", "1e-4")
+    flags += ["--train.num_steps", "6", "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.save_steps", "2"]
     log_path = tmp_path / "run1.log"
     try:
         put(redis_url, stream_name, produced)
@@ -119,9 +65,9 @@ def test_kill_between_consume_and_ack_trains_each_trajectory_once(tiny_qwen3, re
             )
         try:
             _wait_for(log_path, "holding before ack of step 4", proc)
-            lag = _pending(redis_url, stream_name)
+            backlog = lag(redis_url, stream_name)
             # all 12 were read at once: steps 1-2 acked; steps 3-4 trained + checkpointed, not acked; 5-6 read only
-            assert lag.pending == 8
+            assert backlog.pending == 8
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         finally:
@@ -136,9 +82,9 @@ def test_kill_between_consume_and_ack_trains_each_trajectory_once(tiny_qwen3, re
 
         proc2 = run_trainer(flags)
         assert "resume: version 4, 8 pending entries (4 already trained and now acked, 4 to train)" in proc2.stderr
-        lag = _pending(redis_url, stream_name)
-        assert lag.pending == 0 and lag.undelivered == 2  # the two re-writes, not read yet (max_steps reached)
-        assert all(_consumed(redis_url, stream_name, ids))
+        backlog = lag(redis_url, stream_name)
+        assert backlog.pending == 0 and backlog.undelivered == 2  # the two re-writes, not read yet (max_steps reached)
+        assert all(consumed(redis_url, stream_name, ids))
         assert _read_all(redis_url, stream_name) == []  # ...and a later read skips them as already consumed
     finally:
         delete_stream(redis_url, stream_name)

@@ -5,7 +5,6 @@ trainer waits on an empty stream."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -14,77 +13,28 @@ from collections import Counter
 
 import pytest
 
-from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.trainer import checkpoint
 from tests.integration.trainer_testlib import (
     ROOT,
     audit,
+    consumed,
     delete_stream,
     env,
+    lag,
     put,
     run_trainer,
+    stream_flags,
     synthetic_groups,
     trainer_cmd,
 )
 
 
-def _flags(model, redis_url, stream, tmp, *extra):
-    return [
-        "--actor.model_name_or_path",
-        str(model),
-        "--train.dispatch",
-        "false",
-        "--redis.url",
-        redis_url,
-        "--redis.stream",
-        stream,
-        "--train.consumer",
-        "trainer-a",
-        "--algo.advantage.estimator",
-        "rloo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        "2",
-        "--rollout.batch_size",
-        "1",
-        "--train.batch_size",
-        "2",
-        "--train.read_block_s",
-        "0.2",
+def _flags(model, redis_url, stream, tmp):
+    # no periodic save: the checkpoint found after the signal is the stop's own
+    return stream_flags(model, redis_url, stream, tmp, "--train.read_block_s", "0.2", "--ckpt.save_steps", "1000") + [
         "--ckpt.path",
         str(tmp / "ckpt" / "run"),
-        "--ckpt.save_steps",
-        "1000",  # no periodic save: the checkpoint found after the signal is the stop's own
-        "--ckpt.load_enable",
-        "--logger.steps_jsonl",
-        str(tmp / "audit.jsonl"),
-        "--fsdp.strategy",
-        "torch",
-        *extra,
     ]
-
-
-def _lag(redis_url, stream):
-    async def go():
-        q = RedisTrajectoryQueue(redis_url, stream)
-        try:
-            return await q.lag()
-        finally:
-            await q.close()
-
-    return asyncio.run(go())
-
-
-def _consumed(redis_url, stream, ids):
-    async def go():
-        q = RedisTrajectoryQueue(redis_url, stream)
-        try:
-            return await q.consumed(ids)
-        finally:
-            await q.close()
-
-    return asyncio.run(go())
 
 
 def _steps(path):
@@ -138,9 +88,10 @@ def test_sigterm_mid_run_saves_acks_the_trained_and_exits_0(nproc, tiny_qwen3, r
         assert latest is not None and latest.name == f"global_step{last}"
         assert (tmp_path / "ckpt" / "config.json").exists()  # the trained model, as an HF directory
         trained = [i for e in audit(audit_path) for i in e["trajectory_ids"]]
-        assert all(_consumed(redis_url, stream_name, trained))
-        lag = _lag(redis_url, stream_name)
-        assert lag.pending + lag.undelivered == 2 * groups - len(trained)  # read but untrained entries stay unacked
+        assert all(consumed(redis_url, stream_name, trained))
+        backlog = lag(redis_url, stream_name)
+        # read but untrained entries stay unacked
+        assert backlog.pending + backlog.undelivered == 2 * groups - len(trained)
 
         # The restart resumes at that step and trains each remaining trajectory once.
         run_trainer(flags + ["--train.num_steps", str(groups)])
@@ -167,7 +118,7 @@ def test_sigterm_while_waiting_for_rollouts_exits_promptly(tiny_qwen3, redis_url
         assert took < 30  # a blocked read is not waited out for new rollouts
         latest = checkpoint.latest_dir(str(tmp_path / "ckpt" / "run"))
         assert latest is not None and latest.name == "global_step2"
-        lag = _lag(redis_url, stream_name)
-        assert lag.pending == 0 and lag.undelivered == 0
+        backlog = lag(redis_url, stream_name)
+        assert backlog.pending == 0 and backlog.undelivered == 0
     finally:
         delete_stream(redis_url, stream_name)

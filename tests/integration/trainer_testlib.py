@@ -51,6 +51,41 @@ def delete_stream(redis_url: str, stream: str) -> None:
     asyncio.run(go())
 
 
+def stream_flags(model, redis_url: str, stream: str, tmp: Path, *extra: str) -> list[str]:
+    """A stream-only trainer (no dispatch) resuming from ``tmp``/ckpt: RLOO over groups of 2, one group a step,
+    consumer ``trainer-a``, its step audit in ``tmp``/audit.jsonl."""
+    return [
+        *("--actor.model_name_or_path", str(model), "--train.dispatch", "false"),
+        *("--redis.url", redis_url, "--redis.stream", stream, "--train.consumer", "trainer-a"),
+        *("--algo.advantage.estimator", "rloo", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "2"),
+        *("--rollout.batch_size", "1", "--train.batch_size", "2", "--ckpt.load_enable"),
+        *("--logger.steps_jsonl", str(tmp / "audit.jsonl"), "--fsdp.strategy", "torch"),
+        *extra,
+    ]
+
+
+def lag(redis_url: str, stream: str):
+    async def go():
+        q = RedisTrajectoryQueue(redis_url, stream)
+        try:
+            return await q.lag()
+        finally:
+            await q.close()
+
+    return asyncio.run(go())
+
+
+def consumed(redis_url: str, stream: str, ids: list[str]) -> list[bool]:
+    async def go():
+        q = RedisTrajectoryQueue(redis_url, stream)
+        try:
+            return await q.consumed(ids)
+        finally:
+            await q.close()
+
+    return asyncio.run(go())
+
+
 def dispatch_flags(tmp_path: Path, prompts: int, model, redis_url: str, stream: str, *envs: str) -> list[str]:
     """The trainer flags a dispatch test starts from: ``prompts`` question/answer rows written to a JSONL dataset
     under ``tmp_path``, the model, the stream and the env workers at ``envs``."""
