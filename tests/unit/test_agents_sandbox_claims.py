@@ -25,6 +25,7 @@ import pytest
 
 from molt.agents import sandbox
 from molt.agents.sandbox import SANDBOX_UID, bwrap_status, run_python
+from tests.unit.test_agents_sandbox import _alive_with
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_bwrap = pytest.mark.skipif(not bwrap_status()[0], reason=f"no OS sandbox on this host: {bwrap_status()[1]}")
@@ -432,17 +433,6 @@ async def test_stderr_is_cut_to_the_output_limit_too(monkeypatch):
     monkeypatch.setenv("PYTHON_EXECUTOR_OUTPUT_CHARS", "100")
     r = await run_python("import sys\nsys.stderr.write('e' * 100000)")
     assert r.truncated and r.stderr.startswith("e" * 100) and len(r.stderr) < 150
-
-
-def _alive_with(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            pass
-    return pids
 
 
 @needs_bwrap
