@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 
 from services.trainer.dispatch import EpisodeDispatcher, Prompt, PromptDataset
 
 # As Molt: --data.max_samples caps the training prompts only; a small debug run still evaluates the whole
 # eval set, so its pass@k stays comparable.
 EVAL_ALL = 1 << 62
+STOP_POLL_S = 0.5  # how often a running evaluation looks for a stop request
 
 
 class Evaluator:
@@ -54,8 +56,10 @@ class Evaluator:
     def due(self, step: int) -> bool:
         return self.cfg.steps > 0 and step > 0 and step % self.cfg.steps == 0
 
-    async def run(self, step: int) -> dict[str, float]:
-        """Every eval prompt's ``n`` episodes, at most ``--eval.batch_size`` prompts' groups at a time."""
+    async def run(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+        """Every eval prompt's ``n`` episodes, at most ``--eval.batch_size`` prompts' groups at a time; None when
+        ``should_stop()`` turns true first (a SIGTERM: the trainer must save within its grace period, and a long
+        evaluation would hold it past that)."""
         gate = asyncio.Semaphore(self.groups_in_flight)
 
         async def group(row: Prompt) -> list[tuple[Prompt, dict]]:
@@ -63,7 +67,14 @@ class Evaluator:
                 results = await asyncio.gather(*(self.dispatcher.run_episode(b) for b in self._bodies(row, step)))
             return [(row, res) for res in results]
 
-        done = await asyncio.gather(*(group(row) for row in self.dataset.rows))
+        work = asyncio.ensure_future(asyncio.gather(*(group(row) for row in self.dataset.rows)))
+        while not work.done():
+            await asyncio.wait({work}, timeout=STOP_POLL_S)
+            if should_stop() and not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return None
+        done = work.result()
         return eval_metrics([(row.datasource, row.index, res) for part in done for row, res in part], self.n)
 
     def _bodies(self, row: Prompt, step: int) -> list[dict]:

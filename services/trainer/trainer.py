@@ -469,7 +469,10 @@ class Trainer:
         assert self.evaluator is not None  # built on rank 0 whenever --eval.dataset is set
         step = self.learner.global_step
         with phase(self.metrics, "eval"):
-            metrics = self.io.run(self.evaluator.run(step))
+            metrics = self.io.run(self.evaluator.run(step, lambda: self.controller.stop_requested))
+        if metrics is None:
+            log.warning("eval at step %d cut short by a stop request: not recorded", step)
+            return
         log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
         self.steplog.log_eval(step, metrics)
         if step > 0 and not self.s.eval.eval_only:
