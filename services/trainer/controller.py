@@ -380,6 +380,12 @@ class Controller:
         dataset); None when there is nothing more to train or a stop was requested."""
         kept: list[Group] = []
         while len(kept) < num_groups:
+            # Checked before taking groups, not only while waiting: with a backlog on the stream the batch never
+            # waits, and a stop (SIGTERM) must end the run between steps rather than when the stream runs dry.
+            if self.fatal is not None:
+                raise self.fatal
+            if self.stop_requested:
+                return None
             for group in self.assembler.pop_complete(num_groups - len(kept)):
                 position = self._position(group.group_id) if self.own_groups else None
                 self.open.discard(position)
@@ -391,10 +397,6 @@ class Controller:
                     self.gate.refills += 1
             if len(kept) >= num_groups:
                 break
-            if self.fatal is not None:
-                raise self.fatal
-            if self.stop_requested:
-                return None
             if (
                 self.s.train.dispatch
                 and self.dispatch_exhausted()

@@ -246,11 +246,6 @@ class Trainer:
         max_steps = self.s.train.num_steps
         if max_steps is not None and self.learner.global_step >= max_steps:
             return {"stop": True}
-        if c.stop_requested and self._batch is None:
-            # SIGTERM with a backlog on the stream: the batch read checks the flag only while it waits, so
-            # stop here, between steps. A batch already being read is trained first (its deliveries are
-            # in ``uncommitted``, which the final save acks).
-            return {"stop": True}
         step = self.learner.global_step + 1
         save_steps = self.s.ckpt.save_steps
         save = save_steps > 0 and step % save_steps == 0
