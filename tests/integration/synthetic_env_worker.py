@@ -1,6 +1,7 @@
 """A stand-in env worker process for the trainer's outage tests: ``POST /v1/episodes:run`` writes one synthetic
-rollout to the stream and appends ``{trajectory_id, group_id, sample_index, prompt}`` to a JSONL record file.
-While the stream is unreachable it answers 503 with Retry-After (nothing written).
+rollout to the stream, first appending ``{trajectory_id, group_id, sample_index, prompt}`` to a JSONL record file
+(so the file may also hold episodes that never reached the stream).
+While the stream is unreachable it answers 503 with Retry-After (nothing reaches the stream).
 
 argv: port redis_url stream records_path [die_after]. With ``die_after`` the process SIGKILLs itself once it has
 written that many episodes, so a test's worker outage always leaves prompts unwritten however fast the trainer is.
@@ -35,12 +36,8 @@ def build(redis_url: str, stream: str, records: str, die_after: int | None = Non
         traj = Trajectory(
             Trajectory.new_id(), body["group_id"], body["sample_index"], [seg], float(body["sample_index"] % 2)
         )
-        try:
-            await queue.put(traj)
-        except queue.transient_errors as exc:
-            return JSONResponse(
-                {"error": {"message": f"stream unavailable: {exc}"}}, 503, headers={"Retry-After": "1"}
-            )
+        # The record goes down before the stream write: a concurrent request may SIGKILL the process while this
+        # one waits on the put, and a trajectory in the stream must never be missing from the record file.
         prompt = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][-1]["content"]
         with open(records, "a") as f:
             f.write(
@@ -53,6 +50,12 @@ def build(redis_url: str, stream: str, records: str, die_after: int | None = Non
                     }
                 )
                 + "\n"
+            )
+        try:
+            await queue.put(traj)
+        except queue.transient_errors as exc:
+            return JSONResponse(
+                {"error": {"message": f"stream unavailable: {exc}"}}, 503, headers={"Retry-After": "1"}
             )
         written += 1
         if die_after is not None and written >= die_after:
