@@ -152,6 +152,11 @@ CATALOG: dict[str, MetricSpec] = {
         _m("molt_gateway_pod_healthy", "gauge", "1 if the pod passes health checks.", ("rollout_url",)),
         _m("molt_gateway_pod_failovers_total", "counter", "Sessions moved off a failed pod.", ("rollout_url",)),
         _m("molt_gateway_segments_total", "counter", "Segments started (first turn or history rewrite).", ("reason",)),
+        _m(
+            "molt_gateway_prompts_truncated_total",
+            "counter",
+            "Env first observations left-truncated to leave room to generate (truncate_prompt).",
+        ),
         # ---- env workers
         _m("molt_envs_episodes_total", "counter", "Episodes by agent and status.", ("agent", "status")),
         _m("molt_envs_episode_seconds", "histogram", "Episode wall time.", ("agent",), DURATION_BUCKETS_S),

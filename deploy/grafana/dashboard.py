@@ -289,6 +289,10 @@ ROWS: list[tuple[str, list[tuple]]] = [
                         "adopted/s (from a replica that exited)",
                     ),
                     q("sum by (reason) (rate(molt_gateway_segments_total{}[RI]))", "segments/s {{reason}}"),
+                    q(
+                        "sum(rate(molt_gateway_prompts_truncated_total{}[RI]))",
+                        "first prompts left-truncated/s",
+                    ),
                 ],
                 "",
             ),

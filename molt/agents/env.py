@@ -16,7 +16,8 @@ Rewards of all turns are summed; score and info come from the last turn (no scor
 Feedback is appended even on the terminal turn. The loop stops when the env says terminated / truncated
 or when the total ``max_length`` budget is spent. A turn cut by its per-turn cap (finish_reason "length") marks the
 episode truncated but does not end it, as in Molt. There is no turn limit of the framework's own:
-the env decides.
+the env decides. A first observation that leaves no room to generate keeps its last
+max(1, max_length - reserve) tokens (reserve: the turn's max_tokens, else 32), as in Molt.
 """
 
 from __future__ import annotations
@@ -120,9 +121,14 @@ class StepEnvRunner(Runner):
                 observation_text = str(obs)
             reward, score, info = 0.0, None, {}
             turns, num_tokens, truncated, response_tokens = 0, 0, False, 0
+            # As Molt: a first observation too long to leave room to generate keeps its last tokens, and the env
+            # sees that kept text as the observation.
+            pending["truncate_prompt"] = "left"
             while True:
                 sp = turn_params(params, cap)
                 out = await session.generate(**pending, sampling_params=sp.wire())
+                if out.get("prompt_text") is not None:
+                    observation_text = out["prompt_text"]
                 num_tokens = int(out.get("num_tokens", num_tokens))
                 length_cut = out.get("finish_reason") == "length"
                 if not out.get("token_ids") and length_cut:

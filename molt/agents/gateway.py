@@ -52,10 +52,14 @@ class Session:
         append_token_ids: list[int] | None = None,
         sampling_params: dict[str, Any] | None = None,
         images: list[str] | None = None,
+        truncate_prompt: str | None = None,
     ) -> dict[str, Any]:
         """One token-level turn: append (masked) input, then generate an action span. ``images``: data URLs, one
-        per image token of the appended input, in order."""
+        per image token of the appended input, in order. ``truncate_prompt="left"`` (first turn only): a prompt
+        that leaves no room to generate keeps its last tokens; the answer then carries ``prompt_text``."""
         body: dict[str, Any] = {}
+        if truncate_prompt is not None:
+            body["truncate_prompt"] = truncate_prompt
         if messages is not None:
             body["messages"] = messages
         if append_text:

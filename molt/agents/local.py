@@ -36,12 +36,26 @@ class EngineSession:
         return self.gw.tokenizer(text=text, add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
 
     async def generate(
-        self, *, messages=None, append_text=None, append_token_ids=None, sampling_params=None, images=None
+        self,
+        *,
+        messages=None,
+        append_text=None,
+        append_token_ids=None,
+        sampling_params=None,
+        images=None,
+        truncate_prompt=None,
     ):
         t = self.traj
         if messages is not None:
             append_text = self.gw.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         new = (self._tokens(append_text) if append_text else []) + list(append_token_ids or [])
+        kept_text = None
+        if truncate_prompt and not t.observation_tokens and not images:  # the gateway's rule, see token_turn
+            reserve = (sampling_params or {}).get("max_tokens") or 32
+            keep = max(1, self.gw.max_length - reserve)
+            if len(new) > keep:
+                new = new[-keep:]
+                append_text = kept_text = self.gw.tokenizer.decode(new, skip_special_tokens=False)
         remaining = self.gw.max_length - len(t.observation_tokens) - len(new)
         if remaining <= 0:
             t.truncated = True
@@ -72,12 +86,15 @@ class EngineSession:
         t.action_ranges.append((len(t.observation_tokens), len(t.observation_tokens) + len(ids)))
         t.observation_tokens += ids
         t.observation_text += text
-        return {
+        out = {
             "token_ids": ids,
             "text": text,
             "finish_reason": gen.finish_reason or "stop",
             "num_tokens": len(t.observation_tokens),
         }
+        if kept_text is not None:
+            out["prompt_text"] = kept_text
+        return out
 
     async def append(self, text: str, images: list[str] | None = None) -> dict:
         """The terminal feedback, appended without a generation; its images are not shown (as the gateway)."""

@@ -139,6 +139,11 @@ class FakeGateway:
                 prompt = list(render(body["messages"]).encode("utf-8"))
             prompt += list((body.get("append_text") or "").encode("utf-8")) + list(body.get("append_token_ids") or [])
             sp = dict(s.fields.get("sampling_params") or {}, **(body.get("sampling_params") or {}))
+            # The gateway's truncate_prompt rule: reserve the request's own max_tokens, else 32.
+            keep = max(1, s.max_length - ((body.get("sampling_params") or {}).get("max_tokens") or 32))
+            if body.get("truncate_prompt") == "left" and not s.token_ids and len(prompt) > keep:
+                prompt = prompt[-keep:]
+                return {**self._generate(s, prompt, sp), "prompt_text": bytes(prompt).decode("utf-8", "replace")}
             return self._generate(s, prompt, sp)
 
         @app.post("/s/{sid}/v1/chat/completions")

@@ -322,15 +322,21 @@ class Gateway(SessionLifecycle):
             raise bad_request("'images' must be a list of image data URLs (data:image/png;base64,...)", "images")
         parts = [data_url_part(url, f"images[{i}]") for i, url in enumerate(images or [])]
         overrides = sampling.session_params(body.get("sampling_params"), vocab, turn=True)
+        truncate = body.get("truncate_prompt")
+        if truncate not in (None, "left"):
+            raise bad_request("'truncate_prompt' must be \"left\" (or absent)", "truncate_prompt")
         async with s.lock:
             if s.state != "open":
                 raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
+            if truncate and s.capture.current is not None:
+                raise bad_request("'truncate_prompt' is for the first turn only", "truncate_prompt")
             append_only = overrides.get("max_tokens") == 0
 
             def planned(drop_images: bool = False) -> TurnPlan:
                 return s.capture.plan_tokens(self.model, messages, text, ids, parts, append_only, drop_images)
 
             plan = planned()
+            dropped = self._truncate_left(s, plan, overrides) if truncate else 0
             if append_only and s.capture.check_room(plan, hard=False) <= 0:
                 return self._context_full(s, plan)
             if append_only:
@@ -378,8 +384,34 @@ class Gateway(SessionLifecycle):
                 s.capture.remaining(len(seg.token_ids)),
                 gen.wait_s,
             )
+            if dropped:
+                result.prompt_text = self.model.decode(plan.prompt_ids, skip_special=False)
+                result.prompt_tokens_dropped = dropped
             self._after_turn(s, plan, None, result)
             return result
+
+    def _truncate_left(self, s: Session, plan: TurnPlan, overrides: dict) -> int:
+        """Molt's rule for an Env's first observation that leaves no room to generate: keep its last
+        max(1, max_length - reserve) tokens, reserve = the request's own max_tokens or 32 (not the gateway's
+        default). A prompt with images is left whole (a cut could split an image's tokens from its pixels): it
+        ends the episode as before. Returns how many tokens were dropped."""
+        reserve = overrides.get("max_tokens") or 32
+        keep = max(1, s.capture.max_length - reserve)
+        drop = len(plan.prompt_ids) - keep
+        if drop <= 0 or plan.images:
+            return 0
+        plan.prompt_ids = plan.delta_ids = plan.prompt_ids[drop:]
+        log.warning(
+            "session %s: the first observation has %d tokens, over max_length %d less %d reserved to generate; "
+            "kept its last %d",
+            s.id,
+            keep + drop,
+            s.capture.max_length,
+            reserve,
+            keep,
+        )
+        self.metrics["molt_gateway_prompts_truncated_total"].inc()
+        return drop
 
     async def completion_turn(self, s: Session, prompt: str | list[int], overrides: dict) -> TurnResult:
         async with s.lock:

@@ -357,18 +357,18 @@ class Handlers:
         s = await self.gw.session(request.path_params["sid"], owner)
         r = await self.gw.token_turn(s, body)
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
-        return TurnJSON(
-            {
-                "token_ids": r.token_ids,
-                "logprobs": r.logprobs,
-                "text": r.raw_text,
-                "finish_reason": r.finish_reason,
-                "policy_version": r.policy_version,
-                "num_tokens": r.num_tokens,
-                "remaining_tokens": r.remaining_tokens,
-            },
-            r.policy_version,
-        )
+        out = {
+            "token_ids": r.token_ids,
+            "logprobs": r.logprobs,
+            "text": r.raw_text,
+            "finish_reason": r.finish_reason,
+            "policy_version": r.policy_version,
+            "num_tokens": r.num_tokens,
+            "remaining_tokens": r.remaining_tokens,
+        }
+        if r.prompt_tokens_dropped:
+            out.update(prompt_text=r.prompt_text, prompt_tokens_dropped=r.prompt_tokens_dropped)
+        return TurnJSON(out, r.policy_version)
 
     # ---- OpenAI wire
 

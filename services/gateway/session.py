@@ -37,6 +37,9 @@ class TurnResult:
     """The reply's think block (templates that have them), split out of ``content``."""
     top_logprobs: list | None = None
     """Per token, the pod's most likely ``[token id, logprob]`` pairs, best first (a request's ``top_logprobs``)."""
+    prompt_text: str | None = None
+    """A first turn's prompt as kept after ``truncate_prompt`` cut it (decoded, special tokens kept)."""
+    prompt_tokens_dropped: int = 0
 
     @property
     def reply(self) -> dict:

@@ -258,6 +258,27 @@ async def test_molt_style_module_runs_unchanged(stack, reader):
     assert len(seg.logprobs) == seg.num_action_tokens and (seg.logprobs <= 0).all()
 
 
+async def test_a_first_observation_over_max_length_keeps_its_last_tokens_and_trains(stack, reader):
+    """Molt's initial truncation on the real pod: the first observation keeps its last max_length - max_tokens
+    tokens and the episode generates and is written instead of ending with nothing to train."""
+    prompt = " ".join(f"item{i}" for i in range(150))
+    body = {
+        "agent": "molt_style",
+        "prompt": prompt,
+        "label": "6",
+        "group_id": "g-long",
+        "max_length": 64,
+        "sampling_params": SP,
+    }
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = (await client.post(f"{stack['worker']}/v1/episodes:run", json=body)).json()
+    assert r["status"] == "ok" and r["turns"] >= 1, r
+    (seg,) = (await reader.get({r["trajectory_id"]}))[r["trajectory_id"]].segments
+    ids = stack["tok"]("Answer briefly. " + prompt, add_special_tokens=False)["input_ids"]
+    assert seg.token_ids[: seg.action_spans[0, 0]].tolist() == ids[-(64 - SP["max_tokens"]) :]
+    assert seg.num_action_tokens > 0 and len(seg.token_ids) <= 64
+
+
 @pytest.mark.parametrize("agent", ["math", "chat_minimal", "chat_anthropic", "judge"])
 async def test_examples_reward_equals_their_grader(stack, reader, agent):
     label = {"math": "4", "chat_minimal": "a", "chat_anthropic": "a", "judge": "4"}[agent]

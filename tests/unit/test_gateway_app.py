@@ -434,6 +434,38 @@ async def test_token_turn_with_max_tokens_zero_only_appends(env, model):
     assert seg.action_spans.tolist() == [[first["num_tokens"] - 3, first["num_tokens"]]]  # feedback masked
 
 
+async def test_a_first_token_turn_too_long_to_generate_keeps_its_last_tokens_with_truncate_prompt(env, model):
+    """Molt's initial truncation of an Env's first observation, as the gateway's ``truncate_prompt="left"``: the
+    prompt keeps its last max(1, max_length - reserve) tokens (reserve: max_tokens, else 32), the pod generates
+    over them, the answer carries the kept text, and the trajectory holds exactly what the pod saw. Without the
+    field such a turn stays a "length" answer with nothing generated; later turns may not ask for it."""
+    app, pods, replies, http = env()
+    long = " ".join(f"w{i}" for i in range(80))
+    ids = model.encode(long)
+    assert len(ids) > 60
+    sid = (await _open(http, max_length=40))["session_id"]
+    turn = {"append_text": long, "sampling_params": {"max_tokens": 3}}
+    plain = (await http.post(f"/v1/sessions/{sid}/generate", json=turn)).json()
+    assert plain["token_ids"] == [] and plain["finish_reason"] == "length" and "prompt_text" not in plain
+    r = (await http.post(f"/v1/sessions/{sid}/generate", json={**turn, "truncate_prompt": "left"})).json()
+    assert r["prompt_tokens_dropped"] == len(ids) - 37 and r["prompt_text"] == model.decode(ids[-37:], False)
+    [(prompt, _)] = pods.pods[app.gateway.sessions[sid].pod].calls
+    assert prompt == ids[-37:] and len(r["token_ids"]) == 3
+    again = await http.post(f"/v1/sessions/{sid}/generate", json={"append_text": "x", "truncate_prompt": "left"})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "truncate_prompt"
+    await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
+    [traj] = await _written(app)
+    assert traj.segments[0].token_ids.tolist() == ids[-37:] + r["token_ids"]
+
+    sid = (await _open(http, max_length=40))["session_id"]
+    r = (await http.post(f"/v1/sessions/{sid}/generate", json={"append_text": long, "truncate_prompt": "left"})).json()
+    assert r["prompt_text"] == model.decode(ids[-8:], False)  # no max_tokens anywhere: 32 reserved
+    bad = await http.post(f"/v1/sessions/{sid}/generate", json={"append_text": long, "truncate_prompt": "right"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt"
+    metrics = (await http.get("/metrics")).text
+    assert "molt_gateway_prompts_truncated_total 2.0" in metrics
+
+
 async def test_sessionless_wires_and_models(env):
     app, pods, replies, http = env()
     oa = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="EMPTY", http_client=http)

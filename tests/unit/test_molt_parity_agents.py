@@ -138,6 +138,42 @@ def test_in_process_engine_that_omits_logprobs_fails_the_rollout():
         asyncio.run(StepEnvRunner(_TwoTurnEnv).execute("P", "l", params, 64, _CharTokenizer(), engine))
 
 
+class _SeeingEnv(Env):
+    """Ends after one turn, keeping the observation text it was shown."""
+
+    seen: list[str] = []
+
+    async def step(self, state):
+        _SeeingEnv.seen.append(state["observation_text"])
+        return Result(reward=1.0, terminated=True)
+
+
+@pytest.mark.parametrize(("max_tokens", "kept"), [(8, 32), (None, 8)])
+def test_a_first_prompt_too_long_to_generate_keeps_its_last_tokens_in_process(max_tokens, kept):
+    """Molt's initial truncation: a prompt leaving no room to generate keeps its last max(1, max_length - reserve)
+    tokens (reserve: max_tokens, else 32), and the env's observation text is that kept part re-decoded."""
+    prompt = "".join(chr(65 + i % 26) for i in range(100))
+    _SeeingEnv.seen = []
+    engine = _ScriptedEngine(["ok"])
+    params = SimpleNamespace(max_tokens=max_tokens, logprobs=None)
+    traj = asyncio.run(StepEnvRunner(_SeeingEnv).execute(prompt, "", params, 40, _CharTokenizer(), engine))
+    assert engine.prompts[0] == [ord(c) for c in prompt[-kept:]]
+    assert _SeeingEnv.seen == [prompt[-kept:]]
+    assert traj.observation_text == prompt[-kept:] + "ok" and traj.action_ranges == [(kept, kept + 2)]
+
+
+def test_a_first_prompt_too_long_to_generate_keeps_its_last_tokens_through_the_gateway():
+    """The same rule through the gateway's session API (the fake implements the gateway's truncate_prompt)."""
+    prompt = "".join(chr(65 + i % 26) for i in range(100))
+    _SeeingEnv.seen = []
+    fake = FakeGateway(policy=lambda text, turn: "ok")
+    episode = Episode(prompt=prompt, group_id="g", max_length=40, sampling_params={"max_tokens": 8})
+    result = asyncio.run(StepEnvRunner(_SeeingEnv).execute(episode, _gateway(fake)))
+    [session] = fake.sessions.values()
+    assert result.turns == 1 and session.text() == prompt[-32:] + "ok"
+    assert _SeeingEnv.seen == [prompt[-32:]] and session.requests[0]["truncate_prompt"] == "left"
+
+
 def test_generation_logprobs_must_align_and_missing_entries_are_zero():
     entry = {7: SimpleNamespace(logprob=-1.5)}
     assert _extract_generation_logprobs([7, 8], [entry, {}]) == [-1.5, 0.0]
