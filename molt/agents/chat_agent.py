@@ -80,7 +80,16 @@ class ChatAgentRunner(Runner):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
         self.agent_cls = agent_cls
 
-    async def execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+    async def execute(self, episode: Episode, gateway: GatewayClient, *molt_args: Any) -> EpisodeResult:
+        if molt_args or not isinstance(episode, Episode):
+            # Molt's in-process form, execute(prompt, label, sampling_params, max_length, tokenizer, engine): a
+            # ChatAgent's SDK needs the gateway's HTTP session URLs, which a bare engine does not serve.
+            raise TypeError(
+                f"{type(self).__name__}.execute(episode, gateway) runs through a gateway; Molt's in-process form "
+                "(prompt, label, sampling_params, max_length, tokenizer, engine) is supported for StepEnvRunner "
+                "only. Run a ChatAgent against molt.agents.testing.FakeGateway (no model) or a running gateway "
+                "(molt up / molt train-rl)"
+            )
         agent = self.agent_cls()
         if isinstance(episode.prompt, str):
             messages = [{"role": "user", "content": episode.prompt}]

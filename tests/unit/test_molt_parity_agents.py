@@ -174,6 +174,20 @@ def test_a_first_prompt_too_long_to_generate_keeps_its_last_tokens_through_the_g
     assert _SeeingEnv.seen == [prompt[-32:]] and session.requests[0]["truncate_prompt"] == "left"
 
 
+def test_molts_in_process_form_of_a_chat_agent_runner_is_refused_with_what_to_do_instead():
+    """A ChatAgent talks to the gateway's HTTP session URLs, which a bare engine does not serve: Molt's in-process
+    call gets an error that names the supported ways, not an argument-count TypeError."""
+
+    class Agent(ChatAgent):
+        async def run(self, ctx):
+            return Result(reward=1.0)
+
+    params = SimpleNamespace(max_tokens=8, logprobs=None)
+    call = ChatAgentRunner(Agent).execute("P", "l", params, 64, _CharTokenizer(), _ScriptedEngine(["a"]))
+    with pytest.raises(TypeError, match="StepEnvRunner only.*FakeGateway"):
+        asyncio.run(call)
+
+
 def test_generation_logprobs_must_align_and_missing_entries_are_zero():
     entry = {7: SimpleNamespace(logprob=-1.5)}
     assert _extract_generation_logprobs([7, 8], [entry, {}]) == [-1.5, 0.0]
