@@ -9,8 +9,8 @@ is token-exact because the gateway holds the tokens.
 - ``observation_text``: the initial observation + all previous actions and feedback texts;
 - ``action_text``: this turn's generation, decoded with special tokens kept;
 - ``label``: the dataset label, as given;
-- ``sampling_params``: a ``SamplingParams`` (vLLM attribute names), a copy of this turn's params
-  (mutating it has no effect).
+- ``sampling_params``: a ``SamplingParams`` (vLLM attribute names), a copy of this turn's params with
+  max_tokens held to the room the turn had (mutating it has no effect).
 
 Rewards of all turns are summed; score and info come from the last turn (no score: that turn's reward).
 Feedback is appended even on the terminal turn. The loop stops when the env says terminated / truncated
@@ -68,6 +68,19 @@ def turn_params(params: SamplingParams, per_turn_cap: int | None) -> SamplingPar
         sp.max_tokens = per_turn_cap
     if sp.max_tokens is not None and sp.min_tokens:
         sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
+    return sp
+
+
+def clamped_params(sp: SamplingParams, out: dict[str, Any]) -> SamplingParams:
+    """A copy of this turn's params as the turn ran them: max_tokens held to the room the prompt left (the room
+    before the turn = the answer's remaining_tokens + the tokens it generated), min_tokens to that, as Molt's
+    state shows them."""
+    sp = copy.deepcopy(sp)
+    if out.get("remaining_tokens") is not None:
+        room = max(0, int(out["remaining_tokens"]) + len(out.get("token_ids") or []))
+        sp.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        if sp.min_tokens:
+            sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
     return sp
 
 
@@ -140,7 +153,7 @@ class StepEnvRunner(Runner):
                     "observation_text": observation_text,
                     "action_text": out.get("text", ""),
                     "label": episode.label,
-                    "sampling_params": copy.deepcopy(sp),
+                    "sampling_params": clamped_params(sp, out),
                 }
                 result = check_result(await env.step(state), f"{self.env_cls.__name__}.step")
                 turn_reward = first_scalar(result.reward)

@@ -91,6 +91,7 @@ class EngineSession:
             "text": text,
             "finish_reason": gen.finish_reason or "stop",
             "num_tokens": len(t.observation_tokens),
+            "remaining_tokens": self.gw.max_length - len(t.observation_tokens),
         }
         if kept_text is not None:
             out["prompt_text"] = kept_text

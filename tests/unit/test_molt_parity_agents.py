@@ -174,6 +174,37 @@ def test_a_first_prompt_too_long_to_generate_keeps_its_last_tokens_through_the_g
     assert _SeeingEnv.seen == [prompt[-32:]] and session.requests[0]["truncate_prompt"] == "left"
 
 
+class _ParamsEnv(Env):
+    seen: list[tuple] = []
+
+    def __init__(self):
+        super().__init__()
+        self.turn = 0
+
+    async def step(self, state):
+        self.turn += 1
+        sp = state["sampling_params"]
+        _ParamsEnv.seen.append((sp.max_tokens, sp.min_tokens))
+        return Result(reward=0.0, observation="..", terminated=self.turn == 3)
+
+
+@pytest.mark.parametrize("through", ["engine", "gateway"])
+def test_the_params_an_env_sees_hold_max_tokens_to_the_room_the_turn_had(through):
+    """Molt's turn max_tokens is min(per-turn cap, room left in max_length), min_tokens clamped to it, and the
+    env's state carries that turn's params: here turns 1-2 have room for the cap of 8, turn 3 only 6."""
+    _ParamsEnv.seen = []
+    if through == "engine":
+        params = SimpleNamespace(max_tokens=8, min_tokens=7, logprobs=None)
+        engine = _ScriptedEngine(["abcd", "efgh", "ij"])
+        asyncio.run(StepEnvRunner(_ParamsEnv).execute("P" * 10, "", params, 28, _CharTokenizer(), engine))
+    else:
+        fake = FakeGateway(policy=lambda text, turn: ["abcd", "efgh", "ij"][turn - 1])
+        sp = {"max_tokens": 8, "min_tokens": 7}
+        episode = Episode(prompt="P" * 10, group_id="g", max_length=28, sampling_params=sp)
+        asyncio.run(StepEnvRunner(_ParamsEnv).execute(episode, _gateway(fake)))
+    assert _ParamsEnv.seen == [(8, 7), (8, 7), (6, 6)]
+
+
 def test_molts_in_process_form_of_a_chat_agent_runner_is_refused_with_what_to_do_instead():
     """A ChatAgent talks to the gateway's HTTP session URLs, which a bare engine does not serve: Molt's in-process
     call gets an error that names the supported ways, not an argument-count TypeError."""
