@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-from redis.exceptions import BusyLoadingError, ResponseError, WatchError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ResponseError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -158,10 +158,35 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         written again (its entry id comes back as ""). The markers are WATCHed, so a connection lost while the
         write is in flight raises (redis-py would otherwise resend it, and a write that landed before its reply
         was lost would land twice): a caller retries the same call until it returns. Raises QueueUnavailable
-        when Redis cannot be reached."""
+        when Redis cannot be reached, and QueueFull when the stream stays full (``--redis.max_len``, or Redis
+        refusing writes at its ``maxmemory``) past ``timeout_s``."""
         assert len(payloads) == len(record_ids)
+        timeout_s = self.put_timeout_s if timeout_s is None else timeout_s
+        deadline, delay = time.monotonic() + timeout_s, 0.01
+        while True:
+            try:
+                return await self._put_once(payloads, record_ids, keep_s, max(0.0, deadline - time.monotonic()))
+            except OutOfMemoryError as exc:
+                # Redis at its maxmemory (noeviction) refuses the whole MULTI. Entries the trainer acked hold
+                # memory until trimmed, and the trainer trims only every trim_every acks: a drained stream
+                # would stay full for good unless the producer trims them too.
+                try:
+                    await self.trim_acked()
+                except (*self.transient_errors, OSError) as gone:
+                    raise QueueUnavailable(f"Redis is unreachable ({type(gone).__name__}: {gone})") from gone
+                if time.monotonic() + delay > deadline:
+                    raise QueueFull(
+                        f"Redis refuses writes at its maxmemory ({exc}) and the trainer did not drain stream "
+                        f"{self.stream!r} within {timeout_s:.0f}s; nothing was written"
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _put_once(
+        self, payloads: list[bytes], record_ids: list[str], keep_s: float, timeout_s: float
+    ) -> list[str]:
         try:
-            await self._wait_for_room(self.put_timeout_s if timeout_s is None else timeout_s)
+            await self._wait_for_room(timeout_s)
             markers = [self.written_key(i) for i in record_ids]
             async with self.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(*markers)
