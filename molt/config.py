@@ -84,6 +84,10 @@ class ServerConfig(Section):
     """Connections still waiting for their first request head; past this the longest-waiting one is closed."""
     body_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for each piece of a request body; past it the request gets a 408 (the gateway)."""
+    max_body_bytes: int = Field(64 << 20, gt=0)
+    """Largest request body the rollout pod, env worker and trainer read; a bigger one gets 413 before it is held
+    whole (molt/body_limit.py). Above the gateway's default request so what it forwards fits (prompts as token
+    ids, images as base64); the gateway itself limits by --session.max_body_bytes and ignores this."""
 
 
 # ---- CLI machinery

@@ -2,9 +2,9 @@
 
 ``python -m services.X`` parses its settings, builds its ASGI app and calls ``serve``: bind (printing
 ``molt-X listening on http://HOST:PORT``), serve with uvicorn (uvloop, httptools) behind the slow-client
-guard (molt/serve_guard.py), print ``molt-X ready http://HOST:PORT`` once the app's start-up has run (then
-``/readyz`` is the live answer), and on SIGTERM drain, then shut down gracefully and exit 0. A second
-SIGTERM, or SIGINT, stops at once.
+guard (molt/serve_guard.py) and, but for the gateway, the request-body limit (molt/body_limit.py), print
+``molt-X ready http://HOST:PORT`` once the app's start-up has run (then ``/readyz`` is the live answer), and on
+SIGTERM drain, then shut down gracefully and exit 0. A second SIGTERM, or SIGINT, stops at once.
 
 ``wait_ready`` is the one way a supervisor (``molt up``), a test or a bench waits for a service: its
 ``/readyz`` answering 200 (``start_service`` starts one on a kernel-chosen port and waits for it).
@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from molt.body_limit import BodyLimit
 from molt.config import ServerConfig
 from molt.net import host_port, listening_socket
 from molt.serve_guard import guarded
@@ -215,10 +216,18 @@ def raise_fd_limit() -> None:
         pass
 
 
-def uvicorn_config(app: Any, server: ServerConfig, graceful_s: float = 10.0) -> uvicorn.Config:
-    """The uvicorn config every service serves with (the slow-client guard applied)."""
+OWN_BODY_LIMIT = frozenset({"gateway"})
+"""Services that limit request bodies themselves: the gateway per session (--session.max_body_bytes, its 413
+``request_too_large`` in each wire's shape). A second, skeleton-wide limit would be one more flag to raise."""
+
+
+def uvicorn_config(
+    app: Any, server: ServerConfig, graceful_s: float = 10.0, *, body_limit: bool = True
+) -> uvicorn.Config:
+    """The uvicorn config every service serves with (the slow-client guard applied, and with ``body_limit`` the
+    app behind ``--server.max_body_bytes``: molt/body_limit.py)."""
     config = uvicorn.Config(
-        app,
+        BodyLimit(app, server.max_body_bytes) if body_limit else app,
         log_level=server.log_level,
         access_log=False,
         loop="uvloop",
@@ -249,7 +258,7 @@ async def serve_async(
     SIGINT to the caller (the trainer, whose loop thread serves while the main thread trains): it stops
     the server by ``should_exit``."""
     raise_fd_limit()
-    srv = _Server(uvicorn_config(app, server, graceful_s))
+    srv = _Server(uvicorn_config(app, server, graceful_s, body_limit=service not in OWN_BODY_LIMIT))
     if signals:  # from before the first line it prints: a supervisor may signal it at any point of its start
         srv.loop_handles_signals = True
         on_signal = _signal_handling(srv, drain)

@@ -35,6 +35,7 @@ import json
 
 from fastapi import Request, Response
 
+from molt.body_limit import own_body_limit
 from molt.net import LineSplitter
 from services.rollout.params import RolloutInputError
 from services.rollout.routes import call_options, result_json
@@ -88,6 +89,8 @@ def _check_call(call: object) -> tuple[str | None, RolloutInputError | None]:
     return call_id, None
 
 
+# One request per gateway for as long as it runs: each line is bounded (MAX_LINE_BYTES), not the whole body.
+@own_body_limit
 async def generate_stream(request: Request) -> Response:
     return _Stream(request.app.state.engine, request.app.state.metrics)
 

@@ -13,15 +13,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rollout_testlib import PROMPT, ServerThread, tiny_settings
 
+from molt.body_limit import BodyLimit
 from services.rollout.app import build_app
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.vllm]
 
 
+BODY_LIMIT = 1 << 20  # --server.max_body_bytes of this pod: above every other body sent here
+
+
 @pytest.fixture(scope="module")
 def pod(tiny_qwen3):
     app = build_app(tiny_settings(tiny_qwen3))
-    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with ServerThread(BodyLimit(app, BODY_LIMIT)) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, app
 
 
@@ -108,6 +112,23 @@ def test_unreadable_bodies_are_400s_in_the_pods_shape(pod, raw):
     if raw.strip():
         lines = _stream(client, [raw])
         assert len(lines) == 1 and lines[0]["status"] == 400, lines
+    _still_serves(client)
+
+
+def test_a_body_over_the_limit_is_a_413_in_the_pods_shape_and_the_stream_bounds_only_its_lines(pod):
+    client, _ = pod
+    big = encode({"prompt_token_ids": [1] * BODY_LIMIT, "sampling_params": {"max_tokens": 2}})
+    r = client.post("/v1/generate", content=big)
+    assert "--server.max_body_bytes" in assert_openai_error(r.status_code, r.content, {413})["message"]
+    r = client.post("/v1/generate", content=(big[i : i + 65536] for i in range(0, len(big), 65536)))  # chunked
+    assert_openai_error(r.status_code, r.content, {413})
+    # The long-lived stream is one body for as long as a gateway runs: many lines past the limit all go through.
+    lines = _stream(
+        client,
+        [b'{"abort": []}'] * (BODY_LIMIT // 12)
+        + [encode({"id": "a", "prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})],
+    )
+    assert [line["id"] for line in lines] == ["a"] and lines[0]["status"] == 200, lines
     _still_serves(client)
 
 
