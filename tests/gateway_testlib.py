@@ -39,6 +39,8 @@ class FakePod:
     script: Script
     version: int = 0
     down: bool = False
+    vocab: str = ""
+    """The vocabulary fingerprint its /readyz reports ("": none)."""
     calls: list[tuple[list[int], dict]] = field(default_factory=list)
     images: list[list | None] = field(default_factory=list)
     """Each call's ``images`` (None: the request had none)."""
@@ -57,9 +59,9 @@ class FakePods(PodTransport):
             raise PodConnectionError("connection refused (fake pod is down)")
         return pod, "/" + path
 
-    async def get(self, url: str, timeout_s: float) -> int:
-        self._pod(url)
-        return 200
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        pod, _ = self._pod(url)
+        return 200, json.dumps({"ready": True, "vocab": pod.vocab}).encode()
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         pod, _ = self._pod(url)

@@ -42,7 +42,7 @@ def build_app(
     metrics = gateway_metrics()
     rc = settings.rollout
     client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
-    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream, rc.return_routed_experts)
+    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream, rc.return_routed_experts, model.vocab)
     queue = queue or open_queue(settings.redis, metrics)
     replicas = Replicas(
         settings.replica.public_url, settings.auth.api_keys, client if isinstance(client, HttpTransport) else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from molt.vocab import vocab_fingerprint
 from services.gateway.errors import GatewayError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -68,6 +69,7 @@ class ChatModel:
         self.template = self.tokenizer.chat_template
         self.chat_template_hash = hashlib.sha256(self.template.encode()).hexdigest()[:16]
         self.tokenizer_hash = _files_hash(self.path, ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+        self.vocab = vocab_fingerprint(self.tokenizer)
         self.eos_token_ids = sorted({i for i in [self.tokenizer.eos_token_id] if i is not None})
         self.max_model_len = _max_positions(self.path)
         self.image_token_id = _image_token_id(self.path)

@@ -141,6 +141,16 @@ def _routed_experts(raw: object) -> np.ndarray | None:
     return np.frombuffer(base64.b64decode(raw["data"]), "<i2").reshape(shape)
 
 
+def _reported_vocab(body: bytes) -> str:
+    """The vocabulary fingerprint a pod's /readyz reports ("" when it reports none)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""
+    vocab = data.get("vocab") if isinstance(data, dict) else None
+    return vocab if isinstance(vocab, str) else ""
+
+
 class PodPool:
     def __init__(
         self,
@@ -150,8 +160,11 @@ class PodPool:
         health_interval_s: float = 2.0,
         stream: bool = True,
         return_routed_experts: bool = False,
+        vocab: str = "",
     ) -> None:
         self.pods = {u: Pod(u) for u in urls}
+        self.vocab = vocab
+        """The gateway's ``molt.vocab.vocab_fingerprint``: a pod whose /readyz reports another is never routed to."""
         self.return_routed_experts = return_routed_experts
         self.client = client
         self.metrics = metrics
@@ -269,10 +282,17 @@ class PodPool:
 
     async def probe(self, pod: Pod) -> None:
         try:
-            status = await self.client.get(pod.url + "/readyz", timeout_s=2.0)
+            status, body = await self.client.get(pod.url + "/readyz", timeout_s=2.0)
             ok, why = status == 200, f"readyz HTTP {status}"
         except PodConnectionError as exc:
             ok, why = False, str(exc)
+        if ok and self.vocab and (theirs := _reported_vocab(body)) not in ("", self.vocab):
+            ok = False
+            why = (
+                f"it serves another vocabulary than the gateway's --model.path (fingerprint {theirs}, the "
+                f"gateway's {self.vocab}): the ids the gateway sends would mean other tokens there; start the "
+                "pod and the gateway on the same model"
+            )
         self.set_health(pod, ok, "" if ok else why)
 
     async def health_loop(self) -> None:

@@ -52,8 +52,8 @@ class PodTransport(abc.ABC):
         Raises PodConnectionError on transport failure."""
 
     @abc.abstractmethod
-    async def get(self, url: str, timeout_s: float) -> int:
-        """GET; the status. Raises PodConnectionError on transport failure."""
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """GET; the status and the body. Raises PodConnectionError on transport failure."""
 
     async def close(self) -> None:
         return None
@@ -95,11 +95,10 @@ class HttpTransport(PodTransport):
         except _FAILURES as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
 
-    async def get(self, url: str, timeout_s: float) -> int:
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
-                return resp.status
+                return resp.status, await resp.read()
         except _FAILURES as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None
 

@@ -144,6 +144,8 @@ class EngineThread:
         self._expected = checkpoint.expected_parameters(settings.model.path)
         self.serving_dtype = ""
         """The one dtype of every floating engine parameter ("" when they differ), found at start."""
+        self.vocab = ""
+        """``molt.vocab.vocab_fingerprint`` of the engine's tokenizer, found at start (the gateway checks it)."""
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._llm = None
@@ -206,6 +208,9 @@ class EngineThread:
         per_worker = await self._call(lambda llm, jobs: llm.collective_rpc("rollout_param_dtypes"))
         dtypes = {d for names in per_worker for d in names}
         self.serving_dtype = dtypes.pop() if len(dtypes) == 1 else ""
+        from molt.vocab import vocab_fingerprint
+
+        self.vocab = vocab_fingerprint(self._llm.get_tokenizer())
         cfg = self._llm.model_config
         self._limits = Limits(
             vocab_size=cfg.get_vocab_size(),

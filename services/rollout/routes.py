@@ -183,7 +183,12 @@ async def healthz(request: Request) -> Response:
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     engine = request.app.state.engine
-    body = {"ready": engine.ready, "policy_version": engine.policy_version, "grpc_port": request.app.state.grpc_port}
+    body = {
+        "ready": engine.ready,
+        "policy_version": engine.policy_version,
+        "grpc_port": request.app.state.grpc_port,
+        "vocab": engine.vocab,
+    }
     return _json(body, 200 if engine.ready else 503)
 
 

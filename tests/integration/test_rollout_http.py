@@ -16,6 +16,7 @@ from rollout_testlib import PROMPT, ServerThread, hf_token_logprobs, max_abs_dif
 from transformers import AutoTokenizer
 
 from molt.serve import cpu_env
+from services.gateway.chat import ChatModel
 from services.rollout.app import build_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,10 +139,18 @@ def test_client_disconnect_aborts_the_request(pod):
         time.sleep(0.02)
 
 
-def test_probes_health_and_weight_reload(pod, tiny_qwen3_b):
+def test_probes_health_and_weight_reload(pod, tiny_qwen3, tiny_qwen3_b):
     url, app = pod
     ready = httpx.get(f"{url}/readyz").json()
-    assert ready == {"ready": True, "policy_version": app.state.engine.policy_version, "grpc_port": None}
+    # The fingerprint of vLLM's tokenizer is the gateway's (an HF tokenizer) for the same model: it is what the
+    # gateway compares before routing to the pod.
+    vocab = ChatModel(tiny_qwen3).vocab
+    assert ready == {
+        "ready": True,
+        "policy_version": app.state.engine.policy_version,
+        "grpc_port": None,
+        "vocab": vocab,
+    }
     assert httpx.get(f"{url}/healthz").status_code == 200
     expected = httpx.get(f"{url}/v1/weights/expected").json()["parameters"]
     assert expected["model.norm.weight"] == {"shape": [128], "dtype": "float32"}

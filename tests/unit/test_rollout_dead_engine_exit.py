@@ -16,6 +16,7 @@ class DyingEngine:
     """Starts at once; ``die()`` does what the engine thread does when it fails."""
 
     policy_version = 0
+    vocab = ""
 
     def __init__(self) -> None:
         self.dead: BaseException | None = None

@@ -35,6 +35,7 @@ class FakeEngine:
         return GenerateResult("rid", 3, len(prompt), samples)
 
     serving_dtype = ""
+    vocab = "0123456789abcdef"
 
     def expected_parameters(self):
         return {"w": ((2, 3), "float32")}
@@ -80,7 +81,8 @@ def test_errors_use_the_openai_body(client):
 
 
 def test_probes_and_metrics(client):
-    assert client.get("/readyz").json() == {"ready": True, "policy_version": 3, "grpc_port": None}
+    ready = {"ready": True, "policy_version": 3, "grpc_port": None, "vocab": "0123456789abcdef"}
+    assert client.get("/readyz").json() == ready
     assert client.get("/v1/version").json()["policy_version"] == 3
     assert client.get("/v1/weights/expected").json() == {"parameters": {"w": {"shape": [2, 3], "dtype": "float32"}}}
     assert client.get("/v1/stats").json()["max_running"] == 5
