@@ -5,6 +5,8 @@ Layout under ``--ckpt.path`` (Molt's layout, simplified)::
     global_step<N>/            written as .tmp-global_step<N>/ then renamed (atomic on one filesystem)
         model_optim/           torch.distributed.checkpoint (DCP) shards: actor, optimizer, critic, ...
         extra_state.pt         schedulers, KL controller, RNG, and the controller's client state
+        metric.json            {"metric_key", "metric_value"}: the eval metric it was saved with (retention)
+    best_global_step<N>/       the --ckpt.best_metric_key checkpoint (same layout; never pruned)
     latest                     the tag of the newest complete checkpoint (tmp + rename)
 
 Every rank writes its DCP shards into the tmp dir; rank 0 writes ``extra_state.pt`` last, fsyncs,
@@ -15,11 +17,19 @@ ack (see ``controller.py``): trajectories are acked only after the rename, so a 
 DCP reshards on load, so a run may resume with another world size. The SFT learner
 (``services/trainer/sft.py``) saves and loads through the same code; it has no critic and no KL
 controller, and its client state is its position in the dataset.
+
+Retention (``prune``, rank 0 after each regular save), Molt's rule: while more than ``max_num`` regular
+checkpoints are kept, or they and the best one take more than ``max_mem`` GB, the worst regular one goes:
+one without a metric first, then the lowest metric (higher is better: pass rates), then the oldest. The one
+just saved and ``best_global_step<N>`` are never removed. Without evaluations this keeps the newest
+``max_num``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -34,6 +44,10 @@ log = logging.getLogger("molt.trainer")
 LATEST = "latest"
 BEST_PREFIX = "best_"
 """Prefix of the --ckpt.best_metric_key checkpoint's directory (best_global_step<N>)."""
+METRIC_FILE = "metric.json"
+"""The eval metric a checkpoint was saved with: ``{"metric_key": str | None, "metric_value": float | None}``."""
+STEP_PREFIX = "global_step"
+GB = 1024**3
 
 
 def _fsync_dir(path: Path) -> None:
@@ -63,10 +77,21 @@ def _stateful(learner) -> dict[str, Any]:
     return state
 
 
-def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3, *, best: bool = False) -> Path:
+def save(
+    root: str,
+    learner,
+    client_state: dict[str, Any],
+    max_num: int = 3,
+    *,
+    best: bool = False,
+    max_mem: float = math.inf,
+    metric_key: str | None = None,
+    metric_value: float | None = None,
+) -> Path:
     """Collective: every rank calls it. Returns the final directory once it is durable. ``best``: the
     ``--ckpt.best_metric_key`` checkpoint, best_global_step<N>, which replaces the previous best and is not
-    what a resume loads."""
+    what a resume loads. ``metric_key``/``metric_value`` (rank 0's are used): the eval metric recorded in
+    ``metric.json`` for retention; ``max_num``/``max_mem``: see ``prune``."""
     base = Path(root)
     tag = f"{BEST_PREFIX if best else ''}global_step{learner.global_step}"
     final, tmp = base / tag, base / f".tmp-{tag}"
@@ -86,6 +111,7 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3, *, 
                 from services.trainer.lora import write_config
 
                 write_config(tmp / HF_FILES, learner.lora.rank, learner.lora.alpha)
+        _write_metric(tmp, metric_key, metric_value, sync_dir=False)  # the tmp dir is fsynced below
         extra = {
             "global_step": learner.global_step,
             "sched": learner.sched.state_dict(),
@@ -109,19 +135,98 @@ def save(root: str, learner, client_state: dict[str, Any], max_num: int = 3, *, 
                     shutil.rmtree(old, ignore_errors=True)
         else:
             _write_atomic(base / LATEST, tag.encode())
-            prune(base, max_num, keep=tag)
+            prune(base, max_num, keep=tag, max_mem=max_mem)
     dist.barrier()
     return final
 
 
-def prune(base: Path, max_num: int, keep: str) -> None:
-    """Keep the newest ``max_num`` global_step<N> directories under ``base`` (and ``keep``); <= 0 keeps all."""
-    if max_num <= 0:
+def _write_metric(ckpt_dir: Path, key: str | None, value: float | None, *, sync_dir: bool = True) -> None:
+    data = json.dumps({"metric_key": key or None, "metric_value": value}).encode()
+    if sync_dir:
+        _write_atomic(ckpt_dir / METRIC_FILE, data)
+    else:
+        with open(ckpt_dir / METRIC_FILE, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def record_metric(root: str, tag: str, key: str | None, value: float | None) -> bool:
+    """Rank 0: set the metric of the saved checkpoint ``tag`` (an evaluation of the very weights it holds,
+    which runs after the save in the trainer's step). False when there is no such checkpoint."""
+    ckpt_dir = Path(root) / tag
+    if not (ckpt_dir / "extra_state.pt").exists():
+        return False
+    _write_metric(ckpt_dir, key, value)
+    return True
+
+
+def read_metric(ckpt_dir: Path) -> float | None:
+    """The metric value a checkpoint was saved with; None when it has none (no file, null, not a number)."""
+    try:
+        value = json.loads((ckpt_dir / METRIC_FILE).read_text()).get("metric_value")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _step(p: Path) -> int:
+    name = p.name.removeprefix(BEST_PREFIX)
+    return int(name[len(STEP_PREFIX) :])
+
+
+def _ckpt_dirs(base: Path, prefix: str) -> list[Path]:
+    return [p for p in base.glob(prefix + "*") if p.is_dir() and p.name[len(prefix) :].isdigit()]
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def prune(base: Path, max_num: int, keep: str, max_mem: float = math.inf) -> None:
+    """Molt's retention over the global_step<N> directories under ``base``: while more than ``max_num`` (<= 0:
+    no bound) are kept, or they and best_global_step<N> take more than ``max_mem`` GB (1024**3 bytes), remove
+    one other than ``keep``: first one without a metric, then the lowest ``metric.json`` value (higher is
+    better), then the oldest. ``keep`` and best_* are never removed; a budget still exceeded when nothing
+    else is left is logged."""
+    count_bound = max_num > 0
+    if not count_bound and math.isinf(max_mem):
         return
-    dirs = sorted((p for p in base.glob("global_step*") if p.is_dir()), key=lambda p: int(p.name[11:]))
-    for p in dirs[:-max_num]:
-        if p.name != keep:
-            shutil.rmtree(p, ignore_errors=True)
+    regular = _ckpt_dirs(base, STEP_PREFIX)
+    # Age is the step, not the mtime Molt reads: the same order for a run's own saves, and it survives a
+    # copy or a metric.json rewrite. With no metrics anywhere this is today's "keep the newest max_num".
+    metrics = {p: read_metric(p) for p in regular if p.name != keep}
+    ranked = sorted(metrics, key=lambda p: (0, 0.0, _step(p)) if metrics[p] is None else (1, metrics[p], _step(p)))
+    sized = [*regular, *_ckpt_dirs(base, BEST_PREFIX + STEP_PREFIX)] if not math.isinf(max_mem) else []
+    sizes = {p: dir_size(p) for p in sized}
+    budget = max_mem * GB
+    kept = len(regular)
+    used = sum(sizes.values())
+    for victim in ranked:
+        if not (count_bound and kept > max_num) and used <= budget:
+            break
+        shutil.rmtree(victim, ignore_errors=True)
+        kept -= 1
+        used -= sizes.pop(victim, 0)
+        log.info("checkpoint retention: removed %s (metric %s)", victim.name, metrics[victim])
+    if used > budget:
+        log.warning(
+            "checkpoint retention: %.3f GB kept under %s exceeds --ckpt.max_mem %g with nothing left to remove "
+            "(the checkpoint just saved and the best one stay)",
+            used / GB,
+            base,
+            max_mem,
+        )
 
 
 def best_state(root: str) -> dict[str, Any] | None:
@@ -142,8 +247,8 @@ def latest_dir(root: str) -> Path | None:
         cand = base / tag_file.read_text().strip()
         if (cand / "extra_state.pt").exists():
             return cand
-    done = [p for p in base.glob("global_step*") if (p / "extra_state.pt").exists()]
-    return max(done, key=lambda p: int(p.name[11:])) if done else None
+    done = [p for p in _ckpt_dirs(base, STEP_PREFIX) if (p / "extra_state.pt").exists()]
+    return max(done, key=_step) if done else None
 
 
 def load(root: str, learner) -> dict[str, Any] | None:

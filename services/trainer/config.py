@@ -368,12 +368,15 @@ class CkptConfig(Section):
     load_enable: bool = False
     """Resume from the latest checkpoint under --ckpt.path when there is one."""
     max_num: int = 3
-    """Checkpoints to keep (<= 0 keeps all): the HF snapshots of --ckpt.save_hf and, unless --ckpt.dcp_max_num is
-    set, the resumable ones."""
+    """Checkpoints to keep (<= 0 keeps all): the HF snapshots of --ckpt.save_hf (the newest) and, unless
+    --ckpt.dcp_max_num is set, the resumable ones (see --ckpt.max_mem for which go)."""
     dcp_max_num: int | None = None
     """Resumable checkpoints (model, optimizer, data position) to keep. Unset: --ckpt.max_num."""
     max_mem: float = math.inf
-    """Disk budget in GB for kept checkpoints (only inf is supported: bound retention with --ckpt.max_num)."""
+    """Disk budget in GB (1024^3 bytes, fractions allowed) for the resumable checkpoints and the best one. Past it,
+    or past --ckpt.dcp_max_num (else --ckpt.max_num) of them, resumable checkpoints are removed as Molt does: first
+    those with no metric (saved before any evaluation), then the lowest --ckpt.best_metric_key value (higher is
+    better), then the oldest; never the newest one nor the best one (a warning when that still exceeds it)."""
     output_dir: str | None = None
     """Where the final policy is written as an HF model directory (config, safetensors, tokenizer, chat template)
     at the end of the run. Unset: the folder holding --ckpt.path (Molt's ./ckpt with the default path)."""
@@ -392,9 +395,9 @@ class CkptConfig(Section):
         return self.max_num if self.dcp_max_num is None else self.dcp_max_num
 
     def check(self) -> None:
-        """Molt's retention flags this build cannot honour (``ValueError``)."""
-        if not math.isinf(self.max_mem):
-            raise ValueError("--ckpt.max_mem: a disk budget is not supported; bound retention with --ckpt.max_num")
+        """Retention flags out of range (``ValueError``)."""
+        if not self.max_mem > 0:  # NaN fails too
+            raise ValueError(f"--ckpt.max_mem must be > 0 GB (inf: no budget), got {self.max_mem}")
 
 
 class TrainerSettings(Section):

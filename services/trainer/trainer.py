@@ -78,6 +78,7 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         self.best: dict | None = None  # rank 0: the --ckpt.best_metric_key metric's best evaluation so far
         self._best_pending: dict | None = None  # rank 0: an evaluation that beat it, saved at the next plan
+        self.last_metric: tuple[str | None, float | None] = (None, None)  # rank 0: latest eval's key and value
         self._batch: concurrent.futures.Future | None = None  # rank 0's pending next_batch, kept across catch-ups
         self.last_saved_step = -1
         self._last_step_end = time.monotonic()
@@ -317,7 +318,15 @@ class Trainer:
         assert plan is not None  # every rank holds rank 0's plan after the broadcast
         if plan.get("best"):  # the weights evaluated are still the learner's: no step has run since
             with phase(self.metrics, "checkpoint"):
-                checkpoint.save(self.s.ckpt.path, self.learner, {"best": plan["best"]}, best=True)
+                best = plan["best"]
+                checkpoint.save(
+                    self.s.ckpt.path,
+                    self.learner,
+                    {"best": best},
+                    best=True,
+                    metric_key=best["key"],
+                    metric_value=best["value"],
+                )
         if plan["stop"]:
             self._finish()
             return False
@@ -416,7 +425,16 @@ class Trainer:
         client_state = state[0]
         assert client_state is not None  # every rank holds rank 0's state after the broadcast
         with phase(self.metrics, "checkpoint"):
-            saved = checkpoint.save(self.s.ckpt.path, self.learner, client_state, self.s.ckpt.resumable_max())
+            key, value = self.last_metric
+            saved = checkpoint.save(
+                self.s.ckpt.path,
+                self.learner,
+                client_state,
+                self.s.ckpt.resumable_max(),
+                max_mem=self.s.ckpt.max_mem,
+                metric_key=key,
+                metric_value=value,
+            )
             if self.s.ckpt.save_hf:
                 hf_root = os.path.join(self.s.ckpt.path, "_hf")
                 save_hf(self.learner.actor, self.learner.hf_source, os.path.join(hf_root, saved.name))
@@ -470,18 +488,30 @@ class Trainer:
             return
         log.info("eval at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
         self.steplog.log_eval(step, metrics)
+        key = self._metric_key(metrics)
+        self.last_metric = (key, metrics.get(key) if key else None)
+        if key and step > 0 and self.last_saved_step == step:
+            # The checkpoint of this step (saved before the push this evaluation needed) holds the weights just
+            # evaluated: its retention metric is this one, as in Molt where the evaluation precedes the save.
+            checkpoint.record_metric(self.s.ckpt.path, f"global_step{step}", *self.last_metric)
         if step > 0 and not self.s.eval.eval_only:
             self._note_best(step, metrics)
+
+    def _metric_key(self, metrics: dict[str, float]) -> str | None:
+        """--ckpt.best_metric_key as resolved for these metrics: empty = the best's key, else the first
+        eval_*_pass1 metric; None for 'none' or when there is no such metric."""
+        key = self.s.ckpt.best_metric_key
+        if key == "none":
+            return None
+        if not key:
+            key = self.best["key"] if self.best else next((k for k in sorted(metrics) if k.endswith("_pass1")), "")
+        return key or None
 
     def _note_best(self, step: int, metrics: dict[str, float]) -> None:
         """Rank 0: an evaluation that beats the best so far on --ckpt.best_metric_key is saved at the next plan
         (Molt's best checkpoint; empty key: the first eval_*_pass1 metric)."""
-        key = self.s.ckpt.best_metric_key
-        if key == "none":
-            return
-        if not key:
-            key = self.best["key"] if self.best else next((k for k in sorted(metrics) if k.endswith("_pass1")), "")
-        if key not in metrics:
+        key = self._metric_key(metrics)
+        if key is None or key not in metrics:
             return
         if self.best is None or metrics[key] > self.best["value"]:
             self.best = {"key": key, "value": metrics[key], "step": step}

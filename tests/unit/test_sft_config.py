@@ -46,7 +46,7 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--model.gradient_checkpoint", "selective"], "selective"),
         (["--fsdp.use_liger_kernel"], "GPUs"),
         (["--fsdp.bf16_master_weights"], "GPUs"),
-        (["--ckpt.max_mem", "100"], "--ckpt.max_num"),
+        (["--ckpt.max_mem", "0"], "--ckpt.max_mem must be > 0"),
         (["--fsdp.attn_implementation", "flash_attention_2"], "on CPU use sdpa"),
         (["--data.dataset_probs", "0.5,0.5"], "one weight per dataset"),
         (["--eval.steps", "0"], "--eval.steps"),

@@ -193,7 +193,7 @@ def test_molts_retention_rank_and_hub_flags():
     s = parse_settings(TrainerSettings, [*r.trainer, "--train.dispatch", "false"], prog="t")
     validate_settings(s)
     assert (s.ckpt.resumable_max(), s.ckpt.max_num, s.local_rank) == (2, 5, 0)
-    for flags, needle in ((["--use_ms"], "nothing is downloaded"), (["--ckpt.max_mem", "100"], "--ckpt.max_num")):
+    for flags, needle in ((["--use_ms"], "nothing is downloaded"), (["--ckpt.max_mem", "0"], "must be > 0")):
         s = parse_settings(TrainerSettings, [*r.trainer, "--train.dispatch", "false", *flags], prog="t")
         with pytest.raises(ValueError, match=needle):
             validate_settings(s)
@@ -225,12 +225,12 @@ def test_a_bad_trainer_flag_stops_the_stack_before_anything_starts(tmp_path, cap
         model=tmp_path / "model",
         agents={"a": tmp_path / "a.py"},
         agent="a",
-        trainer=["--data.prompt_dataset", "/d", "--ckpt.max_mem", "10"],
+        trainer=["--data.prompt_dataset", "/d", "--ckpt.max_mem", "0"],
         run_dir=tmp_path / "run",
     )
     with pytest.raises(SystemExit) as stop:
         run_plan(plan)
-    assert stop.value.code == 2 and "--ckpt.max_mem: a disk budget is not supported" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--ckpt.max_mem must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing started, no run folder
 
 
