@@ -51,6 +51,10 @@ class RedisConfig(Section):
     """Backpressure: producers wait (never trim unacked data) while the stream holds this many entries."""
     dead_letter_stream: str | None = None
     """Stream for records that fail to decode. Default: <stream>:dead."""
+    consumed_keep_s: float = Field(86400.0, gt=0)
+    """How long the trainer remembers each trajectory id it trained, to skip a second stream entry of it (a
+    producer's repeated write). Redis holds about one id per trajectory trained in this window; it must outlast
+    the gateway's --session.finished_keep_s, the window in which a retried finish could write one twice."""
     startup_wait_s: float = Field(60.0, ge=0)
     """At start-up: how long to wait for --redis.url to answer (a Redis started beside the service, in any
     order), retrying with backoff before the service listens (so it is not ready); then it exits with one line."""

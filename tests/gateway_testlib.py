@@ -274,7 +274,7 @@ def pod_and_gateway(
         stop(pod_proc)
         if not redis_url.startswith("memory://"):
             r = redis.Redis.from_url(redis_url)
-            r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+            r.delete(stream, f"{stream}:dead", *r.scan_iter(match=f"{stream}:consumed:check:*"))
             r.close()
 
 

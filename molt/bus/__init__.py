@@ -27,7 +27,15 @@ def open_queue(cfg: RedisConfig, metrics: Metrics | None = None) -> TrajectoryQu
         return MemoryTrajectoryQueue(cfg.stream, cfg.max_len)
     from molt.bus.redis_stream import RedisTrajectoryQueue
 
-    return RedisTrajectoryQueue(cfg.url, cfg.stream, cfg.group, cfg.max_len, cfg.dead_letter_stream, metrics)
+    return RedisTrajectoryQueue(
+        cfg.url,
+        cfg.stream,
+        cfg.group,
+        cfg.max_len,
+        cfg.dead_letter_stream,
+        metrics,
+        consumed_keep_s=cfg.consumed_keep_s,
+    )
 
 
 __all__ = ["Delivery", "QUEUE_METRICS", "QueueFull", "QueueLag", "QueueUnavailable", "TrajectoryQueue", "open_queue"]

@@ -2,7 +2,8 @@
 
 Layout, for a stream ``S`` and consumer group ``G``:
 - ``S``: entries ``{d: <encoded trajectory>}`` (the trajectory id is inside the record);
-- ``S:consumed:G``: set of trajectory ids the group has committed (exactly-once filter);
+- ``S:consumed:G:<k>``: sets of the trajectory ids the group committed in time bucket k (exactly-once filter),
+  each expiring ``consumed_keep_s`` after its bucket, so the filter's memory is bounded by the commit rate;
 - the dead-letter stream (default ``S:dead``): ``{d, error, source_id, source_stream}``.
 
 Hot paths cost a round trip or two per batch, never one per record: a put is a pipeline of XADDs + XLEN
@@ -32,20 +33,26 @@ from molt.bus.connection import connect
 from molt.metrics import Metrics
 from molt.schema import SchemaError, decode_many
 
-# KEYS: consumed set. ARGV: msgpack list of trajectory ids. Returns the 1-based positions of the ids
-# already committed: an empty reply in the common case. (SMISMEMBER, 6.2+, in chunks: Lua's unpack limit.)
+# KEYS: the consumed sets still alive. ARGV: msgpack list of trajectory ids. Returns the 1-based positions of
+# the ids already committed (possibly repeated): an empty reply in the common case. (SMISMEMBER, 6.2+, in
+# chunks: Lua's unpack limit.)
 _COMMITTED_HITS = """
 local ids, hits = cmsgpack.unpack(ARGV[1]), {}
-for i = 1, #ids, 1000 do
-  local found = redis.call('SMISMEMBER', KEYS[1], unpack(ids, i, math.min(i + 999, #ids)))
-  for j, member in ipairs(found) do
-    if member == 1 then hits[#hits + 1] = i + j - 1 end
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    for i = 1, #ids, 1000 do
+      local found = redis.call('SMISMEMBER', key, unpack(ids, i, math.min(i + 999, #ids)))
+      for j, member in ipairs(found) do
+        if member == 1 then hits[#hits + 1] = i + j - 1 end
+      end
+    end
   end
 end
 return hits
 """
 
-# KEYS: stream, consumed set. ARGV: group, msgpack entry ids, msgpack trajectory ids. The commit: atomic.
+# KEYS: stream, this bucket's consumed set. ARGV: group, msgpack entry ids, msgpack trajectory ids, the set's
+# time to live in ms. The commit: atomic.
 _ACK = """
 local ids, tids = cmsgpack.unpack(ARGV[2]), cmsgpack.unpack(ARGV[3])
 for i = 1, #ids, 1000 do
@@ -54,8 +61,12 @@ end
 for i = 1, #tids, 1000 do
   redis.call('SADD', KEYS[2], unpack(tids, i, math.min(i + 999, #tids)))
 end
+if #tids > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 return #ids
 """
+
+CONSUMED_BUCKETS = 24
+"""The exactly-once filter's time buckets per ``consumed_keep_s``: a read checks about this many sets."""
 
 _pack = msgspec.msgpack.encode
 
@@ -87,13 +98,16 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         metrics: Metrics | None = None,
         trim_every: int = 256,
         put_timeout_s: float = 60.0,
+        consumed_keep_s: float = 86400.0,
     ) -> None:
         self.url = url
         self.stream = stream
         self.group = group
         self.max_len = max_len
         self.dead_letter_stream = dead_letter_stream or f"{stream}:dead"
-        self.consumed_key = f"{stream}:consumed:{group}"
+        self.consumed_prefix = f"{stream}:consumed:{group}:"
+        self.consumed_keep_s = consumed_keep_s
+        self._bucket_s = consumed_keep_s / CONSUMED_BUCKETS
         self.metrics = metrics
         self.trim_every = trim_every
         self.put_timeout_s = put_timeout_s
@@ -293,12 +307,21 @@ class RedisTrajectoryQueue(TrajectoryQueue):
             await self.redis.xack(self.stream, self.group, *dupes)
         return fresh
 
+    def _consumed_keys(self, now_s: float) -> list[str]:
+        """The consumed sets that may still hold an id committed within ``consumed_keep_s`` of ``now_s``."""
+        first, last = int((now_s - self.consumed_keep_s) // self._bucket_s), int(now_s // self._bucket_s)
+        return [f"{self.consumed_prefix}{k}" for k in range(first, last + 1)]
+
     async def consumed(self, trajectory_ids: Iterable[str]) -> list[bool]:
+        """Which ids the group committed within ``consumed_keep_s``. The window only has to outlast the one in
+        which a producer may write an id twice (the gateway's --session.finished_keep_s); remembering every id
+        for good would grow Redis by every trajectory ever trained."""
         ids = list(trajectory_ids)
         if not ids:
             return []
         out = [False] * len(ids)
-        for index in await self._committed_hits(keys=[self.consumed_key], args=[_pack(ids)]):
+        keys = self._consumed_keys(time.time())
+        for index in await self._committed_hits(keys=keys, args=[_pack(ids)]):
             out[int(index) - 1] = True
         return out
 
@@ -306,12 +329,14 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         deliveries = list(deliveries)
         if not deliveries:
             return
+        # A bucket's set lives keep_s past the bucket's end, so every id stays known at least keep_s.
         await self._ack_script(
-            keys=[self.stream, self.consumed_key],
+            keys=[self.stream, self._consumed_keys(time.time())[-1]],
             args=[
                 self.group,
                 _pack([d.entry_id for d in deliveries]),
                 _pack([d.trajectory.trajectory_id for d in deliveries]),
+                max(1, int((self.consumed_keep_s + self._bucket_s) * 1000)),
             ],
         )
         self._acks_since_trim += len(deliveries)
@@ -375,7 +400,8 @@ class RedisTrajectoryQueue(TrajectoryQueue):
 
     async def delete(self) -> None:
         """Remove the stream and its companion keys (tests and run teardown)."""
-        await self.redis.delete(self.stream, self.consumed_key, self.dead_letter_stream)
+        consumed = [key async for key in self.redis.scan_iter(match=self.consumed_prefix + "*")]
+        await self.redis.delete(self.stream, self.dead_letter_stream, *consumed)
 
     async def close(self) -> None:
         await self.redis.aclose()

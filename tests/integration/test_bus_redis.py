@@ -94,6 +94,30 @@ async def test_redelivery_of_committed_id_is_skipped(queue):
     assert (await queue.lag()).pending == 0
 
 
+async def test_the_exactly_once_filter_forgets_ids_after_its_window_so_its_memory_is_bounded(redis_url, stream_name):
+    """Committed ids are remembered for --redis.consumed_keep_s (in time-bucketed sets that expire), not for good:
+    Redis would otherwise grow by every trajectory a run ever trained. Within the window a repeat is skipped."""
+    from molt.bus.redis_stream import CONSUMED_BUCKETS
+
+    q = RedisTrajectoryQueue(redis_url, stream_name, consumed_keep_s=1.5)
+    try:
+        for i in range(3):
+            await q.put(traj(f"w{i}"))
+            await q.ack(await q.read("c", 10, block_s=0.1))
+        await q.put(traj("w0"))
+        assert await q.read("c", 10, block_s=0.1) == []  # a repeat inside the window
+        keys = [k async for k in q.redis.scan_iter(match=q.consumed_prefix + "*")]
+        assert 1 <= len(keys) <= CONSUMED_BUCKETS + 2
+        ttls = [await q.redis.pttl(k) for k in keys]
+        assert all(0 < ttl <= 1.5e3 * (1 + 1 / CONSUMED_BUCKETS) for ttl in ttls)
+        await asyncio.sleep(1.8)
+        assert [k async for k in q.redis.scan_iter(match=q.consumed_prefix + "*")] == []
+        assert await q.consumed(["w0", "w1", "w2"]) == [False, False, False]
+    finally:
+        await q.delete()
+        await q.close()
+
+
 async def test_committed_and_in_batch_repeats_are_skipped(queue):
     await queue.put_many([traj("c1"), traj("c2"), traj("c3")])
     await queue.ack(await queue.read("c", 10, block_s=0.1))

@@ -60,7 +60,7 @@ def fleet(tiny_qwen3, redis_url, tmp_path_factory):
         for p, _ in pods:
             stop(p)
         r = redis.Redis.from_url(redis_url)
-        r.delete(stream, f"{stream}:consumed:check", f"{stream}:dead")
+        r.delete(stream, f"{stream}:dead", *r.scan_iter(match=f"{stream}:consumed:check:*"))
         r.close()
 
 
