@@ -27,7 +27,7 @@ seed and epoch, so a resumed run continues with exactly the windows the killed r
 
 SIGTERM/SIGINT (a preemption, Ctrl-C) on any rank: every rank finishes the step in progress, a checkpoint of
 it is saved (with ``--ckpt.save_steps`` set) and the process exits 0 without the final export, which the
-resumed run writes.
+resumed run writes. An evaluation under way is abandoned (no eval_loss for that step); the step is still saved.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -236,13 +237,24 @@ class SftLearner:
         return out
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[tuple[dict, bool]]) -> float:
+    def eval_loss(self, batches: list[tuple[dict, bool]], stop: Callable[[], bool] | None = None) -> float | None:
         """Token-mean CE over every rank's batches (``(batch, False)``: a padding forward, so all ranks run as
-        many)."""
+        many); None when ``stop`` (a collective every rank calls before each batch) says to abandon it."""
         self.actor.eval()
         ce_sum, tokens = 0.0, 0
         try:
-            for batch, real in batches:
+            for i, (batch, real) in enumerate(batches):
+                # A whole eval set can outlast a preemption's grace period. Every rank asks before the same batch,
+                # so all leave together; the tiny all-reduce is cheap next to the forward (float(ce) syncs anyway).
+                if stop is not None and stop():
+                    if self.info.is_main:
+                        log.warning(
+                            "step %d evaluation abandoned after %d of %d batches: stop requested, no eval_loss",
+                            self.global_step,
+                            i,
+                            len(batches),
+                        )
+                    return None
                 ce, n, _ = self._forward(batch)
                 if real:
                     ce_sum, tokens = ce_sum + float(ce), tokens + int(n)
@@ -354,7 +366,9 @@ class StopFlag:
 
 
 def _save(s: SftSettings, learner, tok, info: DistInfo, step: int) -> None:
-    checkpoint.save(s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max())
+    checkpoint.save(
+        s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max(), max_mem=s.ckpt.max_mem
+    )
     if s.ckpt.save_hf:
         hf_root = Path(s.ckpt.path) / "_hf"
         save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)
@@ -440,10 +454,15 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
                         metrics["tokens_per_s"],
                     )
             if eval_batches is not None and step % eval_every == 0:
-                last["eval_loss"] = learner.eval_loss(eval_batches)
-                sinks.write("eval", step, {"eval_loss": last["eval_loss"]})
                 if info.is_main:
-                    log.info("step %d eval_loss %.4f", step, last["eval_loss"])
+                    log.info("step %d evaluating %d batches", step, len(eval_batches))
+                # A stop request abandons the evaluation (nothing recorded); the save and stop below still run.
+                eval_loss = learner.eval_loss(eval_batches, None if stop is None else lambda: stop.agreed(info))
+                if eval_loss is not None:
+                    last["eval_loss"] = eval_loss
+                    sinks.write("eval", step, {"eval_loss": eval_loss})
+                    if info.is_main:
+                        log.info("step %d eval_loss %.4f", step, eval_loss)
             saved = s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0
             if saved:
                 _save(s, learner, tok, info, step)
