@@ -19,6 +19,7 @@ so the stream length measures real backlog.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -69,6 +70,7 @@ CONSUMED_BUCKETS = 24
 """The exactly-once filter's time buckets per ``consumed_keep_s``: a read checks about this many sets."""
 
 _pack = msgspec.msgpack.encode
+log = logging.getLogger("molt.bus")
 
 
 _LAG_COUNT_CAP = 100_000
@@ -280,14 +282,20 @@ class RedisTrajectoryQueue(TrajectoryQueue):
             else:
                 good.append(Delivery(entry_id, traj, count))
         if dead or gone:
-            pipe = self.redis.pipeline(transaction=True)
-            for entry_id, raw, error in dead:
-                pipe.xadd(
-                    self.dead_letter_stream,
-                    {"d": raw, "error": error, "source_id": entry_id, "source_stream": self.stream},
-                )
-            pipe.xack(self.stream, self.group, *[d[0] for d in dead], *gone)
-            await pipe.execute()
+            try:
+                await self._dead_letter(dead, gone)
+            except OutOfMemoryError as exc:
+                # Redis at its maxmemory refuses the dead-letter copy. Left pending, the entries would be read
+                # again forever and hold back the trim that frees memory: they are acked with their errors logged.
+                for entry_id, _, error in dead:
+                    log.error(
+                        "undecodable entry %s of %s acked without a dead-letter copy (%s): %s",
+                        entry_id,
+                        self.stream,
+                        exc,
+                        error,
+                    )
+                await self.redis.xack(self.stream, self.group, *[d[0] for d in dead], *gone)
             if dead and self.metrics:
                 self.metrics["molt_queue_dead_letter_total"].labels(self.stream).inc(len(dead))
         if not good:
@@ -311,6 +319,16 @@ class RedisTrajectoryQueue(TrajectoryQueue):
         """The consumed sets that may still hold an id committed within ``consumed_keep_s`` of ``now_s``."""
         first, last = int((now_s - self.consumed_keep_s) // self._bucket_s), int(now_s // self._bucket_s)
         return [f"{self.consumed_prefix}{k}" for k in range(first, last + 1)]
+
+    async def _dead_letter(self, dead: list[tuple[str, bytes, str]], gone: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        for entry_id, raw, error in dead:
+            pipe.xadd(
+                self.dead_letter_stream,
+                {"d": raw, "error": error, "source_id": entry_id, "source_stream": self.stream},
+            )
+        pipe.xack(self.stream, self.group, *[d[0] for d in dead], *gone)
+        await pipe.execute()
 
     async def consumed(self, trajectory_ids: Iterable[str]) -> list[bool]:
         """Which ids the group committed within ``consumed_keep_s``. The window only has to outlast the one in

@@ -78,6 +78,25 @@ async def test_a_full_redis_is_waited_out_and_writes_resume_once_the_trainer_dra
         await consumer.close()
 
 
+async def test_an_undecodable_entry_read_while_redis_is_full_is_acked_and_logged_not_read_forever(server, caplog):
+    """Its dead-letter copy is refused at maxmemory; left pending it would hold back the trim that frees memory."""
+    producer = RedisTrajectoryQueue(server.url, "molt:test:oom-dead")
+    consumer = RedisTrajectoryQueue(server.url, "molt:test:oom-dead")
+    try:
+        await consumer.ensure_group()
+        await producer.redis.xadd("molt:test:oom-dead", {"d": b"not a trajectory"})
+        written = await _fill(producer)
+        with caplog.at_level("ERROR", logger="molt.bus"):
+            assert await _drain(consumer) == written
+        assert "without a dead-letter copy" in caplog.text
+        assert (await consumer.lag()).pending == 0
+        t = _traj()
+        await producer.put_once(encode_many([t]), [t.trajectory_id], keep_s=60, timeout_s=5)
+    finally:
+        await producer.close()
+        await consumer.close()
+
+
 async def test_a_finish_that_redis_refuses_is_a_503_and_the_session_is_written_once_after(server, tiny_qwen3):
     from services.gateway.chat import ChatModel
 
