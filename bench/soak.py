@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
         "training, saving, publishing weights)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the fault jitter")
+    p.add_argument(
+        "--redis-maxmemory",
+        default=None,
+        help="run Redis with this maxmemory (e.g. 4mb) and noeviction, as managed Redis services do: producers "
+        "then wait on a full Redis for the trainer instead of on --redis.max_len",
+    )
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument(
         "--pod-arg",
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         pod_args=args.pod_arg,
         jitter_s=args.fault_jitter_s,
         seed=args.seed,
+        redis_maxmemory=args.redis_maxmemory,
     )
 
 
@@ -239,6 +246,7 @@ def soak(
     pod_args: list[str] | None = None,
     jitter_s: float = 0.0,
     seed: int = 0,
+    redis_maxmemory: str | None = None,
 ) -> dict:
     recipe = RECIPES["tiny"]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,7 +257,8 @@ def soak(
     env = {**CPU_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     weights_env = {**env, "MOLT_WEIGHTS_TOKEN": secrets.token_urlsafe(32)}
     stream, steps_log = f"molt:soak:{run_dir.name}", run_dir / "steps.jsonl"
-    redis = EmbeddedRedis(log_dir=run_dir, data_dir=run_dir / "redis")
+    memory = ["--maxmemory", redis_maxmemory, "--maxmemory-policy", "noeviction"] if redis_maxmemory else []
+    redis = EmbeddedRedis(log_dir=run_dir, data_dir=run_dir / "redis", args=memory)
     pod_http, pod_grpc, gw_port, envs_port, metrics_port = (free_port() for _ in range(5))
     pod_url, gw_url, envs_url = (f"http://127.0.0.1:{port}" for port in (pod_http, gw_port, envs_port))
     procs = {

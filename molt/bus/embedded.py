@@ -40,9 +40,15 @@ class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url`` runs a private redis-server for the block."""
 
     def __init__(
-        self, port: int | None = None, log_dir: str | Path | None = None, data_dir: str | Path | None = None
+        self,
+        port: int | None = None,
+        log_dir: str | Path | None = None,
+        data_dir: str | Path | None = None,
+        args: list[str] | None = None,
     ) -> None:
+        """``args``: more redis-server options (e.g. ``["--maxmemory", "8mb"]``), kept across restarts."""
         self.port = port or free_port()
+        self.args = list(args or [])
         self.log_dir = Path(log_dir) if log_dir else None
         self.data_dir = Path(data_dir) if data_dir else None
         self.proc: subprocess.Popen | None = None
@@ -73,6 +79,7 @@ class EmbeddedRedis:
             log,
             "--protected-mode",
             "yes",
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
