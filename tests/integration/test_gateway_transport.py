@@ -76,7 +76,7 @@ async def test_post_reuses_one_keep_alive_connection_and_sends_a_well_formed_req
         assert lines[0] == b"POST /v1/generate HTTP/1.1" and body == b'{"x": 1}'
         assert b"Host: 127.0.0.1:" + srv.url.rsplit(":", 1)[1].encode() in lines
         assert b"Content-Type: application/json" in lines and b"Content-Length: 8" in lines
-        assert await t.get(srv.url + "/readyz", 1.0) == 200
+        assert (await t.get(srv.url + "/readyz", 1.0))[0] == 200
         assert srv.requests[3].startswith(b"GET /readyz HTTP/1.1\r\n")
         await t.close()
 
