@@ -132,3 +132,18 @@ async def replica_group(chat_model, redis_url, stream_name):
     group = ReplicaGroup(chat_model, redis_url, stream_name, "http://pod-a:1")
     yield group
     await group.close()
+
+
+@pytest.fixture
+def one_process_group():
+    """A single-process gloo group (a checkpoint save is a collective), or the one already set up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -121,20 +121,6 @@ def test_max_mem_flag_takes_a_fractional_budget_and_refuses_non_positive():
 # ---------------------------------------------------------------- real saves (single-process gloo group)
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _Learner:
     def __init__(self) -> None:
         torch.manual_seed(0)

@@ -526,20 +526,6 @@ def test_resume_picks_latest_else_the_newest_complete_step_never_best(tmp_path):
     assert latest_dir(str(tmp_path)).name == "global_step20"
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _Learner:
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
