@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from molt.vocab import model_vocab
 from services.rollout import checkpoint
 from services.rollout.config import RolloutSettings
 from services.rollout.cpu_dtype import cpu_flags, cpu_serving_dtype
@@ -145,7 +146,7 @@ class EngineThread:
         self.serving_dtype = ""
         """The one dtype of every floating engine parameter ("" when they differ), found at start."""
         self.vocab = ""
-        """``molt.vocab.vocab_fingerprint`` of the engine's tokenizer, found at start (the gateway checks it)."""
+        """``molt.vocab.model_vocab`` of the model directory, found at start (the gateway checks it)."""
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._llm = None
@@ -208,9 +209,7 @@ class EngineThread:
         per_worker = await self._call(lambda llm, jobs: llm.collective_rpc("rollout_param_dtypes"))
         dtypes = {d for names in per_worker for d in names}
         self.serving_dtype = dtypes.pop() if len(dtypes) == 1 else ""
-        from molt.vocab import vocab_fingerprint
-
-        self.vocab = vocab_fingerprint(self._llm.get_tokenizer())
+        self.vocab = await asyncio.to_thread(model_vocab, self.settings.model.path)
         cfg = self._llm.model_config
         self._limits = Limits(
             vocab_size=cfg.get_vocab_size(),
