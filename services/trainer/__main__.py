@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
+    from services.trainer.checkpoint import CheckpointWriteError
     from services.trainer.model import init_distributed
     from services.trainer.publish import PodDiscoveryError
     from services.trainer.trainer import Trainer
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         summary = trainer.run()
-    except PodDiscoveryError as exc:
+    except (PodDiscoveryError, CheckpointWriteError) as exc:
         sys.exit(f"{PROG}: error: {exc}")
     finally:
         trainer.close()

@@ -100,44 +100,102 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    dcp.save(_stateful(learner), checkpoint_id=str(tmp / "model_optim"))
+    try:  # collective: a write that fails on any rank raises on every rank
+        dcp.save(_stateful(learner), checkpoint_id=str(tmp / "model_optim"))
+    except dcp.CheckpointException as exc:
+        failures = list(exc.failures.values())
+        raise _write_failed(base, tmp, tag, failures[0][0] if failures else exc) from exc
     dist.barrier()
+    problem: list[str | None] = [None]
     if dist.get_rank() == 0:
-        if getattr(learner, "hf_source", None):  # config + tokenizer: `molt export` rebuilds the model from them
-            from services.trainer.export import HF_FILES, copy_model_files
-
-            copy_model_files(learner.hf_source, tmp / HF_FILES)
-            if getattr(learner, "lora", None):  # the adapters' scale: `molt export` folds them in
-                from services.trainer.lora import write_config
-
-                write_config(tmp / HF_FILES, learner.lora.rank, learner.lora.alpha)
-        _write_metric(tmp, metric_key, metric_value, sync_dir=False)  # the tmp dir is fsynced below
-        extra = {
-            "global_step": learner.global_step,
-            "sched": learner.sched.state_dict(),
-            "critic_sched": learner.critic_sched.state_dict() if getattr(learner, "critic_sched", None) else None,
-            "kl_ctl": learner.kl_ctl.state_dict() if getattr(learner, "kl_ctl", None) else None,
-            "rng": torch.get_rng_state(),
-            "client_state": client_state,
-        }
-        with open(tmp / "extra_state.pt", "wb") as f:
-            torch.save(extra, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step after a resume: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(base)
-        if best:
-            for old in base.glob(BEST_PREFIX + "global_step*"):
-                if old.name != tag:
-                    shutil.rmtree(old, ignore_errors=True)
-        else:
-            _write_atomic(base / LATEST, tag.encode())
-            prune(base, max_num, keep=tag, max_mem=max_mem)
-    dist.barrier()
+        try:
+            _finish_save(
+                base, tmp, final, tag, learner, client_state, max_num, best, max_mem, metric_key, metric_value
+            )
+        except (OSError, RuntimeError) as exc:
+            problem[0] = str(_write_failed(base, tmp, tag, exc))
+    dist.broadcast_object_list(problem, src=0)  # the other ranks wait here, and fail with rank 0
+    if problem[0] is not None:
+        raise CheckpointWriteError(problem[0])
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full volume, most often); the message names the fix."""
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 2**20:.1f} MB"
+
+
+def _write_failed(base: Path, tmp: Path, tag: str, cause: BaseException) -> CheckpointWriteError:
+    """The error for a save that failed, its partial directory removed (rank 0). Writers report a full disk in
+    their own words (torch's zip writer as an "unexpected pos" mismatch), so the free space is stated too."""
+    try:
+        free = f"{_size(shutil.disk_usage(base).free)} free"
+    except OSError:
+        free = "unknown free space"
+    partial = dir_size(tmp)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = sum(dir_size(p) for p in _ckpt_dirs(base, STEP_PREFIX) + _ckpt_dirs(base, BEST_PREFIX + STEP_PREFIX))
+    first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+    return CheckpointWriteError(
+        f"could not write checkpoint {tag} under {base} ({type(cause).__name__}: {first}); that filesystem had "
+        f"{free} when it failed, after {_size(partial)} of this checkpoint (removed), and the checkpoints kept "
+        f"there take {_size(kept)}. If it is full: free space, give --ckpt.path a larger volume, or keep fewer "
+        "checkpoints (--ckpt.max_num, --ckpt.dcp_max_num, --ckpt.max_mem). A restart resumes from the last "
+        "complete checkpoint"
+    )
+
+
+def _finish_save(
+    base: Path,
+    tmp: Path,
+    final: Path,
+    tag: str,
+    learner,
+    client_state: dict[str, Any],
+    max_num: int,
+    best: bool,
+    max_mem: float,
+    metric_key: str | None,
+    metric_value: float | None,
+) -> None:
+    """Rank 0's part of ``save``: the files besides the shards, the atomic rename, ``latest`` and retention."""
+    if getattr(learner, "hf_source", None):  # config + tokenizer: `molt export` rebuilds the model from them
+        from services.trainer.export import HF_FILES, copy_model_files
+
+        copy_model_files(learner.hf_source, tmp / HF_FILES)
+        if getattr(learner, "lora", None):  # the adapters' scale: `molt export` folds them in
+            from services.trainer.lora import write_config
+
+            write_config(tmp / HF_FILES, learner.lora.rank, learner.lora.alpha)
+    _write_metric(tmp, metric_key, metric_value, sync_dir=False)  # the tmp dir is fsynced below
+    extra = {
+        "global_step": learner.global_step,
+        "sched": learner.sched.state_dict(),
+        "critic_sched": learner.critic_sched.state_dict() if getattr(learner, "critic_sched", None) else None,
+        "kl_ctl": learner.kl_ctl.state_dict() if getattr(learner, "kl_ctl", None) else None,
+        "rng": torch.get_rng_state(),
+        "client_state": client_state,
+    }
+    with open(tmp / "extra_state.pt", "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # a re-save of the same step after a resume: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(base)
+    if best:
+        for old in base.glob(BEST_PREFIX + "global_step*"):
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    else:
+        _write_atomic(base / LATEST, tag.encode())
+        prune(base, max_num, keep=tag, max_mem=max_mem)
 
 
 def _write_metric(ckpt_dir: Path, key: str | None, value: float | None, *, sync_dir: bool = True) -> None:

@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     signal.signal(signal.SIGINT, stop.request)
     try:
         summary = train(s, info, stop)
-    except ValueError as exc:
+    except (ValueError, checkpoint.CheckpointWriteError) as exc:
         sys.exit(f"{prog}: error: {exc}")
     if info.is_main:
         log.info("done: %s", summary)
