@@ -97,7 +97,10 @@ def save(
     final, tmp = base / tag, base / f".tmp-{tag}"
     if dist.get_rank() == 0:
         base.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Partial saves of a process killed mid-write (one trainer writes under a --ckpt.path) would hold their
+        # disk space until the same step is saved again, which a resume on another cadence never does.
+        for partial in base.glob(".tmp-*"):
+            shutil.rmtree(partial, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
     try:  # collective: a write that fails on any rank raises on every rank

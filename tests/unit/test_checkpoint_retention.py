@@ -225,3 +225,13 @@ def test_best_metric_key_none_records_no_metric(tmp_path, one_process_group):
     t._save()
     t._evaluate()
     assert _metric(tmp_path / "global_step1") == {"metric_key": None, "metric_value": None}
+
+
+def test_a_save_removes_partial_saves_a_killed_process_left(tmp_path, one_process_group):
+    """A SIGKILL mid-save leaves .tmp-global_step<N>; the next save of any step removes it."""
+    (tmp_path / ".tmp-global_step7" / "model_optim").mkdir(parents=True)
+    (tmp_path / ".tmp-best_global_step5").mkdir()
+    learner = _Learner()
+    learner.global_step = 3
+    checkpoint.save(str(tmp_path), learner, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "latest"]
