@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer import lora
+from services.trainer.checkpoint import CheckpointWriteError
 from services.trainer.model import full_state_dict
 
 log = logging.getLogger("molt.trainer")
@@ -47,12 +48,30 @@ def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, token
 
     ``tokenizer``: the one trained with (e.g. with an overridden chat template); default the source's."""
     state = full_state_dict(model)
-    if dist.get_rank() != 0:
-        dist.barrier()
-        return None
-    out = write_hf_dir(state, source_dir, out_dir, tokenizer, lora.scale_of(model))
-    dist.barrier()
+    out: Path | None = None
+    problem: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            out = write_hf_dir(state, source_dir, out_dir, tokenizer, lora.scale_of(model))
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank, so none waits on rank 0 for good
+            problem[0] = _write_failed(out_dir, exc)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointWriteError(problem[0])
     return out
+
+
+def _write_failed(out_dir: str | Path, cause: BaseException) -> str:
+    first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+    try:
+        free = f"{shutil.disk_usage(Path(out_dir).parent).free / 2**20:.1f} MB free"
+    except OSError:
+        free = "unknown free space"
+    return (
+        f"could not write the HF model directory {out_dir} ({type(cause).__name__}: {first}); its filesystem has "
+        f"{free}. Free space or choose another directory (--ckpt.output_dir), then write it from the last "
+        "checkpoint: molt export <--ckpt.path> <directory> (without --ckpt.save_steps there is none)"
+    )
 
 
 def write_hf_dir(
@@ -65,8 +84,7 @@ def write_hf_dir(
     """Write a full, HF-named ``state`` as a model directory with ``source_dir``'s other files (one process).
     With ``lora_scale`` the state holds LoRA adapters: they are folded into the weights, and written alone to
     ``adapter/`` in PEFT's layout (services/trainer/lora.py)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     out = Path(out_dir)
     unmerged = state
@@ -80,6 +98,20 @@ def write_hf_dir(
     # A name of its own: two runs may write their final models to the same folder (Molt's default ./ckpt).
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
+    try:
+        _write_files(tmp, out, tensors, config, source_dir, tokenizer, unmerged, lora_scale)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) must not keep what it wrote
+        raise
+    log.info("HF model written to %s", out)
+    return out
+
+
+def _write_files(tmp: Path, out: Path, tensors, config, source_dir, tokenizer, unmerged, lora_scale) -> None:
+    """``write_hf_dir``'s files, written into ``tmp`` and then moved to ``out``."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig
+
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     try:
@@ -98,8 +130,6 @@ def write_hf_dir(
                 shutil.rmtree(out / f.name)
             os.replace(f, out / f.name)
         tmp.rmdir()
-    log.info("HF model written to %s", out)
-    return out
 
 
 HF_FILES = "hf_files"

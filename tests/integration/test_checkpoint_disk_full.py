@@ -35,10 +35,12 @@ UNSHARE = shutil.which("unshare")
 
 
 def _on_small_fs(mount: Path, argv: list[str], size: str = "1m") -> list[str]:
-    """``argv`` run with a ``size`` tmpfs over ``mount``, in namespaces of its own."""
+    """``argv`` run with a ``size`` tmpfs over ``mount``, in namespaces of its own; what the tmpfs holds at the
+    end is printed last (``left: <names>``), since it goes with the namespace."""
     assert UNSHARE is not None
-    script = f'mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(mount))} && exec "$@"'
-    return [UNSHARE, "-Urm", "sh", "-c", script, "sh", *argv]
+    where = shlex.quote(str(mount))
+    run = f'"$@"; rc=$?; echo "left: $(ls -A {where})"; exit $rc'
+    return [UNSHARE, "-Urm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {where} && {{ {run}; }}", "sh", *argv]
 
 
 @pytest.fixture(scope="module")
@@ -79,5 +81,34 @@ def test_a_full_checkpoint_volume_stops_the_trainer_with_the_fix_and_loses_nothi
         assert sorted(trained[-4:]) == sorted(t.trajectory_id for t in trajs)
         assert lag(redis_url, stream).pending == 0
         assert not list((ckpt / "run").glob(".tmp-*"))
+    finally:
+        delete_stream(redis_url, stream)
+
+
+def test_a_final_model_that_does_not_fit_is_one_line_naming_molt_export_and_leaves_nothing_half_written(
+    small_fs_allowed, tiny_qwen3, redis_url, tmp_path
+):
+    stream = f"molt:test:diskfull:{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "final"
+    out.mkdir()
+    flags = stream_flags(tiny_qwen3, redis_url, stream, tmp_path, "--train.read_block_s", "0.2")
+    flags += ["--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.save_steps", "1", "--train.num_steps", "1"]
+    flags += ["--ckpt.output_dir", str(out / "model")]
+    try:
+        put(redis_url, stream, synthetic_groups(1, 2))
+        proc = subprocess.run(
+            _on_small_fs(out, trainer_cmd() + flags, size="256k"),
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("python -m services.trainer: error: could not write the HF model directory")
+        assert "molt export" in last and "--ckpt.output_dir" in last
+        assert proc.stdout.strip().splitlines()[-1] == "left:"  # the partial model directory was removed
+        assert lag(redis_url, stream).pending == 0  # the step was checkpointed and acked before the export
     finally:
         delete_stream(redis_url, stream)
