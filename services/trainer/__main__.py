@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from services.trainer.checkpoint import CheckpointWriteError
+    from services.trainer.errors import CheckpointWriteError
     from services.trainer.model import init_distributed
     from services.trainer.publish import PodDiscoveryError
     from services.trainer.trainer import Trainer

@@ -40,6 +40,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from services.trainer.errors import CheckpointWriteError
+
 log = logging.getLogger("molt.trainer")
 LATEST = "latest"
 BEST_PREFIX = "best_"
@@ -121,10 +123,6 @@ def save(
     if problem[0] is not None:
         raise CheckpointWriteError(problem[0])
     return final
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (a full volume, most often); the message names the fix."""
 
 
 def _size(n: float) -> str:

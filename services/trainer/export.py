@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer import lora
-from services.trainer.checkpoint import CheckpointWriteError
+from services.trainer.errors import CheckpointWriteError
 from services.trainer.model import full_state_dict
 
 log = logging.getLogger("molt.trainer")

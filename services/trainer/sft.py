@@ -49,6 +49,7 @@ import torch.distributed as dist
 from molt.data import read_mixed_rows
 from molt.serve import configure_logging, freeze_before_exit, model_dir_problem
 from services.trainer import checkpoint
+from services.trainer.errors import CheckpointWriteError
 from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
 from services.trainer.model import (
@@ -505,7 +506,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     signal.signal(signal.SIGINT, stop.request)
     try:
         summary = train(s, info, stop)
-    except (ValueError, checkpoint.CheckpointWriteError) as exc:
+    except (ValueError, CheckpointWriteError) as exc:
         sys.exit(f"{prog}: error: {exc}")
     if info.is_main:
         log.info("done: %s", summary)
