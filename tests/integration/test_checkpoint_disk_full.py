@@ -43,6 +43,11 @@ def _on_small_fs(mount: Path, argv: list[str], size: str = "1m") -> list[str]:
     return [UNSHARE, "-Urm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {where} && {{ {run}; }}", "sh", *argv]
 
 
+def _trainer_on_small_fs(mount: Path, flags: list[str], size: str = "1m") -> subprocess.CompletedProcess:
+    argv = _on_small_fs(mount, trainer_cmd() + flags, size)
+    return subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+
+
 @pytest.fixture(scope="module")
 def small_fs_allowed(tmp_path_factory):
     mount = tmp_path_factory.mktemp("probe")
@@ -61,14 +66,7 @@ def test_a_full_checkpoint_volume_stops_the_trainer_with_the_fix_and_loses_nothi
     trajs = synthetic_groups(2, 2)
     try:
         put(redis_url, stream, trajs)
-        proc = subprocess.run(
-            _on_small_fs(ckpt, trainer_cmd() + flags),
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        proc = _trainer_on_small_fs(ckpt, flags)
         assert proc.returncode == 1, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("python -m services.trainer: error: could not write checkpoint global_step1")
@@ -96,14 +94,7 @@ def test_a_final_model_that_does_not_fit_is_one_line_naming_molt_export_and_leav
     flags += ["--ckpt.output_dir", str(out / "model")]
     try:
         put(redis_url, stream, synthetic_groups(1, 2))
-        proc = subprocess.run(
-            _on_small_fs(out, trainer_cmd() + flags, size="256k"),
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        proc = _trainer_on_small_fs(out, flags, size="256k")
         assert proc.returncode == 1, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("python -m services.trainer: error: could not write the HF model directory")
