@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from services.trainer.errors import CheckpointWriteError
+from services.trainer.errors import CheckpointWriteError, size, write_failure
 
 log = logging.getLogger("molt.trainer")
 LATEST = "latest"
@@ -125,28 +125,18 @@ def save(
     return final
 
 
-def _size(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 2**20:.1f} MB"
-
-
 def _write_failed(base: Path, tmp: Path, tag: str, cause: BaseException) -> CheckpointWriteError:
-    """The error for a save that failed, its partial directory removed (rank 0). Writers report a full disk in
-    their own words (torch's zip writer as an "unexpected pos" mismatch), so the free space is stated too."""
-    try:
-        free = f"{_size(shutil.disk_usage(base).free)} free"
-    except OSError:
-        free = "unknown free space"
+    """The error for a save that failed, its partial directory removed (rank 0)."""
+    what = write_failure(cause, base)  # before the partial directory goes: the free space when it failed
     partial = dir_size(tmp)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     kept = sum(dir_size(p) for p in _ckpt_dirs(base, STEP_PREFIX) + _ckpt_dirs(base, BEST_PREFIX + STEP_PREFIX))
-    first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
     return CheckpointWriteError(
-        f"could not write checkpoint {tag} under {base} ({type(cause).__name__}: {first}); that filesystem had "
-        f"{free} when it failed, after {_size(partial)} of this checkpoint (removed), and the checkpoints kept "
-        f"there take {_size(kept)}. If it is full: free space, give --ckpt.path a larger volume, or keep fewer "
-        "checkpoints (--ckpt.max_num, --ckpt.dcp_max_num, --ckpt.max_mem). A restart resumes from the last "
-        "complete checkpoint"
+        f"could not write checkpoint {tag} under {base} {what} when it failed, after {size(partial)} of this "
+        f"checkpoint (removed), and the checkpoints kept there take {size(kept)}. If it is full: free space, give "
+        "--ckpt.path a larger volume, or keep fewer checkpoints (--ckpt.max_num, --ckpt.dcp_max_num, "
+        "--ckpt.max_mem). A restart resumes from the last complete checkpoint"
     )
 
 

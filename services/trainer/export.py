@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer import lora
-from services.trainer.errors import CheckpointWriteError
+from services.trainer.errors import CheckpointWriteError, write_failure
 from services.trainer.model import full_state_dict
 
 log = logging.getLogger("molt.trainer")
@@ -62,15 +62,10 @@ def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, token
 
 
 def _write_failed(out_dir: str | Path, cause: BaseException) -> str:
-    first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
-    try:
-        free = f"{shutil.disk_usage(Path(out_dir).parent).free / 2**20:.1f} MB free"
-    except OSError:
-        free = "unknown free space"
     return (
-        f"could not write the HF model directory {out_dir} ({type(cause).__name__}: {first}); its filesystem has "
-        f"{free}. Free space or choose another directory (--ckpt.output_dir), then write it from the last "
-        "checkpoint: molt export <--ckpt.path> <directory> (without --ckpt.save_steps there is none)"
+        f"could not write the HF model directory {out_dir} {write_failure(cause, Path(out_dir).parent)}. Free "
+        "space or choose another directory (--ckpt.output_dir), then write it from the last checkpoint: molt "
+        "export <--ckpt.path> <directory> (without --ckpt.save_steps there is none)"
     )
 
 
