@@ -59,6 +59,9 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # Pods count as healthy until probed: probe them all once before the server accepts a request, or the
+        # first turns could reach a pod that is down or serves another vocabulary.
+        await pool.probe_all()
         tasks = [asyncio.create_task(pool.health_loop()), asyncio.create_task(gw.reap_loop())]
         if isinstance(limits, RedisOpenSessions):
             tasks.append(asyncio.create_task(limits.renew_loop(gw.held_by_owner)))

@@ -295,7 +295,12 @@ class PodPool:
             )
         self.set_health(pod, ok, "" if ok else why)
 
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(p) for p in self.pods.values()))
+
     async def health_loop(self) -> None:
+        """Probes every pod each ``health_interval_s``; the first round is the caller's (``probe_all`` before
+        serving), so no request reaches a pod that is down or serves another vocabulary."""
         while True:
-            await asyncio.gather(*(self.probe(p) for p in self.pods.values()))
             await asyncio.sleep(self.health_interval_s)
+            await self.probe_all()

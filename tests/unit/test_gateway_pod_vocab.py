@@ -41,3 +41,21 @@ async def test_a_pod_that_reports_no_vocabulary_is_routed_to(tiny_qwen3):
     app, pods, http = scripted_gateway(model, lambda prompt, sp: [], PODS[:1])
     await app.gateway.pool.probe(app.gateway.pool.pods[PODS[0]])
     assert app.gateway.pool.pods[PODS[0]].healthy
+
+
+async def test_the_gateway_probes_every_pod_before_it_serves(tiny_qwen3):
+    """The first turns after start-up never reach a pod nobody has probed yet: one that serves another
+    vocabulary, or one that is down, is known as such before the server accepts its first request."""
+    model = ChatModel(tiny_qwen3)
+    pods_up = [*PODS, "http://pod-c:3"]
+    app, pods, http = scripted_gateway(model, lambda prompt, sp: model.encode("Hi.<|im_end|>"), pods_up)
+    pods.pods[PODS[1]].vocab = "ffffffffffffffff"
+    pods.pods["http://pod-c:3"].down = True
+    async with app.router.lifespan_context(app):
+        healthy = {p.url: p.healthy for p in app.gateway.pool.pods.values()}
+        assert healthy == {PODS[0]: True, PODS[1]: False, "http://pod-c:3": False}
+        for _ in range(4):
+            sid = (await http.post("/v1/sessions", json={})).json()["session_id"]
+            turn = {"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"max_tokens": 2}}
+            assert (await http.post(f"/v1/sessions/{sid}/generate", json=turn)).status_code == 200
+    assert len(pods.pods[PODS[0]].calls) == 4 and pods.pods[PODS[1]].calls == []
