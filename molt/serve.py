@@ -136,6 +136,37 @@ def model_dir_problem(path: str | None, flag: str = "--model.path") -> str | Non
 REDIS_BACKOFF_S = (0.2, 5.0)  # first wait and cap between two PINGs while a Redis does not answer at start-up
 
 
+REDIS_MIN_VERSION = (6, 2)
+"""XAUTOCLAIM, SMISMEMBER and XTRIM MINID, which the trajectory stream's reads, acks and trims use."""
+
+
+def _redis_info(client: Any) -> dict:
+    """INFO's server and cluster sections ({} where a proxy or managed service refuses INFO: not checked then)."""
+    import redis
+
+    try:
+        return {**client.info("server"), **client.info("cluster")}
+    except redis.ResponseError:
+        return {}
+
+
+def redis_unfit(info: dict) -> str | None:
+    """Why a Redis that answers cannot hold the trajectory stream (None: it can), from its INFO fields. Refused at
+    start-up, because at run time either failure would only show as a failed finish or read."""
+    if str(info.get("cluster_enabled", "0")) == "1" or info.get("redis_mode") == "cluster":
+        return (
+            "this is a Redis Cluster node, which Molt does not support (the stream, its consumer group and the "
+            "exactly-once sets are used together in one script, so they must live on one node); pass a "
+            "standalone or primary/replica Redis (on managed services: cluster mode disabled)"
+        )
+    version = str(info.get("redis_version", ""))
+    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
+    if version and tuple(parts) < REDIS_MIN_VERSION:
+        need = ".".join(map(str, REDIS_MIN_VERSION))
+        return f"Redis {version} is too old: Molt needs {need} or newer (XAUTOCLAIM, SMISMEMBER); upgrade it"
+    return None
+
+
 def redis_problem(
     url: str | None, flag: str = "--redis.url", wait_s: float = 5.0, wait_flag: str | None = None
 ) -> str | None:
@@ -154,7 +185,8 @@ def redis_problem(
         try:
             with redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=2.0) as client:
                 client.ping()
-            return None
+                unfit = redis_unfit(_redis_info(client))
+            return None if unfit is None else f"{flag} {mask_secrets(url)}: {unfit}"
         except (redis.RedisError, ValueError, OSError) as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if time.monotonic() + delay > deadline or isinstance(exc, (redis.AuthenticationError, ValueError)):
