@@ -11,6 +11,7 @@ template) and several tool results appended in one turn. Parsing model-written t
 from __future__ import annotations
 
 import asyncio
+import re
 
 import anthropic
 import httpx
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from services.gateway.chat import ChatModel
+from tests.docs_snippets import python_blocks
 from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
@@ -240,3 +242,19 @@ def test_bad_requests_get_4xx(stack):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.headers["x-molt-policy-version"] == "0"
     assert _finish(stack, s["session_id"])["written"] is False
+
+
+@pytest.mark.parametrize(
+    ("page", "host", "group"), [("gateway.md", "http://gw:8000", "g7"), ("deploy.md", None, "task-17")]
+)
+def test_the_session_snippet_of_the_docs_runs_as_written(stack, page, host, group, monkeypatch):
+    """What docs/gateway.md and docs/deploy.md show an agent developer, run with only the gateway's address
+    changed: one captured turn through the stock OpenAI SDK, then a finish that writes the trajectory."""
+    [block] = python_blocks(page)
+    if host is None:  # deploy.md names the port-forwarded gateway and reads the key from the environment
+        host = re.search(r'base_url="(http://[^"]+)"', block).group(1)  # type: ignore[union-attr]
+        monkeypatch.setenv("MOLT_KEY", "any-key")  # this gateway runs without keys: a bearer is ignored
+    assert host in block
+    exec(compile(block.replace(host, stack["url"]), f"docs/{page}", "exec"), {})
+    [traj] = [t for t in read_trajectories(stack["redis"], stack["stream"]) if t.group_id == group]
+    assert traj.reward == 1.0 and traj.num_action_tokens > 0
