@@ -35,9 +35,9 @@ def _sums(path: Path, n: int) -> Path:
     return path
 
 
-def _train_rl(run: Path, flags: list[str], timeout: float = 800) -> None:
+def _train_rl(run: Path, flags: list[str], timeout: float = 800, command: tuple[str, ...] = ("molt.cli", "train-rl")):
     proc = subprocess.run(
-        [sys.executable, "-m", "molt.cli", "train-rl", "--run-dir", str(run), "--no-progress", *flags],
+        [sys.executable, "-m", *command, "--run-dir", str(run), "--no-progress", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -118,7 +118,7 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         "0.5",
         "--train.check_weight_update_equal",
     ]
-    _train_rl(run, flags)
+    _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]  # 4 prompts / 2 per step: the dataset ends the run
     for s in steps:
@@ -196,7 +196,7 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
         *("--algo.advantage.is_correction_threshold", "5e-3", "--algo.kl.init_coef", "0"),
         *("--reward.clip_range", "-10", "10", "--ckpt.output_dir", str(run / "hf"), "--ckpt.save_steps", "-1"),
     ]
-    _train_rl(run, flags)
+    _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     first = steps[0]
@@ -218,7 +218,7 @@ def test_molts_distillation_runs_without_an_agent_path(tiny_qwen3, tmp_path):
         *("--algo.advantage.estimator", "on_policy_distill", "--ckpt.save_steps", "-1"),
         *("--ckpt.disable_final_save",),
     ]
-    _train_rl(run, flags)
+    _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["reward_mean"] == 0.0 for s in steps)
 

@@ -29,7 +29,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def sft_cmd(nproc: int = 1, molt_cli: bool = False) -> list[str]:
-    module = ["-m", "molt.cli", "train-sft"] if molt_cli else ["-m", "services.trainer.sft"]
+    """``molt_cli``: started as Molt's launch scripts start SFT (``-m molt.cli.train_sft``)."""
+    module = ["-m", "molt.cli.train_sft"] if molt_cli else ["-m", "services.trainer.sft"]
     if nproc == 1:
         return [sys.executable, *module]
     torchrun = str(Path(sys.executable).with_name("torchrun"))

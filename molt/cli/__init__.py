@@ -1,6 +1,8 @@
 """`molt` command line: `molt up --recipe tiny` runs the whole stack locally; `molt train-rl <Molt's flags>`
 runs Molt's train_rl_ray flag list on it (or writes it as Helm values); `molt train-sft` is SFT; `molt export
-CKPT OUT` writes a checkpoint's policy as an HF model directory."""
+CKPT OUT` writes a checkpoint's policy as an HF model directory. Molt's own module names run the same:
+``python -m molt.cli.train_rl_ray FLAGS`` is ``molt train-rl FLAGS`` and ``torchrun ... -m molt.cli.train_sft
+FLAGS`` is ``molt train-sft FLAGS``, so a Molt launch script's command line needs no edit."""
 
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ processes; each flag goes to the service that owns it). The agent module is Molt
 Flags that need hardware this machine lacks are refused with the reason; see docs/trainer.md."""
 
 
-def train_rl(argv: list[str]) -> int:
+def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     from molt.stack import train_rl as tr
     from molt.stack.up import check_trainer_flags
 
@@ -124,7 +126,7 @@ def train_rl(argv: list[str]) -> int:
     it = iter(argv)
     for tok in it:
         if tok in ("-h", "--help"):
-            print(TRAIN_RL_HELP)
+            print(TRAIN_RL_HELP.replace("molt train-rl", prog, 1))
             return 0
         if tok in ("--dry-run", "--no-progress"):
             own[tok] = True
@@ -133,7 +135,7 @@ def train_rl(argv: list[str]) -> int:
         elif tok == "--emit":
             kind, path = next(it, ""), next(it, "")
             if kind != "helm-values" or not path:
-                print("molt train-rl: --emit takes 'helm-values FILE'", file=sys.stderr)
+                print(f"{prog}: --emit takes 'helm-values FILE'", file=sys.stderr)
                 return 2
             own["--emit"] = path
         else:
@@ -172,7 +174,3 @@ def _gpu_count() -> int:
         return torch.cuda.device_count()
     except ImportError:
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
