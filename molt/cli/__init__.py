@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
 
     up.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
     up.add_argument("--run-dir", type=Path, help="run folder (default runs/<recipe>-<time>)")
-    up.add_argument("--steps", type=int, help="trainer steps (default: the recipe's)")
+    up.add_argument("--steps", type=_positive, help="trainer steps (default: the recipe's)")
     up.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
-    up.add_argument("--pods", type=int, help="number of rollout pods")
-    up.add_argument("--async-queue-size", type=int, help="--train.async_queue_size for the trainer")
+    up.add_argument("--pods", type=_positive, help="number of rollout pods")
+    up.add_argument("--async-queue-size", type=_positive, help="--train.async_queue_size for the trainer")
     up.add_argument("--sync", action="store_true", help="strictly on-policy (--train.force_sync_mode)")
     up.add_argument("--no-progress", action="store_true", help="no per-step progress lines")
     up.add_argument(
@@ -165,6 +165,17 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
 
     summary = run_plan(plan)
     return 130 if summary.get("interrupted") else 0
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (0 would otherwise read as "the recipe's default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _gpu_count() -> int:

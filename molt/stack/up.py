@@ -88,6 +88,19 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
+def make_run_dir(path: Path) -> Path:
+    """The run folder, created; one that cannot be is a one-line error naming --run-dir (status 2)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(
+            f"molt: error: --run-dir {path}: cannot create it ({exc.strerror}); pass a folder you can write",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    return path
+
+
 def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None:
     """The trainer's own flag checks, before anything starts: it starts last, so a bad flag would otherwise
     surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
@@ -139,8 +152,7 @@ def run_stack(opts: UpOptions) -> dict:
         raise SystemExit(f"unknown recipe {opts.recipe!r}: choose one of {', '.join(RECIPES)}")
     check_redis(opts.redis_url)
     recipe = RECIPES[opts.recipe]
-    run_dir = opts.run_dir or ROOT / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(opts.run_dir or ROOT / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = opts.extra or {}
     trainer = [
         "--data.prompt_dataset",
@@ -177,8 +189,7 @@ def run_plan(plan: StackPlan) -> dict:
     check_redis(plan.redis_url)
     steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
     check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
-    run_dir = plan.run_dir or ROOT / "runs" / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(plan.run_dir or ROOT / "runs" / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; run folder {run_dir}", flush=True)
     env = {**CPU_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     # Pods and trainer (only they) share a fresh weight-sync token: other local users cannot swap weights.
