@@ -112,7 +112,8 @@ class WeightPusher:
     whether it loads ``lm_head.weight``. ``to_hf``: maps the state dict to HF checkpoint names and
     layout first (``manifest.hf_adapter(model)`` for transformers models with fused MoE experts).
     ``transport``: grpc, or gloo/nccl broadcast over a group set up at the first push. ``token``: the
-    pods' weight-sync token (None: ``MOLT_WEIGHTS_TOKEN``).
+    pods' weight-sync token (None: ``MOLT_WEIGHTS_TOKEN``). ``keep_unsent``: a push may be partial; every
+    parameter the pods load that it does not carry is kept (LoRA: only the adapted weights change).
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class WeightPusher:
         to_hf: Callable[[dict], dict] | None = None,
         metrics: Metrics | None = None,
         token: str | None = None,
+        keep_unsent: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -147,6 +149,7 @@ class WeightPusher:
         self.collective_host = collective_host
         self.to_hf = to_hf
         self.token = token
+        self.keep_unsent = keep_unsent
         self.metrics = metrics or Metrics(TRAINER_METRICS)
         self._clients: list[PodClient] | None = None
         self._group: coll.Collective | None = None
@@ -235,6 +238,16 @@ class WeightPusher:
             self._expected_names = {p.name for p in status.parameters}
         return "lm_head.weight" not in self._expected_names
 
+    async def _unsent(self, sent: set[str]) -> set[str]:
+        """With ``keep_unsent``: the pods' parameters this push does not carry (their own listing, so a tied head
+        or a fused layout is named as they name it); else nothing."""
+        if not self.keep_unsent:
+            return set()
+        if self._expected_names is None:  # no pod answered _ask_pods: the first one's error says why
+            status = await self._pods()[0].status(include_parameters=True)
+            self._expected_names = {p.name for p in status.parameters}
+        return self._expected_names - sent
+
     async def push_async(
         self, state, version: int, *, force: bool = False, check: pb.ProbeCheck | None = None
     ) -> PushReport:
@@ -245,7 +258,8 @@ class WeightPusher:
         await self._ask_pods()
         tied = await self._tied({n for n, _ in items})
         send, keep = select_tensors(items, tied, self.frozen)
-        keep = sorted(set(keep) | set(self.frozen) - {n for n, _ in send})
+        sent = {n for n, _ in send}
+        keep = sorted(set(keep) | set(self.frozen) - sent | (await self._unsent(sent)))
         layout = plan_layout(send, self.bucket_bytes, self._serving)
         tensors = dict(send)
         del items, send

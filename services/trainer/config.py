@@ -79,6 +79,18 @@ def checkpoint_mode(value) -> str:
     return "off" if v in ("", "false", "none", "off", "0") else "full"
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA adapter rank; 0 = full fine-tune. With a rank only the adapters train; the export is merged."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling alpha: the update is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA branch's input."""
+    target_modules: list[str] = Field(default_factory=lambda: ["*_proj"])
+    """Linear layers that get adapters: patterns over whole dotted module names, * matching any run of
+    characters (the default takes every attention and MLP projection)."""
+
+
 class ActorConfig(ActorLossConfig, OptimizerConfig):
     model_name_or_path: str | None = None
     """Local HF model directory of the policy (required)."""
@@ -93,6 +105,7 @@ class ActorConfig(ActorLossConfig, OptimizerConfig):
     """gae only: the actor is not updated for the first N steps (critic warmup)."""
     aux_loss_coef: float = Field(0.0, ge=0.0)
     """MoE load-balancing loss coefficient (HF router aux loss), 0 = off."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @field_validator("gradient_checkpoint", mode="before")
     @classmethod
@@ -518,6 +531,7 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
             raise ValueError(
                 f"--{name}.optim muon with --fsdp.offload {s.fsdp.offload}: offloaded optimizer steps are AdamW only"
             )
+    check_actor_lora(s.actor)
     if s.algo.advantage.estimator == "on_policy_distill" and not s.ref.model_name_or_path:
         raise ValueError("--algo.advantage.estimator on_policy_distill needs a teacher: set --ref.model_name_or_path")
     if s.eval.eval_only and not s.eval.dataset:
@@ -548,6 +562,26 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
         s.rollout.top_p,
         eval_only=s.eval.eval_only,
     )
+
+
+def check_actor_lora(a: ActorConfig) -> None:
+    """``--actor.lora.*`` combinations the RL learner does not offer (``ValueError`` naming the flags)."""
+    if a.lora.rank == 0:
+        return
+    if a.optim == "muon":
+        # Muon orthogonalises a weight's whole update; on the factors A (rank x in) and B (out x rank) it does
+        # neither that for B @ A nor keep the step size independent of the rank (its sqrt(rows/cols) scale).
+        raise ValueError(
+            f"--actor.optim muon with --actor.lora.rank {a.lora.rank}: Muon's update is defined on whole weight "
+            "matrices, not on LoRA's low-rank factors; use --actor.optim adam"
+        )
+    if a.lora.dropout > 0:
+        # The policy's log-probs (old, rollout, training forward) must all be those of the weights the pods
+        # serve: a dropped-out branch would move the importance ratios off 1 on-policy and clip at random.
+        raise ValueError(
+            f"--actor.lora.dropout {a.lora.dropout:g}: RL's importance ratios compare the training forward "
+            "with the rollout's log-probs, which dropout would perturb; use --actor.lora.dropout 0"
+        )
 
 
 def planned_optimizer_steps(s: TrainerSettings, num_prompts: int | None) -> int:

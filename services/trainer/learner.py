@@ -42,6 +42,7 @@ from molt.algorithms import (
     token_mean,
     value_loss,
 )
+from services.trainer import lora
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
 from services.trainer.config import TrainerSettings, actor_schedule_steps, needs_critic, needs_reference
 from services.trainer.model import (
@@ -124,9 +125,19 @@ class Learner:
         a = settings.actor
         assert a.model_name_or_path is not None  # TrainerSettings falls back to --model.path or refuses
         self.hf_source: str = a.model_name_or_path  # checkpoints carry its config and tokenizer (molt export)
+        # --actor.lora: adapters on the policy only; the reference and the critic stay full models. Checkpoints
+        # read ``self.lora`` (lora.json, so `molt export` merges offline); the export merges through scale_of.
+        self.lora = a.lora if a.lora.rank > 0 else None
         self.actor = load_causal_lm(
-            a.model_name_or_path, settings.fsdp, info, gradient_checkpoint=a.gradient_checkpoint
+            a.model_name_or_path,
+            settings.fsdp,
+            info,
+            gradient_checkpoint=a.gradient_checkpoint,
+            lora=self.lora,
+            seed=settings.train.seed,
+            lora_flag="--actor.lora",
         )
+        self.lora_scale = lora.scale_of(self.actor) if self.lora is not None else None
         self.frozen_names = freeze_router(self.actor) if a.freeze_moe_router else []
         self.vision = None
         if is_vision_language(a.model_name_or_path):
@@ -137,6 +148,13 @@ class Learner:
                 self.frozen_names += freeze_visual_encoder(self.actor)
         elif a.freeze_visual_encoder:
             log.warning("--actor.freeze_visual_encoder: %s has no vision tower; nothing frozen", self.hf_source)
+        # Frozen names go to the pods as "keep": base names only (the pods never see adapters).
+        self.frozen_names = [n for n in self.frozen_names if not lora.is_adapter(n)]
+        if info.is_main:
+            trainable = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in self.actor.parameters())
+            how = f" (--actor.lora.rank {self.lora.rank} adapters)" if self.lora is not None else ""
+            log.info("actor: %d of %d parameters train%s", trainable, total, how)
         self.replay = None
         if settings.train.routing_replay:
             from services.trainer.routing_replay import RoutingReplay
@@ -173,6 +191,13 @@ class Learner:
         self.kl_ctl = build_kl_controller(settings.algo)
         self.global_step = 0
         self._warned_no_routing = False
+
+    def weights_to_publish(self, state: dict[str, torch.Tensor], *, full: bool) -> dict[str, torch.Tensor]:
+        """What the pods load from a full actor state dict. Under LoRA they serve the base architecture: the
+        adapters merged into their weights, and (unless ``full``) only those weights, the rest never changing."""
+        if self.lora_scale is None:
+            return state
+        return lora.merge(state, self.lora_scale) if full else lora.merged_targets(state, self.lora_scale)
 
     # ---- forwards
 

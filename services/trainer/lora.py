@@ -1,4 +1,5 @@
-"""LoRA adapters for SFT (``--model.lora.rank/alpha/target_modules``), laid out as NeMo AutoModel lays them.
+"""LoRA adapters for SFT (``--model.lora.rank/alpha/target_modules``) and RL (``--actor.lora.*``), laid out as
+NeMo AutoModel lays them.
 
 Each targeted ``nn.Linear`` keeps its weight and bias under their own names, frozen, and gains
 ``lora_A`` (rank x in, Xavier-normal) and ``lora_B`` (out x rank, zero, so training starts from the base
@@ -11,6 +12,8 @@ a module's whole dotted name, ``*`` standing for any run of characters (dots inc
 The export merges: ``W + (alpha / rank) * B @ A`` under the base name, adapters dropped, so what a rollout
 pod, ``transformers`` and the RL trainer load is a plain model of the base architecture. The adapters also
 go alone to ``adapter/`` in HF PEFT's layout (what Molt's LoRA runs write), for PEFT or a LoRA-serving engine.
+The RL trainer's weight sync sends the same merge, restricted to the adapted weights (``merged_targets``): the
+others are the base model's, which the pods already hold.
 """
 
 from __future__ import annotations
@@ -55,16 +58,22 @@ def matches(name: str, patterns: list[str]) -> bool:
 
 
 def apply(
-    model: nn.Module, rank: int, alpha: float, patterns: list[str], dropout: float = 0.0, seed: int = 0
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    patterns: list[str],
+    dropout: float = 0.0,
+    seed: int = 0,
+    flag: str = "--model.lora",
 ) -> list[str]:
     """Adapters on every ``nn.Linear`` whose name matches; everything else frozen. Returns the adapted names;
-    ValueError naming the flag when none matches. ``A`` is drawn from ``seed`` alone: every rank (each
-    shards its own copy) and every world size start from the same adapters."""
+    ValueError naming the flag (``flag``.target_modules) when none matches. ``A`` is drawn from ``seed`` alone:
+    every rank (each shards its own copy) and every world size start from the same adapters."""
     model.requires_grad_(False)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and matches(n, patterns)]
     if not names:
         raise ValueError(
-            f"--model.lora.target_modules {' '.join(patterns)}: no linear layer of the model matches "
+            f"{flag}.target_modules {' '.join(patterns)}: no linear layer of the model matches "
             "(patterns take * wildcards over dotted module names, e.g. '*_proj')"
         )
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -77,13 +86,27 @@ def apply(
 
 def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A full state dict with adapters -> the base model's state dict, each update folded into its weight."""
-    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
-    for key, a in state.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            b = state[f"{module}.lora_B.weight"]
-            w = out[f"{module}.weight"]
-            out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    out.update(merged_targets(state, scale))
+    return out
+
+
+def adapted(names) -> list[str]:
+    """The modules that carry adapters, from a state dict's (or a model's parameter) names."""
+    return sorted(n[: -len(".lora_A.weight")] for n in names if n.endswith(".lora_A.weight"))
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def merged_targets(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Only the adapted weights of a full state dict with adapters, each merged, under its base name: what
+    changes when the adapters train (biases, norms, embeddings and untargeted layers stay the base's)."""
+    out = {}
+    for module in adapted(state):
+        w, a, b = state[f"{module}.weight"], state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"]
+        out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out
 
 

@@ -214,10 +214,11 @@ def load_causal_lm(
     trainable: bool = True,
     lora=None,
     seed: int = 0,
+    lora_flag: str = "--model.lora",
 ) -> nn.Module:
     """A sharded causal LM from a local HF directory (fp32 master weights); ``lora`` (rank, alpha, dropout,
     target_modules) adds adapters drawn from ``seed`` before sharding and freezes the rest
-    (services/trainer/lora.py)."""
+    (services/trainer/lora.py); errors name its flags as ``lora_flag``.*."""
     if info.on_gpu and fsdp.strategy != "torch":
         model = _load_nemo_gpu(path, fsdp, info, gradient_checkpoint, lora)
     else:
@@ -232,7 +233,7 @@ def load_causal_lm(
         if lora is not None:
             from services.trainer import lora as lora_mod
 
-            lora_mod.apply(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, seed)
+            lora_mod.apply(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, seed, lora_flag)
         if gradient_checkpoint == "selective":
             raise ValueError("--gradient_checkpoint selective (per-op) needs NeMo AutoModel on GPU; use full or none")
         if gradient_checkpoint == "full":

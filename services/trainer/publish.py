@@ -3,7 +3,8 @@
 - ``PodPublisher``: the rollout pods (``--rollout.grpc_targets``, or each ``--rollout.urls`` pod's
   ``grpc_port`` from its ``/readyz``), through ``molt.weightsync``'s trainer-side ``WeightPusher``
   (owned by the weight-sync service; imported lazily so the trainer runs without it when no pod is
-  configured). Frozen names (``--actor.freeze_moe_router``) are excluded.
+  configured). Frozen names (``--actor.freeze_moe_router``) are excluded. With ``keep_unsent`` (``--actor.lora``)
+  a push may carry only the weights that changed: the pods keep every other one they hold.
 - ``CallbackPublisher``: an in-process callable (tests; tools that sample from the trainer's policy).
 
 The trainer gathers the full state dict on rank 0 only when a publisher exists (the gather is a
@@ -106,6 +107,7 @@ class PodPublisher(WeightPublisher):
         *,
         urls: list[str] | None = None,
         wait_s: float = 0.0,
+        keep_unsent: bool = False,
     ) -> None:
         try:
             from molt.weightsync import WeightPusher
@@ -122,6 +124,7 @@ class PodPublisher(WeightPublisher):
             frozen=sorted(self.frozen),
             tie_word_embeddings=tie,
             to_hf=hf_adapter(model) if model is not None else None,
+            keep_unsent=keep_unsent,
         )
         self.urls, self.wait_s = list(urls or []), wait_s
         self.targets = targets
@@ -185,12 +188,17 @@ class PodPublisher(WeightPublisher):
             close()
 
 
-def build_publisher(rollout_cfg, frozen: list[str], model: torch.nn.Module | None = None) -> WeightPublisher | None:
+def build_publisher(
+    rollout_cfg, frozen: list[str], model: torch.nn.Module | None = None, *, keep_unsent: bool = False
+) -> WeightPublisher | None:
     """The pods' publisher, or None without pods. ``--rollout.urls`` are resolved later (``connect``): the
-    trainer serves /readyz (not ready) while it waits for pods that are not up yet."""
+    trainer serves /readyz (not ready) while it waits for pods that are not up yet. ``keep_unsent``: pushes may
+    be partial (the pods keep what a push does not carry)."""
     targets = list(rollout_cfg.grpc_targets)
     if not targets and not rollout_cfg.urls:
         return None
     if targets:
         log.info("weights go to %s", ", ".join(targets))
-    return PodPublisher(targets, frozen, model, urls=rollout_cfg.urls, wait_s=rollout_cfg.startup_wait_s)
+    return PodPublisher(
+        targets, frozen, model, urls=rollout_cfg.urls, wait_s=rollout_cfg.startup_wait_s, keep_unsent=keep_unsent
+    )

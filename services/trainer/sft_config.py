@@ -20,21 +20,10 @@ from services.trainer.config import (
     CkptConfig,
     FsdpConfig,
     LoggerConfig,
+    LoraConfig,
     OptimizerConfig,
     checkpoint_mode,
 )
-
-
-class LoraConfig(Section):
-    rank: int = Field(0, ge=0)
-    """LoRA adapter rank; 0 = full fine-tune. With a rank only the adapters train; the export is merged."""
-    alpha: float = Field(32.0, gt=0)
-    """LoRA scaling alpha: the update is (alpha / rank) * B @ A."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on the LoRA branch's input."""
-    target_modules: list[str] = Field(default_factory=lambda: ["*_proj"])
-    """Linear layers that get adapters: patterns over whole dotted module names, * matching any run of
-    characters (the default takes every attention and MLP projection)."""
 
 
 class SftModelConfig(Section):

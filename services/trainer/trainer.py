@@ -81,11 +81,17 @@ class Trainer:
         self.last_metric: tuple[str | None, float | None] = (None, None)  # rank 0: latest eval's key and value
         self._batch: concurrent.futures.Future | None = None  # rank 0's pending next_batch, kept across catch-ups
         self.last_saved_step = -1
+        self._pushed_full = False  # LoRA: the first push carries every weight, later ones the adapted ones
         self._last_step_end = time.monotonic()
         if info.is_main:
             self.steplog = StepLog(settings.logger)
             if self.publisher is None:
-                self.publisher = build_publisher(settings.rollout, self.learner.frozen_names, self.learner.actor)
+                self.publisher = build_publisher(
+                    settings.rollout,
+                    self.learner.frozen_names,
+                    self.learner.actor,
+                    keep_unsent=self.learner.lora is not None,
+                )
             self._io = LoopThread()
             dataset, dispatcher = self._dispatch_parts()
             self._controller = Controller(
@@ -460,12 +466,16 @@ class Trainer:
                 check = self._probe_check() if self.s.train.check_weight_update_equal else None
                 if self.info.is_main:
                     assert self.publisher is not None  # self.publishing
+                    # Forced pushes (the first, a catch-up) carry every weight: a pod may hold another run's.
+                    full = bool(only) or not self._pushed_full
+                    tensors = self.learner.weights_to_publish(tensors, full=full)
                     frozen = set(self.learner.frozen_names)
                     tensors = {k: v for k, v in tensors.items() if k not in frozen}
                     if only:
                         self.publisher.publish_to(only, new_version, tensors, check=check)
                     else:
                         self.publisher.publish(new_version, tensors, check=check)
+                self._pushed_full = True
         if self.info.is_main:
             self.io.call(self.controller.set_version, new_version)
             self.metrics["molt_trainer_policy_version"].set(new_version)

@@ -177,6 +177,37 @@ async def test_gloo_collective_from_a_second_process_equals_grpc(pod, tiny_qwen3
     await _parity(engine, tiny_qwen3_b)
 
 
+async def test_partial_lora_sync_keeps_the_rest_and_passes_the_check(pod, tiny_qwen3):
+    """The RL trainer under --actor.lora: after a full push it sends only the merged adapted weights, with
+    keep_unsent; the pod keeps every other parameter (named by its own listing, so the tied head is not) and its
+    probe matches the adapted model. Without keep_unsent the same partial push is refused."""
+    from services.trainer import lora
+
+    engine, target, client = pod
+    state, model = _hf_state(tiny_qwen3)
+    pusher = WeightPusher([target], keep_unsent=True)
+    await pusher.push_async(state, version=engine.policy_version + 1)  # the base, in full (nothing kept)
+    modules = lora.apply(model, rank=4, alpha=8.0, patterns=["*_proj"], seed=0)
+    with torch.no_grad():
+        for name in modules:
+            model.get_submodule(name).lora_B.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    partial = lora.merged_targets(model.state_dict(), lora.scale_of(model))
+    assert set(partial) == {f"{m}.weight" for m in modules}
+    with pytest.raises(WeightPushError, match="neither sent nor kept"):
+        await WeightPusher([target]).push_async(partial, version=engine.policy_version + 1)
+    version = engine.policy_version + 1
+    report = await pusher.push_async(partial, version=version, check=probe_check(model, max_abs_diff=TOL))
+    assert report.pods[target]["promoted"] and engine.policy_version == version
+    assert 0 <= report.pods[target]["check_max_abs_diff"] < TOL
+    kept = set(report.kept)
+    assert "model.embed_tokens.weight" in kept and "lm_head.weight" not in kept and not kept & set(partial)
+    got = await engine.prompt_logprobs(PROMPT)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1], -1)
+    assert max_abs_diff(got, want.gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0].tolist()) < TOL
+    await pusher._pods()[0].close()
+
+
 async def test_a_second_server_on_a_taken_port_is_refused(pod):
     """gRPC binds with SO_REUSEPORT by default: a second pod on the same machine and port would bind too and
     take a share of the trainer's connections. The weight-sync server turns it off, so that bind fails."""
