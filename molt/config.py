@@ -94,6 +94,15 @@ class ServerConfig(Section):
     ids, images as base64); the gateway itself limits by --session.max_body_bytes and ignores this."""
 
 
+class GuardedServerConfig(ServerConfig):
+    """``--server.*`` of the services guarded by the service token (molt/auth.py): rollout pods, env workers."""
+
+    allow_unauthenticated: bool = False
+    """Serve without MOLT_INTERNAL_TOKEN on a non-loopback address (e.g. behind a NetworkPolicy the cluster
+    enforces). Off: such a service refuses to start unless the token is set (env only, never a flag). With the
+    token set, every route but /healthz, /readyz and /metrics needs Authorization: Bearer <token>."""
+
+
 # ---- CLI machinery
 
 

@@ -4,7 +4,8 @@ Only the trainer may change a pod's weights. Pods, the trainer and ``services.tr
 same token from the environment (a Secret in the chart; never a flag, so it stays out of ``ps`` and
 ``--dry-run``) and every weight-changing call carries it: gRPC metadata ``authorization: Bearer T`` on
 all WeightSync RPCs (the collective path's control included), the HTTP ``Authorization`` header on the
-pod's ``POST /v1/weights/reload``. Comparison is constant-time.
+pod's ``POST /v1/weights/reload``. Comparison is constant-time. The generic parts (the header check, the
+loopback rule) are molt/auth.py's, shared with the service token ``MOLT_INTERNAL_TOKEN``.
 
 No token configured: a pod accepts unauthenticated weight changes only while it listens on a loopback
 address; on any other address it refuses to start unless ``--weights.allow_unauthenticated`` says so.
@@ -18,12 +19,14 @@ certificate that CA signed; the trainer side reads ``MOLT_WEIGHTS_TLS_CA`` (to v
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import os
 from collections.abc import Mapping
 
 import grpc
+
+from molt import auth
+from molt.auth import bearer_matches as bearer_matches  # the generic parts, kept importable from here
+from molt.auth import is_loopback as is_loopback
 
 TOKEN_ENV = "MOLT_WEIGHTS_TOKEN"
 TLS_ENV = ("MOLT_WEIGHTS_TLS_CA", "MOLT_WEIGHTS_TLS_CERT", "MOLT_WEIGHTS_TLS_KEY")
@@ -31,34 +34,20 @@ TLS_ENV = ("MOLT_WEIGHTS_TLS_CA", "MOLT_WEIGHTS_TLS_CERT", "MOLT_WEIGHTS_TLS_KEY
 
 def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The configured token, or None when ``MOLT_WEIGHTS_TOKEN`` is unset or empty."""
-    raw = (os.environ if environ is None else environ).get(TOKEN_ENV, "").strip()
-    return raw or None
-
-
-def bearer_matches(header: str | bytes | None, token: str) -> bool:
-    """Constant-time check of an ``Authorization`` value against ``Bearer <token>``."""
-    if header is None:
-        return False
-    got = header.encode("utf-8", "replace") if isinstance(header, str) else header
-    return hmac.compare_digest(got, f"Bearer {token}".encode())
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    return auth.token_from_env(TOKEN_ENV, environ)
 
 
 def check_exposure(token: str | None, host: str, allow_unauthenticated: bool) -> None:
     """Refuse (ValueError) to serve weight changes on a non-loopback address without a token."""
-    if token is None and not allow_unauthenticated and not is_loopback(host):
-        raise ValueError(
-            f"the pod would accept weight changes from anyone who reaches {host}: set {TOKEN_ENV} (the token the "
-            "trainer sends), bind --server.host 127.0.0.1, or pass --weights.allow_unauthenticated"
-        )
+    auth.check_exposure(
+        token,
+        host,
+        allow_unauthenticated,
+        exposed="the pod would accept weight changes from",
+        env=TOKEN_ENV,
+        sender="the trainer sends",
+        flag="--weights.allow_unauthenticated",
+    )
 
 
 def _read(path: str | None, what: str) -> bytes | None:

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from molt.auth import INTERNAL_TOKEN_ENV
 from molt.config import parse_settings
 from molt.serve import configure_logging, preflight, serve
 from services.envs.app import build_app
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # an agent module that does not load: a config error, as the flags' are
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    # The app holds the service token now; agents' children (a tool running model-written code in a plain
+    # python3) inherit this process's environment and must not be able to submit episodes with it.
+    os.environ.pop(INTERNAL_TOKEN_ENV, None)
     report_sandbox(settings.sandbox.isolation)  # after the agents loaded: a start-up error stays one line
     # SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     serve("envs", app, settings.server, graceful_s=settings.envs.episode_timeout_s + 5)

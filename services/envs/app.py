@@ -9,15 +9,20 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.agents.gateway import GatewayClient
+from molt.auth import BearerGuard, denial_message, internal_token_from_env
 from services.envs.config import EnvsSettings, validate_settings
 from services.envs.metrics import envs_metrics
-from services.envs.routes import http_error, router
+from services.envs.routes import http_error, router, unauthorized
 from services.envs.worker import EpisodeWorker
 
 
 def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """The worker app. ``gateway_transport`` lets unit tests reach an in-process fake gateway."""
+    """The worker app. ``gateway_transport`` lets unit tests reach an in-process fake gateway.
+
+    With ``MOLT_INTERNAL_TOKEN`` set (read here) every route but the probes and /metrics needs it as a bearer
+    token; without it the worker must listen on loopback or be told --server.allow_unauthenticated."""
     validate_settings(settings)
+    token = internal_token_from_env()
     assert settings.gateway.url is not None  # validate_settings refuses a worker without a gateway
     gateway = GatewayClient(
         settings.gateway.url,
@@ -46,6 +51,8 @@ def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTranspor
     app.state.settings = settings
     app.state.worker = worker
     app.include_router(router)
+    if token is not None:
+        app.add_middleware(BearerGuard, token=token, denial=unauthorized(denial_message("this env worker")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):  # 404/405 in this worker's error shape

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from molt.config import Section, ServerConfig
+from molt.config import GuardedServerConfig, Section
 
 
 class GatewayClientConfig(Section):
@@ -65,7 +65,7 @@ class EnvsSettings(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    server: ServerConfig = Field(default_factory=ServerConfig)
+    server: GuardedServerConfig = Field(default_factory=GuardedServerConfig)
 
     @field_validator("agent")
     @classmethod
@@ -93,6 +93,14 @@ def validate_settings(settings: EnvsSettings) -> None:
         raise ValueError("no gateway: pass --gateway.url http://HOST:PORT")
     if not settings.agent:
         raise ValueError("no agent to serve: pass --agent NAME=PATH (a .py file exporting AgentRunner)")
+    from molt.auth import check_internal_exposure, internal_token_from_env
+
+    # Episodes feed the training stream: nobody who merely reaches the worker may submit one (their label is
+    # the reward's ground truth). A token, loopback, or an explicit opt-out.
+    server = settings.server
+    check_internal_exposure(
+        internal_token_from_env(), server.host, server.allow_unauthenticated, "the env worker would run episodes for"
+    )
     from molt.agents.sandbox import check_env_limits
 
     check_env_limits()

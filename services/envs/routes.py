@@ -25,6 +25,11 @@ def http_error(status: int, detail: str, headers: Mapping[str, str] | None = Non
     return _error(status, detail, "not_found_error" if status == 404 else "invalid_request_error", headers)
 
 
+def unauthorized(message: str) -> Response:
+    """The 401 of a request without the service token (molt/auth.py ``BearerGuard``)."""
+    return _error(401, message, "authentication_error", {"WWW-Authenticate": "Bearer"})
+
+
 @router.post("/v1/episodes:run")
 async def run_episode(request: Request) -> Response:
     worker: EpisodeWorker = request.app.state.worker

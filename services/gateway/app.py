@@ -9,6 +9,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
+from molt.auth import internal_token_from_env
 from molt.bus import TrajectoryQueue, open_queue
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from services.gateway.chat import ChatModel
@@ -41,7 +42,10 @@ def build_app(
         model = ChatModel(settings.model.path)
     metrics = gateway_metrics()
     rc = settings.rollout
-    client = transport or HttpTransport(rc.max_connections, rc.timeout_s, rc.connect_timeout_s)
+    # Pods guarded by the service token (MOLT_INTERNAL_TOKEN) need it on every generate call.
+    client = transport or HttpTransport(
+        rc.max_connections, rc.timeout_s, rc.connect_timeout_s, pod_token=internal_token_from_env()
+    )
     pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream, rc.return_routed_experts, model.vocab)
     queue = queue or open_queue(settings.redis, metrics)
     replicas = Replicas(

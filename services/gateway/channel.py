@@ -100,6 +100,7 @@ class _Stream(asyncio.Protocol):
             + self.channel.path
             + b" HTTP/1.1\r\n"
             + self.channel.host_header
+            + self.channel.auth_header
             + b"Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
 
@@ -189,9 +190,9 @@ class _BadLine(Exception):
 
 class PodChannel:
     """The generate stream to the pod at ``url`` (its base URL), opened on first use and reopened after a
-    failure."""
+    failure. ``token``: the service token the pod requires (sent as a bearer header)."""
 
-    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float) -> None:
+    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float, token: str | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"unsupported pod URL {url!r}: expected http(s)://HOST:PORT")
@@ -199,6 +200,8 @@ class PodChannel:
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.host_header = f"Host: {f'[{self.host}]' if ':' in self.host else self.host}:{self.port}\r\n".encode()
         self.path = parts.path.rstrip("/").encode() + PATH.encode()
+        # The service token (MOLT_INTERNAL_TOKEN) a guarded pod requires: one more line of the request head.
+        self.auth_header = f"Authorization: Bearer {token}\r\n".encode() if token else b""
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self.stream: _Stream | None = None
         self._opening: asyncio.Future | None = None

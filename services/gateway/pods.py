@@ -176,7 +176,7 @@ class PodPool:
             metrics["molt_gateway_pod_inflight_requests"].labels(pod.url).set_function(lambda p=pod: p.inflight)
             if stream and isinstance(client, HttpTransport):
                 assert client.timeout.connect is not None and client.timeout.total is not None  # set by HttpTransport
-                pod.channel = PodChannel(pod.url, client.timeout.connect, client.timeout.total)
+                pod.channel = PodChannel(pod.url, client.timeout.connect, client.timeout.total, client.pod_token)
 
     def get(self, url: str) -> Pod:
         return self.pods[url]
@@ -230,7 +230,7 @@ class PodPool:
         finally:
             pod.inflight -= 1
         wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
-        if status >= 500:
+        if status >= 500 or status == 401:  # 401: this gateway lacks the pod's service token, not the caller's fault
             self.set_health(pod, False, f"HTTP {status}")
             raise PodFailed(pod, f"HTTP {status}: {_error_text(answer)}")
         if status >= 400:

@@ -17,6 +17,8 @@ import aiohttp
 import msgspec
 import yarl
 
+from molt.auth import bearer_headers
+
 Sink = Callable[[int, list[tuple[bytes, bytes]] | None, bytes], None]
 """Receives a streamed answer: ``(status, headers, b"")`` once the head is in, then ``(0, None, piece)``."""
 
@@ -67,8 +69,13 @@ class HttpTransport(PodTransport):
     """Idle connections are closed after this: uvicorn (the pods' and peers' server) drops keep-alive
     connections after 5 s, and a request written into one the server is closing fails."""
 
-    def __init__(self, max_connections: int, timeout_s: float, connect_timeout_s: float) -> None:
+    def __init__(
+        self, max_connections: int, timeout_s: float, connect_timeout_s: float, pod_token: str | None = None
+    ) -> None:
         self.max_connections = max_connections
+        self.pod_token = pod_token
+        """The service token (MOLT_INTERNAL_TOKEN) pods require on generate calls; sent to pods only, not peers."""
+        self._post_headers = {"Content-Type": "application/json", **bearer_headers(pod_token)}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -90,7 +97,7 @@ class HttpTransport(PodTransport):
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         try:
-            async with self.session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+            async with self.session.post(url, data=body, headers=self._post_headers) as resp:
                 return resp.status, await resp.read(), time.perf_counter()
         except _FAILURES as exc:
             raise PodConnectionError(f"{type(exc).__name__}: {exc}") from None

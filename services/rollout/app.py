@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from molt.auth import OPEN_PATHS, BearerGuard, denial_message, internal_token_from_env
 from molt.weightsync.auth import check_exposure, server_credentials, token_from_env
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import RolloutEngine
@@ -65,7 +66,9 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     """The pod app; the engine (``RolloutEngine(settings)`` unless given) starts in the lifespan.
 
     Weight changes need ``MOLT_WEIGHTS_TOKEN`` (read here); without it the pod must listen on loopback
-    or be told --weights.allow_unauthenticated (ValueError otherwise, before anything starts).
+    or be told --weights.allow_unauthenticated (ValueError otherwise, before anything starts). With
+    ``MOLT_INTERNAL_TOKEN`` set (read here) every other route but the probes and /metrics needs it as a bearer
+    token (start-up refuses a public address without it: ``validate_settings``).
     """
     weights_token = token_from_env()
     check_exposure(weights_token, settings.server.host, settings.weights.allow_unauthenticated)
@@ -92,6 +95,18 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     app.router.add_route("/v1/generate", generate, methods=["POST"])
     app.router.add_route("/v1/generate_stream", generate_stream, methods=["POST"])
     app.include_router(router)
+    internal_token = internal_token_from_env()
+    if internal_token is not None:
+        # The weight reload checks its own token (the trainer's); everything else a caller uses needs this one.
+        denial = error_response(
+            401,
+            denial_message("this pod"),
+            "authentication_error",
+            code="invalid_internal_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        open_paths = (*OPEN_PATHS, "/v1/weights/reload")
+        app.add_middleware(BearerGuard, token=internal_token, denial=denial, open_paths=open_paths)
 
     @app.exception_handler(RolloutInputError)
     async def _input_error(request: Request, exc: RolloutInputError):

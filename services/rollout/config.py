@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from molt.config import ModelConfig, Section, ServerConfig, parse_settings
+from molt.config import GuardedServerConfig, ModelConfig, Section, parse_settings
 
 
 class VllmKnobs(Section):
@@ -124,7 +124,7 @@ class RolloutSettings(Section):
     --model DIR = --model.path DIR, --port N = --server.port N, --host H = --server.host H."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    server: ServerConfig = Field(default_factory=ServerConfig)
+    server: GuardedServerConfig = Field(default_factory=GuardedServerConfig)
     vllm: VllmKnobs = Field(default_factory=VllmKnobs)
     rollout: RolloutSettingsBlock = Field(default_factory=RolloutSettingsBlock)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
@@ -133,12 +133,18 @@ class RolloutSettings(Section):
 
 def validate_settings(settings: RolloutSettings) -> None:
     """The pod's cross-flag checks (``ValueError``), run by start-up and by --dry-run alike."""
+    from molt.auth import check_internal_exposure, internal_token_from_env
     from molt.weightsync.auth import check_exposure, token_from_env
 
     if not settings.model.path:
         raise ValueError("--model.path (or --model) DIR is required")
     # No weight changes from anyone who reaches the pod: a token, loopback, or an explicit opt-out.
     check_exposure(token_from_env(), settings.server.host, settings.weights.allow_unauthenticated)
+    # No generation for anyone who reaches the pod (its GPUs): the service token, loopback, or an opt-out.
+    server = settings.server
+    check_internal_exposure(
+        internal_token_from_env(), server.host, server.allow_unauthenticated, "the pod would generate for"
+    )
     g = settings.grpc
     if (g.tls_cert or g.tls_key or g.tls_client_ca) and not (g.tls_cert and g.tls_key):
         raise ValueError("gRPC TLS needs both --grpc.tls_cert and --grpc.tls_key (PEM files)")

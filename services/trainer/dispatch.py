@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from molt.auth import INTERNAL_TOKEN_ENV, bearer_headers, internal_token_from_env
 from molt.images import to_data_url
 
 log = logging.getLogger("molt.trainer")
@@ -152,7 +153,8 @@ class EpisodeDispatcher:
             self.sampling["max_tokens"] = rollout_cfg.max_new_tokens
         self.max_len = max_len
         self.inflight = {url.rstrip("/"): 0 for url in envs_cfg.urls}
-        self.client = httpx.AsyncClient(timeout=envs_cfg.timeout_s)
+        # Env workers guarded by the service token (MOLT_INTERNAL_TOKEN) need it on every episode.
+        self.client = httpx.AsyncClient(timeout=envs_cfg.timeout_s, headers=bearer_headers(internal_token_from_env()))
         self.slots = asyncio.Semaphore(envs_cfg.max_inflight * len(self.inflight))
         self.failed = 0
         self.outage_retries = 0
@@ -194,6 +196,11 @@ class EpisodeDispatcher:
                         throttled.clear()
                         await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
                     continue
+                if resp.status_code == 401:  # a deployment mistake: every episode would be refused alike
+                    raise DispatchError(
+                        f"env worker {url} refused the episode with HTTP 401: {resp.text[:300]} (give the trainer "
+                        f"the {INTERNAL_TOKEN_ENV} the env workers run with)"
+                    )
                 if resp.status_code in (400, 404, 422):
                     raise DispatchError(
                         f"env worker {url} refused the episode with HTTP {resp.status_code}: "

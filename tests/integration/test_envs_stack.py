@@ -31,6 +31,7 @@ EXAMPLES = ROOT / "examples" / "agents"
 # finish_reason "stop" (a "length" finish would end an Env episode after one turn, as in Molt).
 STOPS = list(range(300, 1024))
 SP = {"temperature": 1.0, "max_tokens": 12, "stop_token_ids": STOPS, "seed": 3}
+TOKEN = "it-envs-stack-5ecret-0123456789"  # the service token (MOLT_INTERNAL_TOKEN) of this module's pod
 
 try:
     from services.gateway.app import build_app as build_gateway
@@ -153,24 +154,33 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
     for name, text in {"molt_style": MOLT_STYLE, "tool_fixed": TOOL_FIXED, "faulty": FAULTY}.items():
         (agents_dir / f"{name}.py").write_text(text)
     try:
-        pod = Served(build_rollout(tiny_settings(tiny_qwen3)), "rollout-pod")
-        served.append(pod)
-        gw_settings = GatewaySettings.model_validate(
-            {
-                "model": {"path": str(tiny_qwen3)},
-                "rollout": {"urls": [pod.url]},
-                "redis": {"url": redis_url, "stream": stream},
-                "session": {"max_length": 256, "max_tokens": 12},
-            }
-        )
-        gateway = Served(build_gateway(gw_settings), "gateway")
-        served.append(gateway)
+        # The pod requires the service token and the gateway sends it (each reads it as it is built): every
+        # episode below passes the pod's guard over the gateway's generate stream.
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MOLT_INTERNAL_TOKEN", TOKEN)
+            pod = Served(build_rollout(tiny_settings(tiny_qwen3)), "rollout-pod")
+            served.append(pod)
+            gw_settings = GatewaySettings.model_validate(
+                {
+                    "model": {"path": str(tiny_qwen3)},
+                    "rollout": {"urls": [pod.url]},
+                    "redis": {"url": redis_url, "stream": stream},
+                    "session": {"max_length": 256, "max_tokens": 12},
+                }
+            )
+            gateway = Served(build_gateway(gw_settings), "gateway")
+            served.append(gateway)
 
-        def worker(agents: dict[str, Path], **envs) -> Served:
+        def worker(agents: dict[str, Path], token: str | None = None, **envs) -> Served:
+            """A worker; with ``token`` it requires that service token."""
             settings = EnvsSettings(
                 agent=[f"{n}={p}" for n, p in agents.items()], gateway={"url": gateway.url}, envs=envs
             )
-            w = Served(build_worker(settings), "env-worker")
+            with pytest.MonkeyPatch.context() as env:
+                env.delenv("MOLT_INTERNAL_TOKEN", raising=False)
+                if token is not None:
+                    env.setenv("MOLT_INTERNAL_TOKEN", token)
+                w = Served(build_worker(settings), "env-worker")
             served.append(w)
             return w
 
@@ -179,6 +189,7 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
         main = worker(all_agents, max_concurrency=16, episode_timeout_s=60)
         tok = AutoTokenizer.from_pretrained(tiny_qwen3)
         yield {
+            "pod": pod.url,
             "gateway": gateway.url,
             "worker": main.url,
             "new_worker": worker,
@@ -418,3 +429,58 @@ def test_cli_serves_and_stops_on_sigterm(stack):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0  # a graceful shutdown (molt/serve.py), as every service
+
+
+async def test_the_service_token_guards_the_pod_and_the_gateway_sends_it(stack):
+    """docs/contracts.md: with MOLT_INTERNAL_TOKEN a pod answers a generate call without it 401 (probes stay
+    open); the gateway's two pod clients (the generate stream and one POST per call) send it."""
+    from services.gateway.metrics import gateway_metrics
+    from services.gateway.pods import PodFailed, PodPool
+    from services.gateway.transport import HttpTransport
+
+    pod = stack["pod"]
+    call = {"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for path in ("/v1/generate", "/v1/generate_stream"):
+                bare = await client.post(pod + path, json=call, headers=headers)
+                assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_internal_token", path
+        assert (await client.get(pod + "/readyz")).status_code == 200
+        assert (await client.get(pod + "/metrics")).status_code == 200
+        signed = await client.post(pod + "/v1/generate", json=call, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert signed.status_code == 200 and len(signed.json()["outputs"][0]["token_ids"]) == 2
+    for stream in (True, False):
+        pool = PodPool([pod], HttpTransport(4, 60.0, 5.0, pod_token=TOKEN), gateway_metrics(), stream=stream)
+        (gen,) = await pool.generate(pool.get(pod), [1, 2, 3], {"max_tokens": 2})
+        assert len(gen.token_ids) == 2, stream
+        wrong = PodPool([pod], HttpTransport(4, 60.0, 5.0, pod_token="wrong"), gateway_metrics(), stream=stream)
+        with pytest.raises(PodFailed, match="HTTP 401"):
+            await wrong.generate(wrong.get(pod), [1, 2, 3], {"max_tokens": 2})
+        for p in (pool, wrong):
+            p.close()
+            await p.client.close()
+
+
+async def test_a_worker_with_the_service_token_takes_episodes_from_the_trainer_only(stack, monkeypatch):
+    """docs/contracts.md: a worker started with MOLT_INTERNAL_TOKEN refuses an episode without it (401, nothing
+    run); the trainer's dispatcher sends it, and a wrong one stops training with the variable's name."""
+    from services.trainer.config import EnvsConfig, RolloutConfig
+    from services.trainer.dispatch import DispatchError, EpisodeDispatcher
+
+    w = stack["new_worker"]({"faulty": stack["agents"]["faulty"]}, token=TOKEN)
+    bare = await _run(w.url, "faulty", "go", {"kind": "ok"})
+    assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
+    body = {"agent": "faulty", "prompt": "go", "label": {"kind": "ok"}, "group_id": "g-token", "sampling_params": SP}
+    monkeypatch.setenv("MOLT_INTERNAL_TOKEN", TOKEN)  # the trainer's environment
+    dispatcher = EpisodeDispatcher(EnvsConfig(urls=[w.url]), RolloutConfig(), 256)
+    result = await dispatcher.run_episode(dict(body, sample_index=0))
+    await dispatcher.client.aclose()
+    assert result["status"] == "ok" and result["written"]
+    monkeypatch.setenv("MOLT_INTERNAL_TOKEN", "wrong")
+    dispatcher = EpisodeDispatcher(EnvsConfig(urls=[w.url]), RolloutConfig(), 256)
+    with pytest.raises(DispatchError, match="HTTP 401.*MOLT_INTERNAL_TOKEN"):
+        await dispatcher.run_episode(dict(body, sample_index=1))
+    await dispatcher.client.aclose()
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"{w.url}/metrics")).text
+    assert 'molt_envs_episodes_total{agent="faulty",status="ok"} 1.0' in metrics  # the refused ones never ran

@@ -202,3 +202,19 @@ def test_a_bad_sandbox_limit_stops_the_env_worker_at_start_up(variable):
     the variable, not a failure of every tool call later."""
     proc = run(["services.envs", *valid_flags("envs", ROOT, "")], env={variable: "0"})
     assert f"{variable}='0' must be a positive" in error_line(proc, "python -m services.envs")
+
+
+@pytest.mark.parametrize("service", ["rollout", "envs"])
+def test_a_public_address_without_the_service_token_is_one_line_naming_the_fixes(service, tiny_qwen3):
+    """docs/deploy.md: a pod or env worker on a non-loopback address without MOLT_INTERNAL_TOKEN exits before
+    anything loads, naming the three fixes; --dry-run says the same, and the opt-out flag lets it start."""
+    env = {"MOLT_WEIGHTS_TOKEN": "w", "MOLT_INTERNAL_TOKEN": ""}
+    args = [f"services.{service}", *valid_flags(service, tiny_qwen3, ""), "--host", "0.0.0.0"]
+    line = error_line(run(args, env), f"python -m services.{service}")
+    assert line.endswith(
+        "anyone who reaches 0.0.0.0: set MOLT_INTERNAL_TOKEN (the token its callers send), bind --server.host "
+        "127.0.0.1, or pass --server.allow_unauthenticated"
+    )
+    assert error_line(run([*args, "--dry-run"], env), f"python -m services.{service}") == line
+    allowed = run([*args, "--server.allow_unauthenticated", "--dry-run"], env)
+    assert allowed.returncode == 0 and "allow_unauthenticated" in allowed.stdout, allowed.stderr

@@ -32,6 +32,7 @@ COMPOSE_ENV = {
     "MOLT_API_KEY": "sk-test-0123456789abcdef",
     "MOLT_REDIS_PASSWORD": "redis-test-password",
     "MOLT_WEIGHTS_TOKEN": "weights-test-token",
+    "MOLT_INTERNAL_TOKEN": "internal-test-token",
 }
 # A port no container names: collective groups (NCCL, gloo) connect on ephemeral ports like it.
 EPHEMERAL = 41234

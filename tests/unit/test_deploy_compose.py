@@ -25,8 +25,10 @@ ENV = {
     "MOLT_API_KEY": "sk-test-0123456789abcdef",
     "MOLT_REDIS_PASSWORD": "redis-test-password",
     "MOLT_WEIGHTS_TOKEN": "weights-test-token",
+    "MOLT_INTERNAL_TOKEN": "internal-test-token",
 }
 HTTP_PORTS = {"rollout": 8000, "gateway": 8080, "envs": 8090}
+MOLT_SERVICES = ("rollout", "envs", "gateway", "trainer")
 DOCKERFILES = {
     "rollout": "rollout.Dockerfile",
     "rollout-model": "rollout.Dockerfile",
@@ -52,7 +54,7 @@ def test_compose_validates_against_the_compose_spec(compose):
     assert list(validator.iter_errors(tools.interpolate(bad, ENV)))
 
 
-@pytest.mark.parametrize("var", ["MOLT_API_KEY", "MOLT_REDIS_PASSWORD", "MOLT_WEIGHTS_TOKEN"])
+@pytest.mark.parametrize("var", ["MOLT_API_KEY", "MOLT_REDIS_PASSWORD", "MOLT_WEIGHTS_TOKEN", "MOLT_INTERNAL_TOKEN"])
 def test_secrets_are_required(var):
     with pytest.raises(KeyError, match=var):
         tools.load_compose({k: v for k, v in ENV.items() if k != var})
@@ -229,3 +231,7 @@ def test_redis_password_and_weight_token_come_from_the_environment(compose):
         assert services[name]["environment"]["MOLT_WEIGHTS_TOKEN"] == ENV["MOLT_WEIGHTS_TOKEN"], name
     for name in ("gateway", "envs"):
         assert "MOLT_WEIGHTS_TOKEN" not in services[name]["environment"], name
+    # the service token: checked by the rollout pod and the env workers, sent by the gateway and the trainer
+    for name in ("rollout", "envs", "gateway", "trainer"):
+        assert services[name]["environment"]["MOLT_INTERNAL_TOKEN"] == ENV["MOLT_INTERNAL_TOKEN"], name
+    assert all("MOLT_INTERNAL_TOKEN" not in str(services[n]) for n in services if n not in MOLT_SERVICES)

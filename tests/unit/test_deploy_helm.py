@@ -27,8 +27,13 @@ K8S_VERSIONS = ("1.28.0", "1.37.0")  # the chart's kubeVersion floor and the new
 WORKLOADS = ("Deployment", "StatefulSet")
 SECRETS_OUTSIDE_CHART = {"external-redis": {"molt-redis-url", "molt-gateway-keys"}}
 # Env the chart sets ahead of the service reading it; checked for real once the field exists.
-# MOLT_WEIGHTS_TOKEN: read by the weight-sync code (services/rollout, the trainer's pusher) itself.
-PENDING_ENV: set[tuple[str, str]] = {("rollout", "MOLT_WEIGHTS_TOKEN"), ("trainer", "MOLT_WEIGHTS_TOKEN")}
+# MOLT_WEIGHTS_TOKEN: read by the weight-sync code (services/rollout, the trainer's pusher) itself;
+# MOLT_INTERNAL_TOKEN: read by molt/auth.py in every service that checks or sends it (never a setting).
+PENDING_ENV: set[tuple[str, str]] = {
+    ("rollout", "MOLT_WEIGHTS_TOKEN"),
+    ("trainer", "MOLT_WEIGHTS_TOKEN"),
+    *((service, "MOLT_INTERNAL_TOKEN") for service in ("rollout", "envs", "gateway", "trainer")),
+}
 # Flags (Molt's names) the chart passes ahead of the service accepting them: dropped before parsing
 # only while the settings model lacks the field, parsed for real once it exists.
 PENDING_FLAGS: set[tuple[str, str]] = set()
@@ -444,3 +449,28 @@ def test_each_rollout_pod_seeds_its_engine_with_its_index(tmp_path):
     assert pod_seed_args(["--vllm.enforce_eager"], 2) == ["--vllm.enforce_eager", "--vllm.seed", "2"]
     assert pod_seed_args(["--vllm.seed", "10", "--x"], 1) == ["--x", "--vllm.seed", "11"]
     assert pod_seed_args(["--vllm.seed=10"], 0) == ["--vllm.seed", "10"]
+
+
+def test_the_service_token_reaches_who_checks_and_who_sends_it_from_one_secret(rendered):
+    """values.yaml internalToken: rollout pods and env workers check MOLT_INTERNAL_TOKEN, the gateway and the
+    trainer send it; one Secret, generated once and kept (helm.sh/resource-policy: keep), or one named."""
+    users = ("molt-rollout", "molt-envs", "molt-gateway", "molt-trainer")
+    for name, docs in rendered.items():
+        refs = {
+            w: {e["name"]: e for e in container(docs, w)["env"]}["MOLT_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
+            for w in users
+        }
+        assert all(r == {"name": "molt-internal", "key": "MOLT_INTERNAL_TOKEN"} for r in refs.values()), name
+        secret = by_kind(docs, "Secret")["molt-internal"]
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        token = secret["stringData"]["MOLT_INTERNAL_TOKEN"]
+        assert len(token) >= 32 and token.isalnum()
+        weights = by_kind(docs, "Secret")["molt-weights"]["stringData"]["MOLT_WEIGHTS_TOKEN"]
+        assert token != weights  # two credentials: the gateway holds this one, never the weight-sync one
+        others = [w for kind in WORKLOADS for n, w in by_kind(docs, kind).items() if n not in users]
+        assert not any("MOLT_INTERNAL_TOKEN" in json.dumps(w) for w in others), name  # nobody else
+    ext = tools.render(sets=("internalToken.existingSecret=my-service-token",))
+    assert "molt-internal" not in by_kind(ext, "Secret")
+    for w in users:
+        env = {e["name"]: e for e in container(ext, w)["env"]}
+        assert env["MOLT_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-service-token", w

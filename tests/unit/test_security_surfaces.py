@@ -40,6 +40,7 @@ from tests.gateway_testlib import scripted_gateway
 
 TOKEN = "wt-5ecret-0123456789abcdef"  # the weight-sync token in these tests
 KEY = "sk-gw-5ecret-key-42"  # a gateway API key
+INTERNAL = "it-5ecret-0123456789abcdef"  # the service token (MOLT_INTERNAL_TOKEN)
 WRONG = "wrong-but-distinctive-credential-77"  # what a caller without the credential offers
 PROBES = ("/healthz", "/readyz", "/metrics")
 
@@ -184,10 +185,10 @@ def test_the_weight_token_is_never_a_flag_and_never_printed(monkeypatch):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "MOLT_WEIGHTS_TOKEN": TOKEN},
+        env={**os.environ, "MOLT_WEIGHTS_TOKEN": TOKEN, "MOLT_INTERNAL_TOKEN": INTERNAL},  # a public address
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert TOKEN not in out.stdout and TOKEN not in out.stderr
+    assert all(t not in out.stdout and t not in out.stderr for t in (TOKEN, INTERNAL))
 
 
 def test_the_pods_open_routes_and_errors_reveal_no_token(monkeypatch, caplog):

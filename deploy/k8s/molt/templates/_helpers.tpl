@@ -97,6 +97,18 @@ REDIS_PASSWORD comes from the Secret and Kubernetes expands $(REDIS_PASSWORD) in
     secretKeyRef: {name: {{ include "molt.weightsSecret" . }}, key: MOLT_WEIGHTS_TOKEN}
 {{- end -}}
 
+{{- define "molt.internalSecret" -}}
+{{- .Values.internalToken.existingSecret | default (include "molt.name" (dict "root" . "component" "internal")) -}}
+{{- end -}}
+
+{{/* The service token (MOLT_INTERNAL_TOKEN) rollout pods and env workers require on every route but the
+probes and /metrics; the gateway sends it to the pods, the trainer to the env workers. */}}
+{{- define "molt.internalTokenEnv" -}}
+- name: MOLT_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "molt.internalSecret" . }}, key: MOLT_INTERNAL_TOKEN}
+{{- end -}}
+
 {{/* Where the optional weight-sync TLS Secret (weightSync.tlsSecret) is mounted. */}}
 {{- define "molt.weightsTlsDir" -}}/etc/molt/weights-tls{{- end -}}
 
