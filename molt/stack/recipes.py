@@ -95,6 +95,10 @@ _COMMON_TRAINER = [
     "token",
     "--algo.advantage.is_correction_mode",
     "trunc",
+    # These models' activations fit in RAM many times over; Molt's default (full) would recompute every layer
+    # in backward, and the TRL baseline of bench/e2e.py trains without checkpointing too.
+    "--actor.gradient_checkpoint",
+    "off",
 ]
 
 

@@ -47,6 +47,7 @@ from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, p
 from services.trainer.config import TrainerSettings, actor_schedule_steps, needs_critic, needs_reference
 from services.trainer.model import (
     DistInfo,
+    eval_mode,
     freeze_router,
     freeze_visual_encoder,
     is_vision_language,
@@ -173,7 +174,12 @@ class Learner:
                 "with a critic-free estimator (grpo, rloo, reinforce, ...)"
             )
         if needs_critic(settings):
-            self.critic = load_critic(settings.critic.model_name_or_path or a.model_name_or_path, settings.fsdp, info)
+            self.critic = load_critic(
+                settings.critic.model_name_or_path or a.model_name_or_path,
+                settings.fsdp,
+                info,
+                gradient_checkpoint=a.gradient_checkpoint,
+            )
             if settings.critic.freeze_moe_router or a.freeze_moe_router:  # Molt: the critic inherits the actor flag
                 freeze_router(self.critic)
             # total_steps counts --train.max_epochs passes; the critic's schedule spans its own number of passes
@@ -274,19 +280,21 @@ class Learner:
         beta = self.kl_ctl.value
         want_old = not (s.train.force_on_policy and beta == 0)
         mine: dict[int, dict] = {}
-        for chunk in self._my_chunks(samples, list(range(len(samples))), grad=False):
-            batch = [samples[i] for i in chunk] or [padding_sample()]
-            mb = collate(batch, self.pad_to).to(self.info.device)
-            res = {}
-            if want_old:
-                res["old_logp"] = self._logp(self.actor, mb, replay=True, chunk=batch)[0]
-            if self.ref is not None:
-                res["ref_logp"] = self._logp(self.ref, mb, replay=False, chunk=batch)[0]
-            if self.critic is not None:
-                res["values"] = self.critic(mb.input_ids, mb.attention_mask)
-            for row, i in enumerate(chunk):
-                n = samples[i].num_tokens - 1
-                mine[i] = {k: v[row, :n].detach().float().cpu() for k, v in res.items()}
+        # Dropout off for the recorded log-probs and values (Molt's eval()); training passes run in train mode.
+        with eval_mode(self.actor, self.critic):
+            for chunk in self._my_chunks(samples, list(range(len(samples))), grad=False):
+                batch = [samples[i] for i in chunk] or [padding_sample()]
+                mb = collate(batch, self.pad_to).to(self.info.device)
+                res = {}
+                if want_old:
+                    res["old_logp"] = self._logp(self.actor, mb, replay=True, chunk=batch)[0]
+                if self.ref is not None:
+                    res["ref_logp"] = self._logp(self.ref, mb, replay=False, chunk=batch)[0]
+                if self.critic is not None:
+                    res["values"] = self.critic(mb.input_ids, mb.attention_mask)
+                for row, i in enumerate(chunk):
+                    n = samples[i].num_tokens - 1
+                    mine[i] = {k: v[row, :n].detach().float().cpu() for k, v in res.items()}
         gathered: list[dict[int, dict[str, torch.Tensor]]] = [{}] * self.info.world_size
         dist.all_gather_object(gathered, mine)
         for part in gathered:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
 
@@ -242,7 +244,26 @@ def load_causal_lm(
     if not trainable:
         model.eval()
         model.requires_grad_(False)
+    else:
+        # from_pretrained returns eval mode, where HF skips activation checkpointing and dropout; training
+        # passes run in train mode as Molt's do, no-grad passes switch with ``eval_mode``.
+        model.train()
     return model
+
+
+@contextmanager
+def eval_mode(*models: nn.Module | None) -> Iterator[None]:
+    """Run no-grad passes (old log-probs, values, eval loss) in eval mode, then restore each model's mode:
+    dropout off makes the recorded log-probs the deterministic policy the ratios are taken against."""
+    live = [m for m in models if m is not None]
+    was = [m.training for m in live]
+    for m in live:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(live, was, strict=True):
+            m.train(mode)
 
 
 class ValueModel(nn.Module):
@@ -256,16 +277,20 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1)[:, :-1].clone()  # step axis: value of state k, k < T-1
 
 
-def load_critic(path: str, fsdp, info: DistInfo) -> nn.Module:
+def load_critic(path: str, fsdp, info: DistInfo, gradient_checkpoint: str = "off") -> nn.Module:
+    """The value model (``ValueModel`` on the backbone of ``path``); Molt checkpoints its activations as the
+    actor's (``--actor.gradient_checkpoint``)."""
     from transformers import AutoConfig, AutoModel
 
     if info.on_gpu and fsdp.strategy != "torch":
         log.warning("critic: loaded with transformers + FSDP2 (NeMo AutoModel has no value-head model)")
     backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=_attn(fsdp, info.on_gpu))
+    if gradient_checkpoint == "full":
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = ValueModel(backbone, AutoConfig.from_pretrained(path).hidden_size).to(info.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -275,7 +300,7 @@ def load_critic(path: str, fsdp, info: DistInfo) -> nn.Module:
     for layer in decoder_layers(critic):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(critic, mesh=mesh, mp_policy=mp)
-    return critic
+    return critic.train()  # the backbone came from from_pretrained in eval mode
 
 
 def freeze_router(model: nn.Module) -> list[str]:

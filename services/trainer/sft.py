@@ -54,6 +54,7 @@ from services.trainer.export import save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
 from services.trainer.model import (
     DistInfo,
+    eval_mode,
     freeze_visual_encoder,
     init_distributed,
     is_vision_language,
@@ -241,9 +242,8 @@ class SftLearner:
     def eval_loss(self, batches: list[tuple[dict, bool]], stop: Callable[[], bool] | None = None) -> float | None:
         """Token-mean CE over every rank's batches (``(batch, False)``: a padding forward, so all ranks run as
         many); None when ``stop`` (a collective every rank calls before each batch) says to abandon it."""
-        self.actor.eval()
         ce_sum, tokens = 0.0, 0
-        try:
+        with eval_mode(self.actor):
             for i, (batch, real) in enumerate(batches):
                 # A whole eval set can outlast a preemption's grace period. Every rank asks before the same batch,
                 # so all leave together; the tiny all-reduce is cheap next to the forward (float(ce) syncs anyway).
@@ -259,8 +259,6 @@ class SftLearner:
                 ce, n, _ = self._forward(batch)
                 if real:
                     ce_sum, tokens = ce_sum + float(ce), tokens + int(n)
-        finally:
-            self.actor.train()
         vec = torch.tensor([ce_sum, float(tokens)], dtype=torch.float64)
         dist.all_reduce(vec)
         return vec[0].item() / max(vec[1].item(), 1.0)
