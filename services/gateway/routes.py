@@ -223,11 +223,20 @@ class Handlers:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        healthy = [p.url for p in self.gw.pool.pods.values() if p.healthy]
+        # Counts, not URLs: this port faces agents, and pod addresses are the internal network's map (the
+        # per-pod state is in /metrics and the gateway's log).
+        pods = self.gw.pool.pods.values()
+        healthy = sum(p.healthy for p in pods)
         redis = await self.gw.queue_reachable()
-        ready = bool(healthy) and self.gw.drain_deadline is None and redis
+        ready = healthy > 0 and self.gw.drain_deadline is None and redis
+        body = {
+            "ready": ready,
+            "healthy_pods": healthy,
+            "pods": len(pods),
+            "draining": self.gw.drain_deadline is not None,
+        }
         return JSONResponse(
-            {"ready": ready, "healthy_pods": healthy, "draining": self.gw.drain_deadline is not None, "redis": redis},
+            {**body, "redis": redis},
             status_code=200 if ready else 503,
         )
 
