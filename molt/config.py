@@ -23,9 +23,10 @@ import sys
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "MOLT_"
 _S = TypeVar("_S", bound="Section")
@@ -37,12 +38,77 @@ class Section(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", validate_assignment=True)
 
 
+# ---- flag values checked when the flags are parsed (so --dry-run refuses them too). Each check's message says
+# what is wrong and the fix; the parser puts the flag and the value given in front of it.
+
+PORT_MAX = 65535
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def port_range(zero: str) -> AfterValidator:
+    """A port flag's check: 0..65535, ``zero`` saying what 0 means for that flag."""
+
+    def check(port: int) -> int:
+        if not 0 <= port <= PORT_MAX:
+            raise ValueError(f"not a port number; pass one in 1..{PORT_MAX}, or 0 ({zero})")
+        return port
+
+    return AfterValidator(check)
+
+
+Port = Annotated[int, port_range("the kernel picks a free port")]
+
+
+def http_url(url: str) -> str:
+    """A service's base URL as every URL flag takes it: http(s), a host, and a valid port if one is given
+    (``ValueError`` otherwise). Returned without surrounding blanks or a trailing slash, since callers append
+    paths to it. Checked at parse time: a worker with a bad URL would otherwise serve and fail every call."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - reading it raises ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"not an http(s) URL ({exc}); pass one like http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL with a host; pass one like http://HOST:PORT, e.g. http://127.0.0.1:8000")
+    return url
+
+
+ServiceUrl = Annotated[str, AfterValidator(http_url)]
+
+
+def split_list(values: Any) -> Any:
+    """A list flag's items split at commas and blanks (``--rollout.urls A,B C``), for a ``mode="before"`` field
+    validator: the split items are what the item type then checks. Anything but a list is left to pydantic."""
+    if not isinstance(values, list):
+        return values
+    return [v for item in values for v in str(item).replace(",", " ").split()]
+
+
+def redis_url(url: str) -> str:
+    """A URL redis-py connects with (checked by its own parser), or ``memory://`` (the in-process queue of one
+    process). A malformed URL is final: waiting for such a Redis to answer could never end well."""
+    if url.startswith("memory://"):
+        return url
+    fix = "pass one like redis://HOST:6379/0 (schemes: redis://, rediss://, unix://)"
+    if not url.lower().startswith(REDIS_SCHEMES):
+        raise ValueError(f"not a Redis URL; {fix}")
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"not a Redis URL ({exc}); {fix}") from None
+    return url
+
+
 # ---- shared blocks (every service that talks to Redis / serves metrics / loads a model uses these)
 
 
 class RedisConfig(Section):
-    url: str | None = None
-    """Redis URL (redis://host:port/db). Unset: the local stack starts an embedded server."""
+    url: Annotated[str, AfterValidator(redis_url)] | None = None
+    """Redis URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// (TLS) or unix://PATH; memory:// keeps the queue in
+    this process. Unset: the local stack starts an embedded server."""
     stream: str = "molt:trajectories"
     """Name of the trajectory stream."""
     group: str = "trainer"
@@ -61,8 +127,9 @@ class RedisConfig(Section):
 
 
 class MetricsConfig(Section):
-    port: int | None = None
-    """Port of a separate Prometheus endpoint. Unset: /metrics is served on the service's own port."""
+    port: Port | None = None
+    """Port of a separate Prometheus endpoint (0: the kernel picks). Unset: /metrics is served on the service's
+    own port."""
 
 
 class ModelConfig(Section):
@@ -73,8 +140,8 @@ class ModelConfig(Section):
 class ServerConfig(Section):
     host: str = "127.0.0.1"
     """Address to bind. Loopback by default; set 0.0.0.0 in containers."""
-    port: int = 0
-    """Port to bind; 0 lets the kernel pick (the chosen port is logged)."""
+    port: Port = 0
+    """Port to bind, 0..65535; 0 lets the kernel pick (the chosen port is logged)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the service."""
     keep_alive_s: float = Field(75.0, gt=0)
@@ -247,11 +314,22 @@ def build_parser(model: type[BaseModel], prog: str, description: str | None = No
 
 
 def _format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        lines.append(f"  --{loc}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid configuration:\n" + "\n".join(lines)
+    """One line for one bad flag (the usual case); one line per flag under a heading for several."""
+    lines = [_error_line(e) for e in err.errors()]
+    return lines[0] if len(lines) == 1 else "invalid configuration:\n" + "\n".join("  " + line for line in lines)
+
+
+def _error_line(e: Any) -> str:
+    # A list item's index is not part of the flag name: the value shown says which item it is.
+    name = ".".join(str(p) for p in e["loc"] if not isinstance(p, int))
+    value = mask_secrets(e.get("input"), name)
+    cause = e.get("ctx", {}).get("error")
+    if not isinstance(cause, ValueError):  # pydantic's own wording (a type, a bound)
+        return f"--{name}: {e['msg']} (got {value!r})"
+    msg = str(cause)
+    if msg.startswith("--") or not name:  # a cross-field check that names its flags itself
+        return msg
+    return f"--{name} {value}: {msg}" if isinstance(value, (str, int, float)) else f"--{name}: {msg}"
 
 
 # Short forms every service accepts, for the commands people type most: `--model DIR --port N --host H`.
@@ -334,12 +412,18 @@ __all__ = [
     "Field",
     "MetricsConfig",
     "ModelConfig",
+    "Port",
     "RedisConfig",
     "Section",
     "ServerConfig",
+    "ServiceUrl",
     "build_parser",
     "env_overrides",
     "expand_short_flags",
+    "http_url",
     "iter_fields",
     "parse_settings",
+    "port_range",
+    "redis_url",
+    "split_list",
 ]

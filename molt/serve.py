@@ -167,18 +167,36 @@ def redis_unfit(info: dict) -> str | None:
     return None
 
 
+def redis_url_problem(url: str | None, flag: str = "--redis.url") -> str | None:
+    """Why ``url`` is not a Redis URL at all (None: it is one, or unset); connects to nothing, so a dry run can
+    ask too. The same check as ``--redis.url``'s at parse time, for flags parsed elsewhere (``--redis-url``)."""
+    from molt.config import mask_secrets, redis_url
+
+    if not url:
+        return None
+    try:
+        redis_url(url)
+    except ValueError as exc:
+        return f"{flag} {mask_secrets(url)}: {exc}"
+    return None
+
+
 def redis_problem(
     url: str | None, flag: str = "--redis.url", wait_s: float = 5.0, wait_flag: str | None = None
 ) -> str | None:
     """Why the Redis at ``url`` cannot be used (None: it answers PING; unset and ``memory://`` are not checked).
     Retried with capped backoff for ``wait_s`` (``wait_flag`` sets it): in Kubernetes or compose the services
-    and their Redis start in any order. A refused password or a malformed URL is final at once."""
+    and their Redis start in any order. A malformed URL (the parse-time check of ``--redis.url``, run here too
+    for ``molt up --redis-url``) or a refused password is final at once."""
     if not url or url.startswith("memory://"):
         return None
     import redis
 
     from molt.config import mask_secrets
 
+    malformed = redis_url_problem(url, flag)
+    if malformed:
+        return malformed
     deadline = time.monotonic() + wait_s
     delay, cap = REDIS_BACKOFF_S
     while True:
@@ -189,8 +207,9 @@ def redis_problem(
             return None if unfit is None else f"{flag} {mask_secrets(url)}: {unfit}"
         except (redis.RedisError, ValueError, OSError) as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if time.monotonic() + delay > deadline or isinstance(exc, (redis.AuthenticationError, ValueError)):
-                waited = f" after {wait_s:g} s ({wait_flag})" if wait_flag and wait_s else ""
+            final = isinstance(exc, (redis.AuthenticationError, ValueError))
+            if final or time.monotonic() + delay > deadline:
+                waited = f" after {wait_s:g} s ({wait_flag})" if wait_flag and wait_s and not final else ""
                 return (
                     f"{flag} {mask_secrets(url)}: Redis does not answer{waited} ({why}); start Redis there or pass "
                     "the URL of one that runs"

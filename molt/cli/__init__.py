@@ -140,6 +140,12 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
             own["--emit"] = path
         else:
             rest.append(tok)
+    from molt.serve import redis_url_problem
+
+    problem = redis_url_problem(str(own.get("--redis-url") or "") or None, "--redis-url")
+    if problem:  # the line a real run's Redis check would end with, and --dry-run's too
+        print(f"molt: error: {problem}", file=sys.stderr)
+        return 2
     target: Literal["local", "helm"] = "helm" if "--emit" in own else "local"
     gpus = _gpu_count() if target == "local" else 0
     try:

@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from molt.config import GuardedServerConfig, Section
+from molt.config import GuardedServerConfig, Section, ServiceUrl
 
 
 class GatewayClientConfig(Section):
-    url: str | None = None
+    url: ServiceUrl | None = None
     """Root URL of the gateway (http://host:port) that episodes open their sessions on. Required."""
     timeout_s: float = 600.0
     """Timeout of one gateway call (a generate waits for the whole turn's generation)."""

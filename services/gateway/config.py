@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from molt.config import ModelConfig, RedisConfig, Section, ServerConfig
+from molt.config import ModelConfig, RedisConfig, Section, ServerConfig, ServiceUrl, http_url, split_list
 
 
 class RolloutClientConfig(Section):
-    urls: list[str] = Field(default_factory=list)
+    urls: list[ServiceUrl] = Field(default_factory=list)
     """Rollout pod base URLs (http://host:port); comma- or space-separated."""
     timeout_s: float = 600.0
     """Longest a generate call may take before the pod is treated as failed."""
@@ -30,15 +31,10 @@ class RolloutClientConfig(Section):
     for the trainer's --train.routing_replay. Costs a recording pass per turn on pods where vLLM cannot return
     them itself (CPU)."""
 
-    @model_validator(mode="after")
-    def _split(self) -> RolloutClientConfig:
-        urls = [u.strip().rstrip("/") for raw in self.urls for u in raw.replace(",", " ").split() if u.strip()]
-        for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise ValueError(f"--rollout.urls: {u!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8001")
-        if urls != self.urls:
-            object.__setattr__(self, "urls", urls)
-        return self
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split(cls, urls: Any) -> Any:
+        return split_list(urls)
 
 
 class AuthConfig(Section):
@@ -91,13 +87,11 @@ class ReplicaConfig(Section):
     come bare, as Kubernetes expands ``$(POD_IP)`` (``http://fd00::7:8080``): when a port follows it, it is
     bracketed here (``http://[fd00::7]:8080``)."""
 
-    @model_validator(mode="after")
-    def _check(self) -> ReplicaConfig:
-        url = self.public_url.strip().rstrip("/")
-        if url and not url.startswith(("http://", "https://")):
-            raise ValueError(f"--replica.public_url: {url!r} is not an http(s) URL; pass e.g. http://10.0.0.7:8080")
-        object.__setattr__(self, "public_url", _bracket_ipv6(url))
-        return self
+    @field_validator("public_url")
+    @classmethod
+    def _check(cls, url: str) -> str:
+        url = url.strip().rstrip("/")
+        return http_url(_bracket_ipv6(url)) if url else ""
 
 
 def _bracket_ipv6(url: str) -> str:

@@ -7,11 +7,11 @@ flag is dotted and unknown flags are errors.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from molt.config import GuardedServerConfig, ModelConfig, Section, parse_settings
+from molt.config import GuardedServerConfig, ModelConfig, Section, parse_settings, port_range
 
 
 class VllmKnobs(Section):
@@ -98,8 +98,8 @@ class RolloutSettingsBlock(Section):
 
 
 class GrpcConfig(Section):
-    port: int = 0
-    """Port of the gRPC weight-sync receiver (molt.weightsync.server); 0 = off."""
+    port: Annotated[int, port_range("off")] = 0
+    """Port of the gRPC weight-sync receiver (molt.weightsync.server), 0..65535; 0 = off."""
     tls_cert: str | None = None
     """PEM certificate (chain) the weight-sync port serves TLS with (with --grpc.tls_key). Unset: plaintext."""
     tls_key: str | None = None

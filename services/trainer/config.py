@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -24,7 +24,7 @@ from molt.algorithms import (
     get_advantage_estimator,
     validate_algo,
 )
-from molt.config import MetricsConfig, ModelConfig, RedisConfig, Section, ServerConfig
+from molt.config import MetricsConfig, ModelConfig, RedisConfig, Section, ServerConfig, ServiceUrl, split_list
 from services.trainer.device import transformers_path_problem
 
 
@@ -200,10 +200,6 @@ class TrainConfig(Section):
     """Longest wait for new stream entries in one read."""
 
 
-def _split_commas(values: list[str]) -> list[str]:
-    return [v for item in values for v in item.replace(",", " ").split()]
-
-
 class WandbConfig(Section):
     key: str | None = None
     """W&B API key; set, the run logs to W&B (as Molt). Unset: W&B only with --logger.wandb.mode offline."""
@@ -251,29 +247,30 @@ class RolloutConfig(Section):
     vllm_generate_batch_size: int | None = Field(None, gt=0)
     """Most prompt groups in flight at once (Molt's in-flight capacity). Unset: as many as the policy-version
     bound (--train.async_queue_size) lets dispatch run ahead."""
-    urls: list[str] = []
-    """Rollout pod base URLs, space- or comma-separated (weights are pushed to them after every step; their gRPC
-    ports come from /readyz)."""
+    urls: list[ServiceUrl] = []
+    """Rollout pod base URLs (http://host:port), space- or comma-separated (weights are pushed to them after every
+    step; their gRPC ports come from /readyz)."""
     grpc_targets: list[str] = []
     """Explicit HOST:PORT weight-sync targets (overrides discovery through --rollout.urls)."""
     startup_wait_s: float = Field(600.0, ge=0)
     """At start-up: how long to wait for a --rollout.urls pod that does not answer /readyz yet (its engine still
     loading, or it restarts), retrying with backoff and reporting not ready meanwhile; then the trainer exits."""
 
-    @field_validator("urls", "grpc_targets")
+    @field_validator("urls", "grpc_targets", mode="before")
     @classmethod
-    def _split(cls, v: list[str]) -> list[str]:
-        return _split_commas(v)
+    def _split(cls, v: Any) -> Any:
+        return split_list(v)
 
 
 class EnvsConfig(Section):
-    urls: list[str] = []
-    """Env worker base URLs (POST /v1/episodes:run), space- or comma-separated; requests are spread over them."""
+    urls: list[ServiceUrl] = []
+    """Env worker base URLs (http://host:port; POST /v1/episodes:run), space- or comma-separated; requests are
+    spread over them."""
 
-    @field_validator("urls")
+    @field_validator("urls", mode="before")
     @classmethod
-    def _split(cls, v: list[str]) -> list[str]:
-        return _split_commas(v)
+    def _split(cls, v: Any) -> Any:
+        return split_list(v)
 
     agent: str = "default"
     """Agent name sent with every episode."""

@@ -218,3 +218,69 @@ def test_a_public_address_without_the_service_token_is_one_line_naming_the_fixes
     assert error_line(run([*args, "--dry-run"], env), f"python -m services.{service}") == line
     allowed = run([*args, "--server.allow_unauthenticated", "--dry-run"], env)
     assert allowed.returncode == 0 and "allow_unauthenticated" in allowed.stdout, allowed.stderr
+
+
+URL_FIX = "not an http(s) URL with a host; pass one like http://HOST:PORT, e.g. http://127.0.0.1:8000"
+BAD_VALUES = {  # a flag value each service refuses as it parses it, and the line's text after "error: "
+    "rollout": (
+        ["--model", "{model}", "--port", "99999"],
+        "--server.port 99999: not a port number; pass one in 1..65535, or 0 (the kernel picks a free port)",
+    ),
+    "gateway": (
+        ["--model", "{model}", "--redis.url", "{redis}", "--rollout.urls", "notaurl"],
+        f"--rollout.urls notaurl: {URL_FIX}",
+    ),
+    "envs": (["--agent", AGENT, "--gateway.url", "notaurl"], f"--gateway.url notaurl: {URL_FIX}"),
+    "trainer": (  # before, it waited out --rollout.startup_wait_s for a pod at that "URL"
+        [
+            "--model.path",
+            "{model}",
+            "--redis.url",
+            "{redis}",
+            "--train.dispatch",
+            "false",
+            "--rollout.urls",
+            "notaurl",
+        ],
+        f"--rollout.urls notaurl: {URL_FIX}",
+    ),
+}
+
+
+@pytest.mark.parametrize("service", sorted(BAD_VALUES))
+def test_a_port_or_url_flag_out_of_shape_is_one_line_at_once(service, tiny_qwen3, redis_url):
+    """A port past 65535 used to end in an OverflowError traceback, a malformed URL in a worker that served and
+    failed every call (or a trainer that waited 600 s for it): now each is refused as the flags are parsed,
+    by --dry-run too."""
+    flags, expected = BAD_VALUES[service]
+    args = [f"services.{service}", *(f.format(model=tiny_qwen3, redis=redis_url) for f in flags)]
+    started = time.monotonic()
+    proc = run([*args, "--rollout.startup_wait_s", "600"] if service == "trainer" else args)
+    assert time.monotonic() - started < 60, "waited instead of refusing the flag"
+    line = error_line(proc, f"python -m services.{service}")
+    assert line == f"python -m services.{service}: error: {expected}"
+    dry = run([*args, "--dry-run"])
+    assert error_line(dry, f"python -m services.{service}") == line and dry.stdout == ""
+
+
+REDIS_FIX = "not a Redis URL; pass one like redis://HOST:6379/0 (schemes: redis://, rediss://, unix://)"
+
+
+@pytest.mark.parametrize(("service", "url"), [("gateway", "http://x"), ("trainer", "localhost:6379")])
+def test_a_redis_url_without_a_redis_scheme_fails_at_once_naming_the_schemes(service, url, tiny_qwen3):
+    """No Redis can ever answer at such a URL: it is refused at once, not retried for --redis.startup_wait_s."""
+    args = [f"services.{service}", *valid_flags(service, tiny_qwen3, url), "--redis.startup_wait_s", "600"]
+    started = time.monotonic()
+    proc = run(args)
+    assert time.monotonic() - started < 60, "waited for a Redis at a malformed URL"
+    assert error_line(proc, f"python -m services.{service}").endswith(f"error: --redis.url {url}: {REDIS_FIX}")
+    assert "waiting up to" not in proc.stdout, proc.stdout
+    assert error_line(run([*args, "--dry-run"]), f"python -m services.{service}").endswith(REDIS_FIX)
+
+
+@pytest.mark.parametrize("command", [["up"], ["train-rl", "--dry-run"]])
+def test_molt_up_with_a_redis_url_without_a_scheme_starts_nothing(command, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run(["molt.cli", *command, "--redis-url", "localhost:6379", "--run-dir", str(run_dir), "--no-progress"])
+    assert error_line(proc, "molt") == f"molt: error: --redis-url localhost:6379: {REDIS_FIX}"
+    assert not run_dir.exists()  # no model built, no log written, no process started

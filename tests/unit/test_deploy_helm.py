@@ -331,8 +331,16 @@ def test_bad_values_fail_with_the_fix_in_the_message(sets, message):
 
 
 def _stand_in(env: dict) -> str:
+    """A value of the form the variable takes, for one the chart fills from a Secret or the pod: the services
+    check a URL's form when they parse it."""
     field = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
-    return "0" if "pod-index" in field else "sk-test-0123456789abcdef"
+    if "pod-index" in field:
+        return "0"
+    return (
+        "redis://:sk-test-0123456789abcdef@redis:6379/0"
+        if env["name"] == "MOLT_REDIS__URL"
+        else "sk-test-0123456789abcdef"
+    )
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
