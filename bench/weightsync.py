@@ -57,7 +57,7 @@ class NullEngine:
     def expected_parameters(self):
         return dict(self.spec)
 
-    async def apply_weights(self, tensors, version, keep):
+    async def apply_weights(self, tensors, version, keep, replace=False):
         self.policy_version = version
         return {"untouched": []}
 

@@ -64,6 +64,7 @@ class _Pending:
     hasher: Hasher | None = None  # over the current bucket's chunks so far (gRPC)
     receiver: asyncio.Future | None = None  # collective receive
     staged_s: float | None = None
+    force: bool = False  # Begin's force: may roll back, or replace the weights behind the current version
 
 
 @dataclass
@@ -141,7 +142,7 @@ class WeightSyncCore:
         if self._pending is not None:
             old = self._pending
             self._fail(old, SyncError("aborted", "superseded", f"sync {old.sync_id} superseded by {sync_id}"))
-        pending = _Pending(sync_id, version, layout, list(keep), transport, checksum, None)
+        pending = _Pending(sync_id, version, layout, list(keep), transport, checksum, None, force=force)
         try:
             if transport not in ("grpc", "collective"):
                 raise SyncError("invalid_argument", "manifest", f"unknown transport {transport!r}")
@@ -361,7 +362,7 @@ class WeightSyncCore:
         try:
             t0 = time.perf_counter()
             try:
-                result = await self.engine.apply_weights(tensors, version, set(p.keep))
+                result = await self.engine.apply_weights(tensors, version, set(p.keep), replace=p.force)
             except Exception as exc:  # the engine's apply is atomic: it stays on the old weights
                 raise self._fail(p, SyncError("internal", "apply", f"apply_weights failed: {exc}")) from exc
             load_s = time.perf_counter() - t0
@@ -412,7 +413,7 @@ class WeightSyncCore:
         prev = self._previous
         if prev is not None and prev.version == previous_version:
             try:
-                await self.engine.apply_weights(prev.tensors, prev.version, set(prev.keep))
+                await self.engine.apply_weights(prev.tensors, prev.version, set(prev.keep), replace=True)
                 msg += f"; rolled back to version {prev.version}"
             except ValueError as exc:  # an engine whose versions only move forward
                 msg += (

@@ -296,7 +296,12 @@ class RolloutEngine(EngineThread):
                 raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point dtype")
 
     async def apply_weights(
-        self, tensors: dict[str, torch.Tensor], version: int, keep: set[str] | frozenset[str] = frozenset()
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        keep: set[str] | frozenset[str] = frozenset(),
+        *,
+        replace: bool = False,
     ) -> dict:
         """Load a full set of HF-named tensors atomically and serve them as ``version``.
 
@@ -305,11 +310,12 @@ class RolloutEngine(EngineThread):
         version; resumes. Tensors may be any floating dtype (vLLM casts on load). ``keep`` names
         expected tensors deliberately not sent. Versions normally increase; a lower one is accepted as
         a rollback (the weight-sync receiver restores the previous weights after a failed check); the
-        current one is refused. Returns {"version", "previous_version", "loaded",
-        "untouched" (engine params the load did not write), "aborted", "waited_for", "apply_s"}.
+        current one is refused unless ``replace`` (a forced sync: a new trainer's first push). Returns
+        {"version", "previous_version", "loaded", "untouched" (engine params the load did not write),
+        "aborted", "waited_for", "apply_s"}.
         """
         self.check_tensors(tensors, keep)
-        self._check_version(version)
+        self._check_version(version, replace)
         named = [(n, t.detach().to("cpu").contiguous()) for n, t in tensors.items()]
         arg: list[tuple[str, torch.Tensor]] | list[tuple[str, str, tuple[int, ...], bytes]]
         if self._multiprocess:
@@ -323,7 +329,7 @@ class RolloutEngine(EngineThread):
             method, arg = "rollout_update_from_bytes", payload
         else:
             method, arg = "rollout_update_from_tensors", named
-        return await self._apply(version, method, arg, loaded=len(named))
+        return await self._apply(version, method, arg, loaded=len(named), replace=replace)
 
     async def reload_from_path(self, path: str, version: int) -> dict:
         """apply_weights from a saved model dir (operators / tests); the dir must match expected_parameters()."""
@@ -339,19 +345,20 @@ class RolloutEngine(EngineThread):
         self._check_version(version)
         return await self._apply(version, "rollout_reload_from_path", str(path), loaded=len(have))
 
-    def _check_version(self, version: int) -> None:
+    def _check_version(self, version: int, replace: bool = False) -> None:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         # A pod that never loaded weights serves its base model as version 0: a trainer that has not stepped yet
-        # pushes its own weights as version 0 too, and a pod awaiting that push must take it.
-        if version == self.version and self.weight_apply_s:
+        # pushes its own weights as version 0 too, and a pod awaiting that push must take it. A forced push
+        # replaces the weights behind the same number: a new trainer's version 0 on a pod another one pushed.
+        if version == self.version and self.weight_apply_s and not replace:
             raise ValueError(f"the pod already serves version {version}; a weight update needs a new version number")
 
-    async def _apply(self, version: int, method: str, arg: Any, loaded: int) -> dict:
+    async def _apply(self, version: int, method: str, arg: Any, loaded: int, replace: bool = False) -> dict:
         assert self._update_lock is not None and self._gate is not None, "engine not started"
         gate = self._gate
         async with self._update_lock:
-            self._check_version(version)
+            self._check_version(version, replace)
             t0 = time.perf_counter()
             previous = self.version
             gate.clear()

@@ -42,7 +42,7 @@ class Pod:
     def expected_parameters(self):
         return dict(self.spec)
 
-    async def apply_weights(self, tensors, version, keep):
+    async def apply_weights(self, tensors, version, keep, replace=False):
         if self.kill_during_push and self.kill_during_push[0] == version:
             os.kill(self.kill_during_push[1], signal.SIGKILL)
             self.kill_during_push = None

@@ -215,3 +215,21 @@ async def test_a_second_server_on_a_taken_port_is_refused(pod):
     port = int(target.rsplit(":", 1)[1])
     with pytest.raises(OSError, match="could not bind"):
         await start_weightsync_server(engine, "127.0.0.1", port)
+
+
+async def test_a_forced_push_replaces_the_weights_behind_the_current_version(pod, tiny_qwen3, tiny_qwen3_b):
+    """A new trainer's first push is forced and numbered 0, as the previous trainer's was: the pod must serve the
+    new weights, not keep the old ones under the same number. An unforced push of the same number is refused."""
+    engine, target, _ = pod
+    state, _ = _hf_state(tiny_qwen3)
+    other, other_model = _hf_state(tiny_qwen3_b)
+    pusher = WeightPusher([target])
+    version = engine.policy_version + 1
+    await pusher.push_async(state, version=version)
+    await _parity(engine, tiny_qwen3)
+    with pytest.raises(WeightPushError, match="not newer"):
+        await pusher.push_async(other, version=version)
+    report = await pusher.push_async(other, version=version, force=True, check=probe_check(other_model))
+    assert report.pods[target]["promoted"] and engine.policy_version == version
+    await _parity(engine, tiny_qwen3_b)
+    await pusher._pods()[0].close()

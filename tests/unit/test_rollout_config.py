@@ -145,3 +145,4 @@ def test_a_pod_that_never_loaded_weights_takes_version_0_once(tiny_qwen3):
     engine.weight_apply_s.append(0.01)  # what an applied update leaves
     with pytest.raises(ValueError, match="already serves version 0"):
         engine._check_version(0)
+    engine._check_version(0, replace=True)  # a forced push: a new trainer's version 0

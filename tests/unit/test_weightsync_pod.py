@@ -32,7 +32,7 @@ class FakeEngine:
     def expected_parameters(self):
         return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.params.items()}
 
-    async def apply_weights(self, tensors, version, keep):
+    async def apply_weights(self, tensors, version, keep, replace=False):
         if version <= self.policy_version and not self.allow_rollback:
             raise ValueError(f"version {version} must be greater than the current version {self.policy_version}")
         assert set(tensors) | set(keep) == set(self.params)

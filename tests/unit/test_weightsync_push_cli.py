@@ -23,7 +23,7 @@ class _Engine:
     def expected_parameters(self):
         return dict(self.spec)
 
-    async def apply_weights(self, tensors, version, keep):
+    async def apply_weights(self, tensors, version, keep, replace=False):
         self.loaded, self.policy_version = {n: t.clone() for n, t in tensors.items()}, version
         return {"untouched": []}
 
