@@ -268,9 +268,9 @@ class _Parser(argparse.ArgumentParser):
                 match = difflib.get_close_matches(flag.split("=")[0], self._known, n=1, cutoff=0.5)
                 hints.append(f"{flag}: did you mean {match[0]}?" if match else f"{flag}: no such flag")
             if hints:
-                message = "unknown flag(s): " + "; ".join(hints) + " (see --help)"
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+                message = "unknown flag(s): " + "; ".join(hints)
+        # One line, not argparse's usage first: a service's usage runs to hundreds of lines and buries the error.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(model: type[BaseModel], prog: str, description: str | None = None) -> argparse.ArgumentParser:

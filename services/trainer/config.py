@@ -461,6 +461,14 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
     """Molt's cross-flag rules plus the service's; fills derived defaults; returns hints to log. ``on_gpu``
     (where the trainer runs, when known) adds the checks of what that device's loader refuses."""
     load_plugins(s.train.plugins)
+    a_path, m_path = s.actor.model_name_or_path, s.model.path
+    if a_path and m_path and os.path.realpath(a_path) != os.path.realpath(m_path):
+        # `molt up` wires --model.path into every service; a policy from elsewhere would train other weights
+        # than the pods serve (or fail at the first push, if the shapes differ).
+        raise ValueError(
+            f"--actor.model_name_or_path {a_path} and --model.path {m_path} name different models: the policy "
+            "starts from the first, the pods serve the second; pass one of them, or the same directory to both"
+        )
     if not s.actor.model_name_or_path:
         s.actor.model_name_or_path = s.model.path  # the shared --model.path block every service reads
     if not s.actor.model_name_or_path:

@@ -249,3 +249,25 @@ def test_the_actors_schedule_spans_only_the_steps_it_takes():
 def test_combinations_molt_accepts_are_run_and_said_not_refused(flags, hint):
     """Molt runs these (a Molt script must run unchanged); what this trainer makes of them is logged."""
     assert any(hint in h for h in validate_settings(_settings(*flags)))
+
+
+def test_a_policy_path_other_than_the_pods_model_is_refused(tmp_path):
+    """`molt up` passes --model.path to every service: a policy from another directory would train other weights
+    than the pods serve. The same directory spelled two ways is fine."""
+    with pytest.raises(ValueError, match="--actor.model_name_or_path m and --model.path other name different"):
+        validate_settings(_settings("--model.path", "other"))
+    (tmp_path / "m").mkdir()
+    s = parse_settings(
+        TrainerSettings,
+        [
+            "--actor.model_name_or_path",
+            str(tmp_path / "m"),
+            "--model.path",
+            f"{tmp_path}/./m/",
+            "--train.dispatch",
+            "false",
+        ],
+        environ={},
+    )
+    validate_settings(s)
+    assert s.actor.model_name_or_path == str(tmp_path / "m")
