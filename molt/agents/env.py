@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 import logging
 from typing import Any
 
@@ -98,6 +99,11 @@ class StepEnvRunner(Runner):
     def __init__(self, env_cls: type[Env]) -> None:
         if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
             raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
+        # As Molt's, the loop awaits reset and step: a plain def would fail every episode with "can't be used in
+        # 'await' expression", so it is refused when the worker loads the module instead.
+        for name in ("reset", "step"):
+            if not inspect.iscoroutinefunction(inspect.unwrap(getattr(env_cls, name))):
+                raise ValueError(f"{env_cls.__name__}.{name} must be async def (Molt's Env API awaits it)")
         self.env_cls = env_cls
 
     async def execute(self, *args: Any, **kwargs: Any):

@@ -40,6 +40,7 @@ def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTranspor
         episode_timeout_s=settings.envs.episode_timeout_s,
         max_new_tokens=settings.rollout.max_new_tokens,
         max_length=settings.data.max_len,
+        secrets=(settings.gateway.api_key, token),
     )
 
     @contextlib.asynccontextmanager

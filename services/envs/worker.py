@@ -5,6 +5,8 @@
 - Isolation: an exception in user code, a non-Result return or a timeout fails only that episode. The
   runner's session is aborted (nothing reaches the trainer), the failure is counted by status and the
   worker keeps serving.
+- Reporting: a failed episode's response carries the exception's type and message (the dispatcher logs it and
+  stops a run whose every episode fails with it), with this worker's own credentials masked.
 """
 
 from __future__ import annotations
@@ -103,6 +105,15 @@ def is_outage(exc: BaseException | None) -> bool:
     return False
 
 
+def error_text(exc: BaseException, secrets: tuple[str, ...] = ()) -> str:
+    """``Type: message`` of an episode's exception, as its response carries it. User code may quote this worker's
+    credentials (an SDK's auth error echoes the key it sent): they are masked before the text leaves the worker."""
+    text = f"{type(exc).__name__}: {exc}"
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text[:2000]
+
+
 class Saturated(Exception):
     """The worker runs max_concurrency episodes already."""
 
@@ -125,7 +136,9 @@ class EpisodeWorker:
         episode_timeout_s: float,
         max_new_tokens: int | None = None,
         max_length: int | None = None,
+        secrets: tuple[str | None, ...] = (),
     ) -> None:
+        """``secrets``: values masked in the errors episodes report (the gateway key, the service token)."""
         self.runners: dict[str, Runner] = {name: load_agent_runner(path, name) for name, path in agents.items()}
         self.versions = {name: module_version(path) for name, path in agents.items()}
         self.gateway = gateway
@@ -135,6 +148,7 @@ class EpisodeWorker:
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
         self.inflight = 0
+        self.secrets = tuple(v for v in secrets if v)
 
     def _episode(self, req: EpisodeRequest) -> tuple[Runner, Episode]:
         runner = self.runners.get(req.agent)
@@ -199,16 +213,14 @@ class EpisodeWorker:
                     "episode %s (%s) stopped by an outage, session aborted (the dispatcher reruns it): %s",
                     episode.trajectory_id,
                     episode.env_name,
-                    f"{type(exc).__name__}: {exc}"[:300],
+                    error_text(exc, self.secrets)[:300],
                 )
                 return EpisodeResponse(
-                    status="unavailable",
-                    trajectory_id=episode.trajectory_id,
-                    error=f"{type(exc).__name__}: {exc}"[:2000],
+                    status="unavailable", trajectory_id=episode.trajectory_id, error=error_text(exc, self.secrets)
                 )
             log.exception("episode %s (%s) failed; session aborted", episode.trajectory_id, episode.env_name)
             return EpisodeResponse(
-                status="failed", trajectory_id=episode.trajectory_id, error=f"{type(exc).__name__}: {exc}"[:2000]
+                status="failed", trajectory_id=episode.trajectory_id, error=error_text(exc, self.secrets)
             )
         try:  # a custom runner may skip the gateway's check: nothing unbounded leaves this worker
             check_reward(out.reward, "reward")

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
+    from services.trainer.dispatch import DispatchError
     from services.trainer.errors import CheckpointWriteError
     from services.trainer.model import init_distributed
     from services.trainer.publish import PodDiscoveryError
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         summary = trainer.run()
-    except (PodDiscoveryError, CheckpointWriteError) as exc:
+    except (PodDiscoveryError, CheckpointWriteError, DispatchError) as exc:  # named in one line, no traceback
         sys.exit(f"{PROG}: error: {exc}")
     finally:
         trainer.close()

@@ -279,6 +279,9 @@ class EnvsConfig(Section):
     max_retries: int = Field(6, ge=0)
     """Retries of a failed episode (one that ran and wrote no trajectory), with backoff. An unreachable worker
     is not a failure: episodes wait for it however long it is down."""
+    max_consecutive_failures: int = Field(64, ge=0)
+    """Stop the run with the last failure's error once this many training episodes in a row failed for good (each
+    after its retries) with none written between them: an env that raises on every episode. 0: never stop."""
     retry_backoff_s: float = Field(1.0, gt=0.0)
     """First wait before retrying a failed episode or an unreachable worker; doubles on each retry."""
     retry_backoff_max_s: float = Field(30.0, gt=0.0)

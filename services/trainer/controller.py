@@ -97,6 +97,7 @@ class Controller:
         self.inflight_groups = 0
         self.dropped = {"dynamic_filter": 0, "incomplete_group": 0}
         self.verdicts: list[GroupVerdict] = []  # judged since the last step's record (take_verdicts)
+        self.batches = 0  # batches handed to the training loop by this process
         self.run_tag = uuid.uuid4().hex[:8]
         self._version_changed: asyncio.Event | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -309,7 +310,9 @@ class Controller:
         n = self.s.rollout.n_samples_per_prompt
         try:
             written = await self.dispatcher.run_group(prompt, group_id, missing) if missing else []
-        except DispatchError as exc:  # configuration error: stop training with the reason
+        except DispatchError as exc:  # configuration error, or an env failing every episode: stop with the reason
+            if self.fatal is None:
+                log.error("stopping the run: %s", exc)
             self.fatal = exc
             written = []
         except Exception:  # supervisor: a broken group must not kill the loop; it is logged and refilled
@@ -405,13 +408,32 @@ class Controller:
             ):
                 lag = await self._bus(self.queue.lag)
                 if lag.undelivered == 0:
+                    if not kept and not self.batches:
+                        self._check_failures()
                     break
             await self._route(await self._bus(self.queue.read, self.consumer, 256, block_s=self.s.train.read_block_s))
             await self._reclaim()
             await self._rescue_stalled()
         for group in kept:
             self.uncommitted.extend(group.all_deliveries())
+        self.batches += bool(kept)
         return kept or None
+
+    def _check_failures(self) -> None:
+        """At the end of the dataset with nothing trained by this run: if episodes failed, that is why, and the
+        run must not end as if it succeeded (fewer failures than --envs.max_consecutive_failures, a small
+        dataset)."""
+        last = self.dispatcher.last_failure if self.dispatcher is not None else None
+        if last is not None:
+            from services.trainer.dispatch import DispatchError
+
+            exc = DispatchError(
+                f"the dataset ran out with no step trained: {self.dispatcher.failed} episodes failed for good (after "
+                f"--envs.max_retries {self.s.envs.max_retries} retries each) and too few were written to fill a "
+                f"group; the last, {last} (fix the env, its traceback is in the env worker's log)"
+            )
+            log.error("stopping the run: %s", exc)
+            raise exc
 
     async def commit(self) -> int:
         """Ack every uncommitted delivery (call only once their step is durable)."""

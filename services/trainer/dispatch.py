@@ -13,6 +13,11 @@ is an outage, waited out with capped exponential backoff (``--envs.retry_backoff
 outage behind it stopped (the gateway or its pods unavailable); an episode that ran and wrote no trajectory is
 retried up to ``--envs.max_retries`` times with the same backoff. The result is which samples of the
 group were written, which the controller hands to the group assembler.
+
+A failed episode's group is replaced by later prompts, so occasional failures cost only prompts; an env that
+fails every episode would burn the whole dataset that way and train nothing. ``--envs.max_consecutive_failures``
+training episodes failed for good in a row, with none written between them, stop the run with the last one's
+error (as the env worker reported it: the exception's type and message, and the agent).
 """
 
 from __future__ import annotations
@@ -157,6 +162,8 @@ class EpisodeDispatcher:
         self.client = httpx.AsyncClient(timeout=envs_cfg.timeout_s, headers=bearer_headers(internal_token_from_env()))
         self.slots = asyncio.Semaphore(envs_cfg.max_inflight * len(self.inflight))
         self.failed = 0
+        self.consecutive_failures = 0  # training episodes failed for good since the last one written
+        self.last_failure: str | None = None
         self.outage_retries = 0
         self.unreachable: set[str] = set()
 
@@ -229,19 +236,33 @@ class EpisodeDispatcher:
                 self.unreachable.discard(url)
                 log.warning("env worker %s is back", url)
             if result.get("written") or (body.get("eval") and result.get("status") == "ok"):
+                if not body.get("eval"):
+                    self.consecutive_failures = 0
                 return result  # an eval episode writes nothing by design
             if failures >= self.cfg.max_retries:
-                self.failed += 1
-                log.warning(
-                    "episode %s/%s failed for good after %d tries: %s",
-                    body["group_id"],
-                    body["sample_index"],
-                    failures + 1,
-                    result.get("error") or result.get("status"),
-                )
+                self._failed_for_good(body, url, failures + 1, result)
                 return result
             failures += 1
             delay = await self._backoff(delay)
+
+    def _failed_for_good(self, body: dict, url: str, tries: int, result: dict) -> None:
+        """Count a failed episode; raise ``DispatchError`` once too many training episodes failed in a row."""
+        self.failed += 1
+        reason = result.get("error") or result.get("status")
+        where = f"episode {body['group_id']}/{body['sample_index']} of agent {body['agent']!r} on {url}"
+        log.warning("%s failed for good after %d tries: %s", where, tries, reason)
+        if body.get("eval"):  # evaluation failures show in the eval metrics; the counter guards training
+            return
+        self.consecutive_failures += 1
+        self.last_failure = f"{where}: {reason}"
+        limit = self.cfg.max_consecutive_failures
+        if limit and self.consecutive_failures >= limit:
+            raise DispatchError(
+                f"{self.consecutive_failures} episodes in a row failed for good ({tries} tries each, "
+                f"--envs.max_retries {self.cfg.max_retries}) and none wrote a trajectory; the last, "
+                f"{self.last_failure} (fix the env, its traceback is in the env worker's log; "
+                f"--envs.max_consecutive_failures {limit} sets how many failures in a row stop the run, 0 never)"
+            )
 
     async def run_group(self, prompt: Prompt, group_id: str, samples: list[int] | None = None) -> list[int]:
         """The episodes ``samples`` (default: all) of one prompt; returns the sample indices written."""
