@@ -347,11 +347,20 @@ class Controller:
             if not drained or not self._room_in_flight():  # its samples run under the cap too: retried later
                 return
             del self._settled[position]
+            # Before any batch, the likelier cause is a gateway writing elsewhere than this trainer reads.
+            hint = (
+                "; nothing of this run has arrived yet: check that the gateway's --redis.url and --redis.stream "
+                "are this trainer's"
+                if not self.batches
+                else ""
+            )
             log.warning(
-                "group %s: rollouts reported written never arrived after %.0f s; dispatching its "
-                "missing samples again",
+                "group %s: rollouts reported written never reached stream %r after %.0f s; dispatching its "
+                "missing samples again%s",
                 group_id,
+                self.s.redis.stream,
                 now - since,
+                hint,
             )
             self._launch(position, again=True)
 

@@ -170,7 +170,9 @@ class _LosingDispatcher(_Dispatcher):
         return list(samples)
 
 
-async def test_a_group_whose_written_rollouts_never_arrive_is_dispatched_again():
+async def test_a_group_whose_written_rollouts_never_arrive_is_dispatched_again(caplog):
+    """Also: before any batch, the warning names the stream and the likelier cause (a gateway writing to
+    another stream or Redis would otherwise stall the run with no hint)."""
     q = MemoryTrajectoryQueue()
     c = _controller(q, "--train.dispatch", "true", "--rollout.batch_size", "1", "--train.num_steps", "1")
     c.own_groups = True
@@ -186,6 +188,7 @@ async def test_a_group_whose_written_rollouts_never_arrive_is_dispatched_again()
     tag = c.run_tag
     assert c.dispatcher.calls == [(f"{tag}-0", [0, 1]), (f"{tag}-0", [1])]
     assert sorted(group.trajectory_ids) == [f"{tag}-0/0-try1", f"{tag}-0/1-try2"]
+    assert "never reached stream 'molt:trajectories'" in caplog.text and "--redis.stream" in caplog.text
 
 
 async def test_a_repeat_of_a_trajectory_trained_but_not_yet_committed_is_acked_with_it_never_trained():
