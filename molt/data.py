@@ -5,17 +5,39 @@
 another), a parquet / JSONL / JSON file, or a folder of such files (read in name order). Rows come
 back as plain dicts in file order; ``max_samples`` stops early without reading the rest.
 ``read_mixed_rows`` reads several comma-separated datasets, concatenated or mixed by weight.
+
+A folder of files is split as ``datasets.load_dataset(folder)`` splits it, so a folder holding
+``train.jsonl`` and ``test.jsonl`` never trains on its test rows: ``data/<split>-NNNNN-of-NNNNN`` shards
+name their split; otherwise folders named for a split (train, validation, test and HF's other spellings,
+as a whole word of the name) assign every file below them; otherwise file names do. A folder without
+split names is one ``train`` split, and any ``split`` asked of it reads all of it, as before.
+``check_dataset`` is the cheap start-up check: the path, the split, the first row's keys.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 _SUFFIXES = (".jsonl", ".json", ".parquet")
+# datasets.data_files' split keywords and word separators (its SPLIT_KEYWORDS, NON_WORDS_CHARS): a keyword
+# counts as a whole word of a file or folder name, so "gsm8k_test.jsonl" is test and "latest.jsonl" is not.
+_SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SPLIT_WORD = {
+    split: re.compile(rf"(?:^|[-._ 0-9])(?:{'|'.join(words)})(?:[-._ 0-9]|$)")
+    for split, words in _SPLIT_KEYWORDS.items()
+}
+_SHARD = re.compile(r"data/(?P<split>\w+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+# The flag that picks the split of each dataset flag, for the error that lists a folder's splits.
+_SPLIT_FLAGS = {"--data.prompt_dataset": "--data.prompt_split", "--data.dataset": "--data.dataset_split"}
 
 
 def read_rows(
@@ -37,14 +59,81 @@ def iter_rows(path: str | Path, *, split: str = "train", flag: str = "--data.pro
     if p.is_dir() and _is_saved_dataset(p):
         yield from _saved_dataset(p, split, flag)
         return
-    files = sorted(f for f in p.rglob("*") if f.suffix in _SUFFIXES and f.is_file()) if p.is_dir() else [p]
+    for f in split_files(p, split, flag) if p.is_dir() else [p]:
+        yield from _file_rows(f, flag)
+
+
+def split_files(p: Path, split: str, flag: str) -> list[Path]:
+    """The data files of folder ``p`` that make up ``split``, in name order (the rule: the module docstring)."""
+    files = sorted(f for f in p.rglob("*") if f.suffix in _SUFFIXES and f.is_file())
     if not files:
         raise ValueError(
             f"{flag} {p}: a directory with no dataset in it (expected a datasets.save_to_disk "
             f"directory or {', '.join(_SUFFIXES)} files)"
         )
-    for f in files:
-        yield from _file_rows(f, flag)
+    splits = _assign_splits(p, files)
+    if not splits:
+        return files  # no split names: the whole folder is the one split asked for
+    if split not in splits:
+        _no_split(p, split, list(splits), flag)
+    return splits[split]
+
+
+def _assign_splits(p: Path, files: list[Path]) -> dict[str, list[Path]]:
+    """Split name -> files, by the first rule that names any split (as datasets.data_files tries its
+    patterns in order); {} when no rule does. A file may fall in several splits, as there."""
+    rel = [f.relative_to(p) for f in files]
+    shards = [(_SHARD.fullmatch(r.as_posix()), f) for r, f in zip(rel, files)]
+    if any(m for m, _ in shards):
+        out: dict[str, list[Path]] = {}
+        for m, f in shards:
+            if m:
+                out.setdefault(m["split"], []).append(f)
+        return out
+    for names in ([r.parts[:-1] for r in rel], [r.parts[-1:] for r in rel]):  # folder names first, then file names
+        out = {
+            split: [f for f, parts in zip(files, names) if any(word.search(n) for n in parts)]
+            for split, word in _SPLIT_WORD.items()
+        }
+        out = {split: fs for split, fs in out.items() if fs}
+        if out:
+            return out
+    return {}
+
+
+def _no_split(p: Path, split: str, found: list[str], flag: str) -> NoReturn:
+    choose = _SPLIT_FLAGS.get(flag, "--eval.split" if flag == "--eval.dataset" else "the split flag")
+    raise ValueError(f"{flag} {p}: no {split!r} split (splits: {sorted(found)}); choose one with {choose}")
+
+
+def check_dataset(spec: str, split: str, keys: dict[str, str | None], flag: str) -> None:
+    """Cheap start-up check of a dataset flag (several comma-separated paths): each path exists, a folder has
+    ``split``, and its first row holds every key in ``keys`` (key flag -> key; None: not asked). Reads one row
+    of one file (a parquet file's schema); a save_to_disk directory gets its split checked, not its rows.
+    Raises the ``ValueError`` reading it would end in, so a run fails before anything starts."""
+    for path in (Path(s.strip()) for s in spec.split(",") if s.strip()):
+        if not path.exists():
+            raise ValueError(f"{flag} {path}: no such file or directory")
+        if path.is_dir() and (path / "dataset_dict.json").exists():
+            found = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            if split not in found:
+                _no_split(path, split, found, flag)
+            continue
+        if path.is_dir() and _is_saved_dataset(path):
+            continue
+        first = split_files(path, split, flag)[0] if path.is_dir() else path
+        if first.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            columns = set(pq.read_schema(first).names)
+        else:
+            row = next(_file_rows(first, flag), None)
+            if row is None:
+                continue  # no rows to check; reading it says what is wrong with that
+            columns = set(row)
+        for key_flag, key in keys.items():
+            if key is not None and key not in columns:
+                raise ValueError(f"{flag} {first}: row 0 has no {key!r} ({key_flag}); keys: {sorted(columns)}")
 
 
 def _is_saved_dataset(p: Path) -> bool:
@@ -57,7 +146,7 @@ def _saved_dataset(p: Path, split: str, flag: str) -> Iterator[dict]:
     loaded = datasets.load_from_disk(str(p))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{flag} {p}: no {split!r} split (splits: {sorted(loaded)})")
+            _no_split(p, split, list(loaded), flag)
         loaded = loaded[split]
     yield from loaded
 

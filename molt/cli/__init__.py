@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from molt.stack.recipes import RECIPES
 
     up.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
-    up.add_argument("--run-dir", type=Path, help="run folder (default runs/<recipe>-<time>)")
+    up.add_argument(
+        "--run-dir",
+        type=Path,
+        help="run folder, new or empty (default runs/<recipe>-<time>); one holding a run is refused",
+    )
     up.add_argument("--steps", type=_positive, help="trainer steps (default: the recipe's)")
     up.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     up.add_argument("--pods", type=_positive, help="number of rollout pods")
@@ -87,20 +92,18 @@ def main(argv: list[str] | None = None) -> int:
         if service not in ("rollout", "gateway", "envs", "trainer"):
             parser.error(f"--set {service}: service must be rollout, gateway, envs or trainer")
         extra.setdefault(service, []).extend(f if f.startswith("-") else "--" + f for f in flags)
-    summary = run_stack(
-        UpOptions(
-            recipe=args.recipe,
-            run_dir=args.run_dir,
-            steps=args.steps,
-            redis_url=args.redis_url,
-            num_pods=args.pods,
-            async_queue_size=args.async_queue_size,
-            force_sync=args.sync,
-            extra=extra,
-            progress=not args.no_progress,
-        )
+    options = UpOptions(
+        recipe=args.recipe,
+        run_dir=args.run_dir,
+        steps=args.steps,
+        redis_url=args.redis_url,
+        num_pods=args.pods,
+        async_queue_size=args.async_queue_size,
+        force_sync=args.sync,
+        extra=extra,
+        progress=not args.no_progress,
     )
-    return 130 if summary.get("interrupted") else 0
+    return _run_stack(lambda: run_stack(options))
 
 
 TRAIN_RL_HELP = """usage: molt train-rl [--emit helm-values FILE] [--run-dir DIR] [--redis-url URL] [--dry-run]
@@ -111,7 +114,7 @@ processes; each flag goes to the service that owns it). The agent module is Molt
 (on_policy_distill without one samples one completion per prompt, as Molt's built-in agent does).
   --no-progress             no per-step progress lines
   --emit helm-values FILE   write the run as values for deploy/k8s/molt instead of running it
-  --run-dir DIR             run folder (default runs/train-rl-<time>)
+  --run-dir DIR             run folder, new or empty (default runs/train-rl-<time>)
   --redis-url URL           use this Redis instead of an embedded one
   --dry-run                 print where each flag goes and exit
 Flags that need hardware this machine lacks are refused with the reason; see docs/trainer.md."""
@@ -146,6 +149,10 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     if problem:  # the line a real run's Redis check would end with, and --dry-run's too
         print(f"molt: error: {problem}", file=sys.stderr)
         return 2
+    if own.get("--run-dir") and "--emit" not in own:  # here, so that --dry-run refuses it as a real run does
+        from molt.stack.up import check_run_dir
+
+        check_run_dir(Path(str(own["--run-dir"])))
     target: Literal["local", "helm"] = "helm" if "--emit" in own else "local"
     gpus = _gpu_count() if target == "local" else 0
     try:
@@ -169,7 +176,19 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
         return 2
     from molt.stack.up import run_plan
 
-    summary = run_plan(plan)
+    return _run_stack(lambda: run_plan(plan))
+
+
+def _run_stack(run: Callable[[], dict]) -> int:
+    """Run the stack; a service that fails is one line naming it and its log (status 1), not a traceback: the
+    stack is stopped by then, and the log holds the service's own error in full."""
+    from molt.stack.procs import ServiceFailed
+
+    try:
+        summary = run()
+    except ServiceFailed as exc:
+        print(f"molt: error: {str(exc).splitlines()[0].rstrip(':')}", file=sys.stderr)
+        return 1
     return 130 if summary.get("interrupted") else 0
 
 

@@ -88,8 +88,38 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
+RUN_FILES = ("steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt")
+"""What a run leaves in its run folder, besides one ``<service>.log`` per process."""
+
+
+def check_run_dir(path: Path) -> None:
+    """A run folder that holds an earlier run is a one-line error naming --run-dir (status 2). Two runs in one
+    folder mix: progress and summary.json would count the earlier run's steps.jsonl rows as this run's, and its
+    model/ and reward.png would be overwritten. A folder that is empty, or holds none of a run's files, is fine."""
+    if not path.is_dir():
+        return
+    try:
+        found = sorted(p.name for p in path.iterdir() if p.name in RUN_FILES or p.suffix == ".log")
+    except OSError as exc:
+        print(
+            f"molt: error: --run-dir {path}: cannot read it ({exc.strerror}); pass a folder you can write",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    if found:
+        print(
+            f"molt: error: --run-dir {path}: already holds a run ({', '.join(found[:3])}); "
+            "pick another folder, or delete this one",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(2)
+
+
 def make_run_dir(path: Path) -> Path:
-    """The run folder, created; one that cannot be is a one-line error naming --run-dir (status 2)."""
+    """The run folder, created; one that cannot be is a one-line error naming --run-dir (status 2), and so is
+    one that holds an earlier run (``check_run_dir``)."""
+    check_run_dir(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -104,20 +134,27 @@ def make_run_dir(path: Path) -> Path:
 def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None:
     """The trainer's own flag checks, before anything starts: it starts last, so a bad flag would otherwise
     surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
-    wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win."""
+    wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win. Its datasets
+    are checked too, cheaply (``molt.data.check_dataset``): a missing path or input key ends the same way."""
     from molt.config import parse_settings
+    from molt.data import check_dataset
     from services.trainer.config import TrainerSettings, validate_settings
     from services.trainer.device import trainer_on_gpu
 
     on_gpu = trainer_on_gpu()  # the trainer runs here, on this machine's device
     local = "http://127.0.0.1:1"
     wiring = ["--model.path", str(model), "--rollout.urls", local, "--envs.urls", local, "--envs.agent", agent]
-    parse_settings(
-        TrainerSettings,
-        [*wiring, *flags],
-        prog="molt (the trainer's flags)",
-        validate=lambda s: validate_settings(s, on_gpu=on_gpu),
-    )
+
+    def validate(s: TrainerSettings) -> None:
+        validate_settings(s, on_gpu=on_gpu)
+        d = s.data
+        keys = {"--data.input_key": d.input_key, "--data.label_key": d.label_key}
+        if d.prompt_dataset and s.train.dispatch:
+            check_dataset(d.prompt_dataset, d.prompt_split, keys, "--data.prompt_dataset")
+        if s.eval.dataset:
+            check_dataset(s.eval.dataset, s.eval.split, keys, "--eval.dataset")
+
+    parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate)
 
 
 def pod_seed_args(rollout: list[str], i: int) -> list[str]:

@@ -297,7 +297,8 @@ class DataConfig(Section):
     prompt_probs: str | None = None
     """Comma-separated sampling weights, one per prompt dataset (each gives its share of --data.max_samples)."""
     prompt_split: str = "train"
-    """Split to read from a DatasetDict directory."""
+    """Split to read from a saved DatasetDict, or from a folder whose file or folder names name splits (train,
+    test, validation: as HF datasets reads a folder)."""
     input_key: str = "input"
     """Key of the prompt (a string or a list of chat messages)."""
     label_key: str | None = None
@@ -323,7 +324,8 @@ class EvalConfig(Section):
     steps: int = -1
     """Evaluate every N train steps (-1: never)."""
     split: str = "train"
-    """Split of a DatasetDict directory."""
+    """Split to read from a saved DatasetDict, or from a folder whose file or folder names name splits (train,
+    test, validation: as HF datasets reads a folder)."""
     n_samples_per_prompt: int | None = Field(None, gt=0)
     """Episodes per eval prompt. Unset: --rollout.n_samples_per_prompt."""
     temperature: float | None = Field(None, ge=0.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def _write_files(tmp: Path, out: Path, tensors, config, source_dir, tokenizer, u
     _copy_processor_files(source_dir, tmp)
     if lora_scale is not None:
         lora.write_peft_adapter(unmerged, lora_scale, tmp / lora.ADAPTER_DIR, str(source_dir))
+    _give_open_mode(tmp)
     if not out.exists():
         os.replace(tmp, out)
     else:  # an existing folder (Molt's ./ckpt also holds the checkpoints): replace the model's files one by one
@@ -125,6 +127,20 @@ def _write_files(tmp: Path, out: Path, tensors, config, source_dir, tokenizer, u
                 shutil.rmtree(out / f.name)
             os.replace(f, out / f.name)
         tmp.rmdir()
+
+
+def _give_open_mode(folder: Path) -> None:
+    """Every file under ``folder`` gets the mode ``open()`` gives a new file here (0666 less the umask).
+    safetensors writes its files 0600, so another user (a rollout pod, a colleague) could not load the
+    weights although every other file of the model is readable; a probe file reads the umask without
+    ``os.umask``, which would change it for the process's other threads meanwhile."""
+    probe = folder / f".mode-{uuid.uuid4().hex[:8]}"
+    probe.touch()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for f in folder.rglob("*"):
+        if f.is_file():
+            f.chmod(mode)
 
 
 HF_FILES = "hf_files"

@@ -51,7 +51,8 @@ class SftDataConfig(Section):
     dataset_probs: str | None = None
     """Comma-separated sampling weights, one per dataset (rows are drawn per dataset in proportion)."""
     dataset_split: str = "train"
-    """Split to read from a DatasetDict directory."""
+    """Split to read from a saved DatasetDict, or from a folder whose file or folder names name splits (train,
+    test, validation: as HF datasets reads a folder)."""
     max_samples: int = Field(1_000_000, gt=0)
     """Use at most this many rows."""
     max_len: int = Field(2048, gt=1)
@@ -102,7 +103,8 @@ class SftEvalConfig(Section):
     dataset: str | None = None
     """Held-out data in the training data's format; its loss is logged as eval_loss."""
     split: str = "train"
-    """Split to read from a DatasetDict directory."""
+    """Split to read from a saved DatasetDict, or from a folder whose file or folder names name splits (train,
+    test, validation: as HF datasets reads a folder)."""
     steps: int = -1
     """Evaluate every N optimizer steps; -1 = once per epoch."""
 

@@ -48,3 +48,60 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(tmp_path, command, tiny
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"molt: error: --run-dir {run_dir}: cannot create it (")
+
+
+def _earlier_run(run_dir: Path) -> dict[str, float]:
+    """A run folder as an earlier 3-step run leaves it; returns each file's mtime, to show none was touched."""
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "config.json").write_text("{}")
+    rows = "".join(f'{{"step": {s}, "reward_mean": 0.5, "samples": 64}}\n' for s in (1, 2, 3))
+    (run_dir / "steps.jsonl").write_text(rows)
+    (run_dir / "summary.json").write_text('{"steps": 3}')
+    (run_dir / "trainer.log").write_text("step 3\n")
+    return {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+
+@pytest.mark.parametrize("command", [["up"], ["train-rl"], ["train-rl", "--dry-run"]])
+def test_a_run_folder_holding_an_earlier_run_is_refused_before_anything_starts(tmp_path, command, tiny_qwen3):
+    run_dir = tmp_path / "run"
+    before = _earlier_run(run_dir)
+    agent = str(ROOT / "examples" / "agents" / "math.py")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    flags = ["--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", agent, "--data.prompt_dataset"]
+    flags += [str(data), "--data.input_key", "prompt", "--data.label_key", "answer"]
+    flags = flags if command[0] == "train-rl" else ["--steps", "2"]
+    proc = _molt(*command, "--run-dir", str(run_dir), "--no-progress", *flags)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"molt: error: --run-dir {run_dir}: already holds a run (model, steps.jsonl, summary.json); "
+        "pick another folder, or delete this one"
+    ]
+    assert "[molt" not in proc.stdout  # no model built, no service started, no run folder announced
+    assert {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before  # nothing written or overwritten
+
+
+@pytest.mark.parametrize(
+    "name", ["steps.jsonl", "summary.json", "eval.jsonl", "reward.png", "model", "ckpt", "envs.log"]
+)
+def test_any_one_file_of_a_run_marks_the_folder_as_taken(tmp_path, capsys, name):
+    from molt.stack.up import make_run_dir
+
+    (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        make_run_dir(tmp_path)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"molt: error: --run-dir {tmp_path}: already holds a run ({name})")
+
+
+def test_an_empty_folder_or_one_without_a_run_is_a_fine_run_folder(tmp_path):
+    from molt.stack.up import make_run_dir
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert make_run_dir(empty) == empty
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("")
+    (other / "prompts.jsonl").write_text("")  # `molt up` writes the recipe's prompts before the stack's own check
+    assert make_run_dir(other) == other

@@ -245,7 +245,8 @@ def test_cpu_pods_get_an_explicit_kv_cache_and_fp32_which_the_dry_run_shows_and_
     assert rollout == ["--vllm.dtype", "float32", "--vllm.kv_cache_memory_bytes", str(256 << 20)]
     given = [*base, "--vllm.kv_cache_memory_bytes", "1000000", "--vllm.dtype", "bfloat16"]
     assert tr.cpu_pod_defaults(tr.route(given, "local")).rollout == given[4:]
-    assert cli.train_rl(["--dry-run", *base, "--data.prompt_dataset", "/d"]) == 0  # this machine: no GPU
+    (tmp_path / "p.jsonl").write_text('{"input": "q"}\n')  # the dry run checks the dataset exists
+    assert cli.train_rl(["--dry-run", *base, "--data.prompt_dataset", str(tmp_path / "p.jsonl")]) == 0  # no GPU here
     assert json.loads(capsys.readouterr().out)["rollout"] == rollout
 
 

@@ -1,10 +1,14 @@
 """The final HF model directory: two runs saving to the same folder at once (Molt's default ./ckpt) both
-succeed and leave a loadable model, with no temporary folder behind."""
+succeed and leave a loadable model, with no temporary folder behind; every file is readable as open() would
+have made it."""
 
 from __future__ import annotations
 
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -23,3 +27,27 @@ def test_concurrent_final_saves_to_one_folder_both_succeed(tiny_qwen3, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .ckpt.tmp-* left
     saved = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(saved[k], state[k]) for k in saved)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_every_exported_file_gets_the_mode_open_gives_under_the_umask(tiny_qwen3, tmp_path, umask):
+    # safetensors writes 0600 on its own: the weights (and the LoRA adapter's) must be as readable as the config.
+    state = load_file(str(tiny_qwen3 / "model.safetensors"))
+    module = "model.layers.0.self_attn.q_proj"
+    out_features, in_features = state[f"{module}.weight"].shape
+    state[f"{module}.lora_A.weight"] = torch.zeros(2, in_features)
+    state[f"{module}.lora_B.weight"] = torch.zeros(out_features, 2)
+    old = os.umask(umask)
+    try:
+        out = write_hf_dir(state, tiny_qwen3, tmp_path / "model", lora_scale=1.0)
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(old)
+    expected = stat.S_IMODE((tmp_path / "plain").stat().st_mode)  # 0o644 under 022, 0o600 under 077
+    assert expected == 0o666 & ~umask
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert {"model.safetensors", "config.json", "adapter_model.safetensors"} <= {f.name for f in files}
+    assert {f.relative_to(out).as_posix(): oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+        f.relative_to(out).as_posix(): oct(expected) for f in files
+    }
