@@ -159,9 +159,11 @@ def _file_rows(f: Path, flag: str) -> Iterator[dict]:
             yield from batch.to_pylist()
         return
     with open(f) as fh:
-        if f.suffix == ".json" and fh.read(1) == "[":
-            fh.seek(0)
-            yield from json.load(fh)
+        if f.suffix == ".json" and _first_char(fh) == "[":  # a JSON array of rows (pretty-printed or not)
+            for i, row in enumerate(json.load(fh)):
+                if not isinstance(row, dict):
+                    raise ValueError(f"{flag} {f}: row {i} must be a JSON object, got {type(row).__name__}")
+                yield row
             return
         fh.seek(0)
         for lineno, line in enumerate(fh, 1):
@@ -174,6 +176,14 @@ def _file_rows(f: Path, flag: str) -> Iterator[dict]:
             if not isinstance(row, dict):
                 raise ValueError(f"{flag} {f}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
             yield row
+
+
+def _first_char(fh) -> str:
+    """The first character of ``fh`` that is not whitespace ("" for an empty file); rewinds it."""
+    while (ch := fh.read(1)) and ch.isspace():
+        pass
+    fh.seek(0)
+    return ch
 
 
 def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:

@@ -20,7 +20,8 @@ def test_every_format_reads_to_the_same_rows(tmp_path):
     ds.select(range(3)).to_parquet(str(tmp_path / "pq" / "a.parquet"))
     ds.select(range(3, 5)).to_parquet(str(tmp_path / "pq" / "b.parquet"))
     (tmp_path / "arr.json").write_text(json.dumps(ROWS))
-    for path in ("p.jsonl", "hf", "hfdict", "pq", "arr.json"):
+    (tmp_path / "pretty.json").write_text("\n  " + json.dumps(ROWS, indent=2))  # an editor's leading blank line
+    for path in ("p.jsonl", "hf", "hfdict", "pq", "arr.json", "pretty.json"):
         assert read_rows(tmp_path / path) == ROWS, path
 
 
@@ -38,6 +39,9 @@ def test_bad_inputs_name_the_flag(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: not a JSON line"):
         read_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "nested.json").write_text('[{"a": 1}, [2]]')
+    with pytest.raises(ValueError, match="nested.json: row 1 must be a JSON object, got list"):
+        read_rows(tmp_path / "nested.json")
     datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "d"))
     with pytest.raises(ValueError, match="no 'train' split"):
         read_rows(tmp_path / "d")
