@@ -35,6 +35,8 @@ from molt.auth import INTERNAL_TOKEN_ENV, bearer_headers, internal_token_from_en
 from molt.images import to_data_url
 
 log = logging.getLogger("molt.trainer")
+# Columns that hold the answer in common RL datasets (GSM8K, MATH, Molt's examples, verl's parquet).
+LABEL_LIKE = frozenset({"answer", "label", "solution", "ground_truth", "reward_model"})
 
 
 @dataclass
@@ -127,6 +129,17 @@ class PromptDataset:
             )
         if not rows:
             raise ValueError(f"{flag} {path} holds no prompts")
+        labelled = sorted(LABEL_LIKE & set(row)) if not label_key else []
+        if labelled:
+            # Every label would be "" and a label-checking reward would score nothing, silently.
+            log.warning(
+                "%s %s has a %r column but no --data.label_key: every prompt's label is empty; pass "
+                "--data.label_key %s if the env's reward reads it",
+                flag,
+                path,
+                labelled[0],
+                labelled[0],
+            )
         self.rows, self.seed = rows, seed
         self._order: tuple[int, list[int]] = (-1, [])
 

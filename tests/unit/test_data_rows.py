@@ -147,3 +147,16 @@ def test_the_eval_set_is_read_whole_whatever_data_max_samples(tmp_path):
     path.write_text("".join(json.dumps({"input": f"q{i}"}) + "\n" for i in range(10)))
     flags = ["--actor.model_name_or_path", "m", "--eval.dataset", str(path), "--data.max_samples", "4"]
     assert len(Evaluator(parse_settings(TrainerSettings, flags, environ={}), dispatcher=None).dataset) == 10
+
+
+def test_a_label_column_without_label_key_is_warned_about(tmp_path, caplog):
+    """Every label would be "" and a reward that checks it would score 0 with no hint why."""
+    from services.trainer.dispatch import PromptDataset
+
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    ds = PromptDataset(str(path), "question", None, chat=False, max_samples=9, seed=0)
+    assert ds.rows[0].label == "" and "'answer' column but no --data.label_key" in caplog.text
+    caplog.clear()
+    PromptDataset(str(path), "question", "answer", chat=False, max_samples=9, seed=0)
+    assert "label_key" not in caplog.text
