@@ -7,10 +7,30 @@ FLAGS`` is ``molt train-sft FLAGS``, so a Molt launch script's command line need
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
+
+# Surely a flag name: dotted (actor.adam.lr) or given its value with "=" (port=8100).
+_SET_FLAG = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+|[A-Za-z_][\w.]*=.*", re.DOTALL)
+
+
+def set_words(words: list[str]) -> list[str]:
+    """``--set SERVICE`` words as the service's argv: flag names gain their dashes, values stay as given, so
+    ``actor.adam.lr=1e-3`` and ``actor.adam.lr 1e-3`` both reach the service as one flag and its value. A word
+    is a value when it follows a name without "=" and is not itself surely a name."""
+    out: list[str] = []
+    takes_value = False
+    for w in words:
+        if w.startswith("-") or (takes_value and not _SET_FLAG.fullmatch(w)):
+            out.append(w)
+            takes_value = False
+        else:
+            out.append("--" + w)
+            takes_value = "=" not in w
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar=("SERVICE", "FLAG"),
         help="extra flags for one service, written without their dashes (argparse takes no value starting with "
-        "one), e.g. --set trainer actor.adam.lr=1e-3 train.num_steps=5",
+        "one), as name=value or name value, e.g. --set trainer actor.adam.lr=1e-3 train.num_steps 5",
     )
     sub.add_parser(
         "train-rl", add_help=False, help="Molt's train_rl_ray flags on the local stack (molt train-rl --help)"
@@ -71,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     exp.add_argument("ckpt", type=Path)
     exp.add_argument("out", type=Path)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = " (--set takes flags without their dashes: --set trainer actor.adam.lr=1e-3)" if "--set" in argv else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if args.cmd == "export":
         from services.trainer.checkpoint import latest_dir
         from services.trainer.export import export_checkpoint
@@ -91,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for service, *flags in args.set:
         if service not in ("rollout", "gateway", "envs", "trainer"):
             parser.error(f"--set {service}: service must be rollout, gateway, envs or trainer")
-        extra.setdefault(service, []).extend(f if f.startswith("-") else "--" + f for f in flags)
+        extra.setdefault(service, []).extend(set_words(flags))
     options = UpOptions(
         recipe=args.recipe,
         run_dir=args.run_dir,

@@ -2,7 +2,7 @@
 
 A recipe names a model to build offline, a prompt set, an agent module and the flags each service
 gets. `molt up` adds the wiring flags (ports, URLs, Redis, run folder) itself; anything here can be
-overridden from the command line with `--set SERVICE --flag value` pairs.
+overridden from the command line with `--set SERVICE flag=value ...` (flags without their dashes).
 """
 
 from __future__ import annotations

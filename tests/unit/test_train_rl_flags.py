@@ -261,6 +261,21 @@ def test_molt_up_set_passes_any_service_flag_written_without_its_dashes(monkeypa
     argv = ["up", "--set", "trainer", "actor.adam.lr=1e-3", "train.num_steps=5", "--set", "rollout"]
     assert cli.main([*argv, "vllm.enforce_eager", "--steps", "3"]) == 0
     assert seen == {"trainer": ["--actor.adam.lr=1e-3", "--train.num_steps=5"], "rollout": ["--vllm.enforce_eager"]}
+    # a value may follow its name as its own word; names keep their dashes, values never gain any
+    assert cli.main(["up", "--set", "trainer", "actor.adam.lr", "1e-3", "train.force_on_policy", "true"]) == 0
+    assert seen["trainer"] == ["--actor.adam.lr", "1e-3", "--train.force_on_policy", "true"]
+    assert cli.set_words(["port", "8100", "data.prompt_dataset", "dir/p.jsonl", "sync"]) == [
+        *("--port", "8100", "--data.prompt_dataset", "dir/p.jsonl", "--sync")
+    ]
+
+
+def test_molt_up_set_with_dashes_is_told_the_form_it_takes(capsys):
+    from molt import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--set", "trainer", "--actor.adam.lr", "1e-3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "--set takes flags without their dashes" in err and "--actor.adam.lr" in err
 
 
 def test_molts_distillation_script_runs_without_an_agent_as_molt_supplies_one():
