@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.trainer.checkpoint import latest_dir
         from services.trainer.export import export_checkpoint
 
+        if not args.ckpt.is_dir():
+            parser.exit(2, f"molt export: error: {args.ckpt}: no such directory (a checkpoint step or --ckpt.path)\n")
         step_dir = args.ckpt if (args.ckpt / "extra_state.pt").exists() else latest_dir(str(args.ckpt))
         if step_dir is None:
             parser.exit(2, f"molt export: error: {args.ckpt}: not a checkpoint (no global_step<N>/extra_state.pt)\n")

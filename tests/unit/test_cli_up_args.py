@@ -105,3 +105,12 @@ def test_an_empty_folder_or_one_without_a_run_is_a_fine_run_folder(tmp_path):
     (other / "notes.txt").write_text("")
     (other / "prompts.jsonl").write_text("")  # `molt up` writes the recipe's prompts before the stack's own check
     assert make_run_dir(other) == other
+
+
+def test_molt_export_names_a_missing_folder_and_a_folder_without_checkpoints(tmp_path, capsys):
+    from molt import cli
+
+    for ckpt, why in ((tmp_path / "nope", "no such directory"), (tmp_path, "not a checkpoint")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["export", str(ckpt), str(tmp_path / "out")])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
