@@ -15,15 +15,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from molt.config import Section
-from services.trainer.config import (
-    AdamConfig,
-    CkptConfig,
-    FsdpConfig,
-    LoggerConfig,
-    LoraConfig,
-    OptimizerConfig,
-    checkpoint_mode,
-)
+from services.trainer.config import CkptConfig, FsdpConfig, LoggerConfig
+from services.trainer.optim_config import AdamConfig, LoraConfig, OptimizerConfig, checkpoint_mode
 
 
 class SftModelConfig(Section):
