@@ -116,6 +116,22 @@ def check_run_dir(path: Path) -> None:
         raise SystemExit(2)
 
 
+def default_run_dir(name: str) -> Path:
+    """runs/<name>-<time>, created here: mkdir is atomic, so two runs started in the same second get their own
+    folders (-2, -3, ...) instead of one holding both."""
+    base = ROOT / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # make_run_dir tries again and names the problem in one line
+    return base
+
+
 def make_run_dir(path: Path) -> Path:
     """The run folder, created; one that cannot be is a one-line error naming --run-dir (status 2), and so is
     one that holds an earlier run (``check_run_dir``)."""
@@ -189,7 +205,7 @@ def run_stack(opts: UpOptions) -> dict:
         raise SystemExit(f"unknown recipe {opts.recipe!r}: choose one of {', '.join(RECIPES)}")
     check_redis(opts.redis_url)
     recipe = RECIPES[opts.recipe]
-    run_dir = make_run_dir(opts.run_dir or ROOT / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = make_run_dir(opts.run_dir or default_run_dir(recipe.name))
     extra = opts.extra or {}
     trainer = [
         "--data.prompt_dataset",
@@ -226,7 +242,7 @@ def run_plan(plan: StackPlan) -> dict:
     check_redis(plan.redis_url)
     steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
     check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
-    run_dir = make_run_dir(plan.run_dir or ROOT / "runs" / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = make_run_dir(plan.run_dir or default_run_dir(plan.name))
     print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; run folder {run_dir}", flush=True)
     env = {**CPU_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     # Pods and trainer (only they) share a fresh weight-sync token: other local users cannot swap weights.

@@ -114,3 +114,13 @@ def test_molt_export_names_a_missing_folder_and_a_folder_without_checkpoints(tmp
         with pytest.raises(SystemExit) as exit_:
             cli.main(["export", str(ckpt), str(tmp_path / "out")])
         assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_folders(monkeypatch, tmp_path):
+    from molt.stack import up
+
+    monkeypatch.setattr(up, "ROOT", tmp_path)
+    monkeypatch.setattr(up.time, "strftime", lambda fmt: "20261205-090000")
+    first, second = up.default_run_dir("tiny"), up.default_run_dir("tiny")
+    assert (first.name, second.name) == ("tiny-20261205-090000", "tiny-20261205-090000-2")
+    assert first.is_dir() and second.is_dir()
