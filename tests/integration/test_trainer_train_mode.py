@@ -9,12 +9,11 @@ import torch
 import torch.distributed as dist
 
 from molt.config import parse_settings
-from services.trainer.config import TrainerSettings, validate_settings
 from services.trainer.learner import Learner
 from services.trainer.model import decoder_layers, eval_mode, init_distributed, load_causal_lm
 from services.trainer.sft import SftLearner
 from services.trainer.sft_config import SftSettings
-from tests.integration.test_trainer_algos import _samples
+from tests.integration.test_trainer_algos import _samples, _settings
 
 
 @pytest.fixture(scope="module")
@@ -35,29 +34,8 @@ def _record(model: torch.nn.Module) -> list[tuple[bool, bool]]:
 
 
 def _rl_step(model, world, checkpointing: str) -> tuple[list, list]:
-    s = parse_settings(
-        TrainerSettings,
-        [
-            "--actor.model_name_or_path",
-            str(model),
-            "--train.dispatch",
-            "false",
-            "--fsdp.strategy",
-            "torch",
-            "--train.batch_size",
-            "2",
-            "--rollout.n_samples_per_prompt",
-            "2",
-            "--algo.advantage.estimator",
-            "gae",
-            "--algo.kl.init_coef",
-            "0",
-            "--actor.gradient_checkpoint",
-            checkpointing,
-        ],
-        environ={},
-    )
-    validate_settings(s)
+    flags = ["--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0"]
+    s = _settings(model, *flags, "--actor.gradient_checkpoint", checkpointing)  # the last spelling wins
     learner = Learner(s, world)
     assert learner.actor.training and learner.critic is not None and learner.critic.training
     actor, critic = _record(learner.actor), _record(learner.critic)
