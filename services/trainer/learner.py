@@ -222,12 +222,16 @@ class Learner:
             log.info("--train.pack_shared_prefix: off (%s)", why)
         return why is None
 
+    def _replaying(self, mb: MicroBatch):
+        """``--train.routing_replay``: the routers take the rollout's experts for ``mb`` inside this block."""
+        return self.replay.active(mb.routed_experts) if self.replay is not None else contextlib.nullcontext()
+
     def _logp(self, model, mb: MicroBatch, replay: bool, chunk: list[Sample]):
         if self.packing and chunk:
             rows = pack(chunk, self.s.train.pack_max_tokens)
             logp, entropy = packed_token_logprobs(model, rows, len(chunk), mb.action_mask.shape[1], self.temperature)
             return logp, entropy, None
-        ctx = self.replay.active(mb.routed_experts) if (replay and self.replay) else contextlib.nullcontext()
+        ctx = self._replaying(mb) if replay else contextlib.nullcontext()
         kwargs: dict[str, object] = dict(self._pixel_inputs(mb))
         if model is self.actor and self.s.actor.aux_loss_coef > 0:
             kwargs["output_router_logits"] = True
@@ -437,7 +441,8 @@ class Learner:
             loss = loss - s.actor.entropy_coef * aggregate(entropy)
         if aux is not None and s.actor.aux_loss_coef > 1e-8:
             loss = loss + moe_aux_term(aux, s.actor.aux_loss_coef, num_micro)
-        loss.backward()
+        with self._replaying(mb):  # activation checkpointing runs the routers again in backward: same routes
+            loss.backward()
         tokens = float(mask.sum())
         sums["tokens"] += tokens
         for k, v in out.metrics.items():
