@@ -400,10 +400,12 @@ class Controller:
                 return None
             for group in self.assembler.pop_complete(num_groups - len(kept)):
                 position = self._position(group.group_id) if self.own_groups else None
-                self.open.discard(position)
                 if self._keep(group):
+                    # Open until the batch is returned: a stop before that drops the group untrained, and the
+                    # checkpoint the stop saves must dispatch it again (or adopt its rollouts) on resume.
                     kept.append(group)
                 else:
+                    self.open.discard(position)
                     self.uncommitted.extend(group.all_deliveries())
                     self.metrics["molt_trainer_trajectories_total"].labels("filtered").inc(len(group.deliveries))
                     self.gate.refills += 1
@@ -424,6 +426,7 @@ class Controller:
             await self._reclaim()
             await self._rescue_stalled()
         for group in kept:
+            self.open.discard(self._position(group.group_id) if self.own_groups else None)
             self.uncommitted.extend(group.all_deliveries())
         self.batches += bool(kept)
         return kept or None

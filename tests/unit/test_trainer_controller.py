@@ -147,6 +147,40 @@ async def test_restart_adopts_open_groups_dispatches_only_missing_samples_and_ac
     assert await q.consumed(["twice"]) == [True]  # a second rollout of sample 1: acked with its group, untrained
 
 
+async def test_a_stop_while_a_batch_fills_keeps_its_complete_groups_open_for_the_checkpoint():
+    """SIGTERM while a batch waits for its second group: the first, complete but never trained, stays in the
+    checkpoint's open positions, so a resume dispatches it again (or adopts its rollouts) instead of dropping it."""
+    q = MemoryTrajectoryQueue()
+    await q.put_many([_sample("a", "r-0", 0), _sample("b", "r-0", 1)])
+    c = _controller(q, "--train.dispatch", "true", "--rollout.batch_size", "2")
+    c.own_groups = True
+    c.assembler = type(c.assembler)(2, by_sample=True)
+    c.dataset, c.dispatcher = _Prompts(), _Stuck()
+    await c.resume({"version": 0, "position": 2, "refills": 0, "unacked_ids": [], "run_tag": "r", "open": [0, 1]})
+    c.start_dispatch()
+    try:
+        batch = asyncio.ensure_future(c.next_batch(2))
+        await asyncio.sleep(0.2)  # group r-0 (on the stream already) is taken into the batch; r-1 never comes
+        assert c.assembler.num_complete == 0
+        c.stop_requested = True
+        assert await asyncio.wait_for(batch, 5) is None
+    finally:
+        await c.close()
+    state = c.client_state()  # 2 and 3 were dispatched meanwhile: open too
+    assert state["open"][:2] == [0, 1] and state["unacked_ids"] == []
+
+
+class _Stuck(_Dispatcher):
+    """Env workers whose episodes never finish."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    async def run_group(self, prompt, group_id, samples):
+        self.calls.append((group_id, list(samples)))
+        await asyncio.Event().wait()
+
+
 async def test_reclaim_never_takes_the_consumers_own_entries():
     clock = [0.0]
     q = MemoryTrajectoryQueue(clock=lambda: clock[0])
