@@ -79,9 +79,11 @@ def test_grouped_experts_go_to_muon_and_other_3d_tensors_to_adamw():
 def test_a_stack_of_expert_matrices_is_orthogonalized_matrix_by_matrix():
     g = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
     stacked = orthogonalize(g, 5)
+    # Batched and single matmuls may take different BLAS kernels: the same math, rounded differently, and five
+    # Newton-Schulz steps (coefficients up to ~4.7) grow fp32's 1e-7 to about 1e-6.
     for e in range(3):
-        torch.testing.assert_close(stacked[e], orthogonalize(g[e], 5), rtol=0, atol=1e-6)
-    torch.testing.assert_close(orthogonalize(g.mT, 5), stacked.mT, rtol=0, atol=1e-6)
+        torch.testing.assert_close(stacked[e], orthogonalize(g[e], 5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(orthogonalize(g.mT, 5), stacked.mT, rtol=0, atol=1e-5)
 
 
 def test_orthogonalize_brings_every_singular_value_near_one():
