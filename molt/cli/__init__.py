@@ -58,11 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     from molt.stack.recipes import RECIPES
 
-    up.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
+    up.add_argument("--recipe", choices=sorted(RECIPES), help="default: tiny")
     up.add_argument(
         "--run-dir",
         type=Path,
         help="run folder, new or empty (default runs/<recipe>-<time>); one holding a run is refused",
+    )
+    up.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue a stopped run in its folder, as it was started, from its newest checkpoint; "
+        "--steps, --set and --redis-url still apply",
     )
     up.add_argument("--steps", type=_positive, help="trainer steps (default: the recipe's)")
     up.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
@@ -112,13 +119,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from molt.stack.up import UpOptions, run_stack
 
+    if args.resume is not None:
+        given = {"--recipe": args.recipe, "--run-dir": args.run_dir, "--pods": args.pods}
+        given |= {"--async-queue-size": args.async_queue_size, "--sync": args.sync or None}
+        clash = [flag for flag, value in given.items() if value is not None]
+        if clash:
+            up.error(
+                f"argument --resume: the run continues as it was started, so {clash[0]} cannot change "
+                "(--steps, --set and --redis-url can)"
+            )
     extra: dict[str, list[str]] = {}
     for service, *flags in args.set:
         if service not in ("rollout", "gateway", "envs", "trainer"):
             parser.error(f"--set {service}: service must be rollout, gateway, envs or trainer")
         extra.setdefault(service, []).extend(set_words(flags))
     options = UpOptions(
-        recipe=args.recipe,
+        recipe=args.recipe or "tiny",
+        resume=args.resume,
         run_dir=args.run_dir,
         steps=args.steps,
         redis_url=args.redis_url,
@@ -214,6 +231,8 @@ def _run_stack(run: Callable[[], dict]) -> int:
     except ServiceFailed as exc:
         print(f"molt: error: {str(exc).splitlines()[0].rstrip(':')}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C while the trainer saved: the stack is stopped at once
+        return 130
     return 130 if summary.get("interrupted") else 0
 
 

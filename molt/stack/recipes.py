@@ -99,6 +99,12 @@ _COMMON_TRAINER = [
     # in backward, and the TRL baseline of bench/e2e.py trains without checkpointing too.
     "--actor.gradient_checkpoint",
     "off",
+    # A resumable checkpoint every 10 steps and when the trainer stops (Ctrl-C too), only the newest kept: what
+    # `molt up --resume` continues from.
+    "--ckpt.save_steps",
+    "10",
+    "--ckpt.max_num",
+    "1",
 ]
 
 

@@ -44,7 +44,8 @@ class Progress:
         self._started = time.monotonic()
         self.last_metrics: dict[str, float] = {}
 
-    def poll(self, metrics_url: str | None = None) -> None:
+    def poll(self, metrics_url: str | None = None, quiet: bool = False) -> None:
+        """Read the steps logged since the last poll, printing a line for each unless ``quiet``."""
         if self.path.exists():
             with open(self.path) as f:
                 f.seek(self._offset)
@@ -56,7 +57,8 @@ class Progress:
                     for line in complete.splitlines():
                         if line.strip():
                             self.rows.append(json.loads(line))
-                            self._print(self.rows[-1], metrics_url)
+                            if not quiet:
+                                self._print(self.rows[-1], metrics_url)
 
     def _print(self, row: dict, metrics_url: str | None) -> None:
         if metrics_url:
@@ -96,8 +98,11 @@ def finish_report(
     wall_s: float,
     recipe: str,
     pod_versions: list[float | None] | None = None,
+    interrupted: bool = False,
 ) -> dict:
-    rows = progress.rows
+    # A step trained after the last checkpoint of a run that was killed is trained again on resume: its last row.
+    rows = list({r.get("step", -1 - i): r for i, r in enumerate(progress.rows)}.values())
+    rows.sort(key=lambda r: r.get("step", 0))
     rewards = [r.get("reward_mean") for r in rows]
     k = max(1, math.ceil(len(rows) * 0.1))
     samples = sum(r.get("samples", 0) for r in rows)
@@ -120,6 +125,8 @@ def finish_report(
         "final_policy_version": rows[-1].get("policy_version") if rows else None,
         "pod_policy_versions": [None if v is None else int(v) for v in (pod_versions or [])],
     }
+    if interrupted:
+        summary["interrupted"] = True
     evals = run_dir / "eval.jsonl"
     if evals.exists() and evals.read_text().strip():  # the last evaluation (the only one with --eval.eval_only)
         summary["last_eval"] = json.loads(evals.read_text().strip().splitlines()[-1])

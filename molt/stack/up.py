@@ -5,24 +5,29 @@ must answer /readyz before the next starts. Logs go to one run folder (printed a
 with `steps.jsonl` (one line per trainer step), `reward.png` and `summary.json` at the end. Ctrl-C or
 a failed service stops everything in reverse order (SIGTERM, then SIGKILL after a grace period). Ports are
 picked free on loopback; a service that loses one to another process before it binds starts again on new ones.
+
+Each run writes its plan (`plan.json`: model, agents, every service's flags) to the run folder; `molt up --resume
+DIR` starts the same stack again in that folder, its trainer on the newest checkpoint (`--ckpt.load_enable`).
+On Ctrl-C the trainer is stopped first, and given time to finish its step and save that checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
 from molt.stack.procs import ManagedProcess, ServiceFailed, Supervisor
-from molt.stack.recipes import RECIPES, ROOT, Recipe, gateway_context_args, write_prompts
+from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
 
 
@@ -47,6 +52,8 @@ class UpOptions:
     extra: dict[str, list[str]] | None = None
     progress: bool = True
     ready_timeout_s: float = 240.0
+    resume: Path | None = None
+    """A run folder to continue (`--resume`): its plan, its newest checkpoint."""
 
 
 @dataclass
@@ -74,6 +81,73 @@ class StackPlan:
     redis_url: str | None = None
     progress: bool = True
     ready_timeout_s: float = 240.0
+    cwd: str = field(default_factory=os.getcwd)
+    """Where the run was started: relative paths in its flags (a Molt script's --ckpt.path) are read from here."""
+
+
+PLAN_FILE = "plan.json"
+# What --resume needs to start the same stack again; run_dir, progress and timeouts belong to each start.
+_PLAN_KEYS = ("name", "model", "agents", "agent", "trainer", "rollout", "gateway", "envs", "num_pods", "num_envs")
+_PLAN_KEYS += ("steps", "trainer_threads", "env", "redis_url", "cwd")
+# The trainer is stopped first on Ctrl-C and finishes its step and checkpoint: a tiny model's step takes
+# seconds, a larger one's a minute.
+TRAINER_STOP_GRACE_S = 120.0
+
+
+def save_plan(plan: StackPlan, run_dir: Path) -> None:
+    data = {k: getattr(plan, k) for k in _PLAN_KEYS}
+    (run_dir / PLAN_FILE).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _resume_error(run_dir: Path, problem: str) -> SystemExit:
+    print(f"molt: error: --resume {run_dir}: {problem}", file=sys.stderr, flush=True)
+    return SystemExit(2)
+
+
+def resume_plan(opts: UpOptions) -> StackPlan:
+    """The plan of the run in ``opts.resume``, to start again on its newest checkpoint. ``--steps``, ``--set`` and
+    ``--redis-url`` apply on top of the saved flags (and are saved for the next resume). One line naming
+    --resume (status 2) when the folder holds no plan, no checkpoint, or a run that already reached its steps."""
+    from services.trainer.checkpoint import STEP_PREFIX, latest_dir
+
+    assert opts.resume is not None
+    run_dir = opts.resume.resolve()
+    if not run_dir.is_dir():
+        raise _resume_error(opts.resume, "no such folder (a run folder that molt up or molt train-rl printed)")
+    try:
+        data = json.loads((run_dir / PLAN_FILE).read_text())
+    except FileNotFoundError:
+        raise _resume_error(
+            opts.resume, f"no {PLAN_FILE} there (not a run folder of molt up or molt train-rl)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise _resume_error(opts.resume, f"cannot read {PLAN_FILE} ({exc})") from None
+    known = {f.name for f in fields(StackPlan)}
+    plan = StackPlan(**{k: v for k, v in data.items() if k in known})
+    plan.model = Path(plan.model)
+    plan.agents = {name: Path(path) for name, path in plan.agents.items()}
+    extra = opts.extra or {}
+    for service in ("trainer", "rollout", "gateway", "envs"):
+        setattr(plan, service, [*getattr(plan, service), *extra.get(service, [])])
+    plan.steps = opts.steps or plan.steps
+    plan.redis_url = opts.redis_url or plan.redis_url
+    plan.run_dir, plan.progress, plan.ready_timeout_s = run_dir, opts.progress, opts.ready_timeout_s
+    if not (plan.model / "config.json").is_file():
+        raise _resume_error(opts.resume, f"the run's model {plan.model} is gone (no config.json there)")
+    ckpt = Path(plan.cwd, flag_value(plan.trainer, "--ckpt.path") or "")
+    latest = latest_dir(str(ckpt)) if flag_value(plan.trainer, "--ckpt.path") else None
+    if latest is None:
+        raise _resume_error(
+            opts.resume,
+            f"no checkpoint in {ckpt} to resume from (the trainer writes one every --ckpt.save_steps steps and when "
+            "it stops; a run started with --set trainer ckpt.save_steps=-1 keeps none)",
+        )
+    done = int(latest.name.removeprefix(STEP_PREFIX))
+    if plan.steps is not None and done >= plan.steps:
+        raise _resume_error(
+            opts.resume, f"its checkpoint is at step {done}, the run's {plan.steps} steps; pass --steps above {done}"
+        )
+    return plan
 
 
 def _py(module: str, *args: str) -> list[str]:
@@ -88,7 +162,7 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
-RUN_FILES = ("steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt")
+RUN_FILES = ("plan.json", "steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt")
 """What a run leaves in its run folder, besides one ``<service>.log`` per process."""
 
 
@@ -200,7 +274,10 @@ def mode_args(opts: UpOptions) -> list[str]:
 
 
 def run_stack(opts: UpOptions) -> dict:
-    """`molt up --recipe NAME`: a recipe's plan."""
+    """`molt up --recipe NAME`: a recipe's plan; `molt up --resume DIR`: a run's own, on its newest checkpoint."""
+    if opts.resume is not None:
+        check_redis(opts.redis_url)
+        return run_plan(resume_plan(opts), resume=True)
     if opts.recipe not in RECIPES:
         raise SystemExit(f"unknown recipe {opts.recipe!r}: choose one of {', '.join(RECIPES)}")
     check_redis(opts.redis_url)
@@ -237,13 +314,23 @@ def run_stack(opts: UpOptions) -> dict:
     return run_plan(plan)
 
 
-def run_plan(plan: StackPlan) -> dict:
-    """Start Redis, pods, gateway, env workers and the trainer for ``plan``; wait for the trainer; stop all."""
+def run_plan(plan: StackPlan, resume: bool = False) -> dict:
+    """Start Redis, pods, gateway, env workers and the trainer for ``plan``; wait for the trainer; stop all.
+    ``resume``: ``plan.run_dir`` holds this run already (``resume_plan``); its trainer loads the newest checkpoint."""
     check_redis(plan.redis_url)
     steps = ["--train.num_steps", str(plan.steps)] if plan.steps else []  # last: --steps wins
+    steps += ["--ckpt.load_enable", "true"] if resume else []
+    if resume and os.getcwd() != plan.cwd:
+        os.chdir(plan.cwd)  # the run's relative paths (its flags, its agents' own) mean what they meant
     check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
-    run_dir = make_run_dir(plan.run_dir or default_run_dir(plan.name))
-    print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; run folder {run_dir}", flush=True)
+    if resume:
+        assert plan.run_dir is not None
+        run_dir = plan.run_dir
+    else:
+        run_dir = make_run_dir(plan.run_dir or default_run_dir(plan.name))
+    save_plan(plan, run_dir)
+    what = "resuming from its newest checkpoint" if resume else "run folder"
+    print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; {what} {run_dir}", flush=True)
     env = {**CPU_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     # Pods and trainer (only they) share a fresh weight-sync token: other local users cannot swap weights.
     weights_env = {**env, "MOLT_WEIGHTS_TOKEN": secrets.token_urlsafe(32)}
@@ -258,7 +345,12 @@ def run_plan(plan: StackPlan) -> dict:
     old_term = signal.signal(signal.SIGTERM, on_signal)
     started = time.monotonic()
     progress = Progress(run_dir / "steps.jsonl", plan.steps, enabled=plan.progress)
+    if resume:
+        progress.poll(quiet=True)  # the earlier starts' steps count in the summary, and are not printed again
+    before = _earlier_starts(run_dir) if resume else (0, 0.0)
     trainer = None
+    gateway_url = ""
+    pods: list[tuple[str, str]] = []
     try:
         redis_url = plan.redis_url
         if not redis_url:
@@ -271,7 +363,6 @@ def run_plan(plan: StackPlan) -> dict:
 
             _, (port,) = _start_on_free_ports(sup, 1, redis_proc, _wait_output("Ready to accept connections", 10.0))
             redis_url = f"redis://127.0.0.1:{port}/0"
-        pods = []
         for i in range(plan.num_pods):
 
             def pod_proc(http: int, grpc: int, i: int = i) -> ManagedProcess:
@@ -338,19 +429,62 @@ def run_plan(plan: StackPlan) -> dict:
             time.sleep(1.0)
         progress.poll(trainer_metrics)
         trainer.check()
-        gateway_counts = scrape(f"{gateway_url}/metrics")
-        pod_versions = [scrape(f"{http}/metrics").get("molt_rollout_policy_version") for http, _ in pods]
-        summary = finish_report(run_dir, progress, gateway_counts, time.monotonic() - started, plan.name, pod_versions)
+        summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before)
         print(f"[molt up] done: {json.dumps(summary)}", flush=True)
         return summary
     except KeyboardInterrupt:
         print("\n[molt up] interrupted: stopping the stack", flush=True)
-        return {"interrupted": True}
+        summary: dict = {"interrupted": True}
+        if trainer is not None:
+            # The trainer first, while the rest still serves its step: it finishes the step and saves a checkpoint.
+            trainer.stop(TRAINER_STOP_GRACE_S)
+            progress.poll()
+            if progress.rows:
+                summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, True)
+        if _checkpointed(plan):
+            print(f"[molt up] continue this run with: molt up --resume {run_dir}", flush=True)
+        return summary
     finally:
         codes = sup.stop_all()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
+
+
+def _report(
+    run_dir: Path,
+    progress: Progress,
+    gateway_url: str,
+    pods: list[tuple[str, str]],
+    started: float,
+    name: str,
+    before: tuple[int, float],
+    interrupted: bool = False,
+) -> dict:
+    """The run's summary. A resumed run counts its earlier starts' trajectories and seconds too (``before``)."""
+    gateway_counts = scrape(f"{gateway_url}/metrics")
+    key = "molt_gateway_trajectories_written_total"
+    gateway_counts[key] = gateway_counts.get(key, 0.0) + before[0]
+    pod_versions = [scrape(f"{http}/metrics").get("molt_rollout_policy_version") for http, _ in pods]
+    wall_s = time.monotonic() - started + before[1]
+    return finish_report(run_dir, progress, gateway_counts, wall_s, name, pod_versions, interrupted)
+
+
+def _earlier_starts(run_dir: Path) -> tuple[int, float]:
+    """Trajectories produced and seconds taken by the earlier starts of a resumed run, from the summary the last
+    one wrote (on Ctrl-C too)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return int(summary.get("trajectories_produced", 0)), float(summary.get("wall_s", 0.0))
+    except (OSError, ValueError):
+        return 0, 0.0
+
+
+def _checkpointed(plan: StackPlan) -> bool:
+    from services.trainer.checkpoint import latest_dir
+
+    path = flag_value(plan.trainer, "--ckpt.path")
+    return bool(path) and latest_dir(str(Path(plan.cwd, path))) is not None
 
 
 def _start_on_free_ports(
