@@ -32,8 +32,9 @@ STEPS, GROUPS, N, NEW_TOKENS, PROMPT = 16, 4, 4, 8, 4
 
 
 class Producer(threading.Thread):
-    def __init__(self, model_dir, redis_url, stream):
+    def __init__(self, model_dir, redis_url, stream, steps: int = STEPS):
         super().__init__(daemon=True)
+        self.steps = steps
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.half = self.model.config.vocab_size // 2
         self.redis_url, self.stream = redis_url, stream
@@ -78,7 +79,7 @@ class Producer(threading.Thread):
 
     async def _run(self):
         q = RedisTrajectoryQueue(self.redis_url, self.stream)
-        for batch in range(STEPS):
+        for batch in range(self.steps):
             with self.cond:  # force_sync_mode: batch k is generated with the weights of version k
                 while self.version < batch:
                     if self.pending is None:
