@@ -186,8 +186,10 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
         else:
             rest.append(tok)
     from molt.serve import redis_url_problem
+    from molt.stack.up import memory_url_problem
 
-    problem = redis_url_problem(str(own.get("--redis-url") or "") or None, "--redis-url")
+    url = str(own.get("--redis-url") or "") or None
+    problem = memory_url_problem(url) or redis_url_problem(url, "--redis-url")
     if problem:  # the line a real run's Redis check would end with, and --dry-run's too
         print(f"molt: error: {problem}", file=sys.stderr)
         return 2

@@ -154,9 +154,20 @@ def _py(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def memory_url_problem(url: str | None) -> str | None:
+    """The stack's services are processes of their own: an in-memory stream would be one per process, and the
+    trainer would wait forever for rollouts the gateway wrote into its own."""
+    if url and url.startswith("memory://"):
+        return (
+            f"--redis-url {url}: each service runs as its own process and cannot share an in-memory stream; "
+            "pass a redis:// URL, or leave --redis-url out for an embedded Redis"
+        )
+    return None
+
+
 def check_redis(url: str | None) -> None:
     """An explicit --redis-url must answer before anything is built or started (one line, status 2)."""
-    problem = redis_problem(url, "--redis-url")
+    problem = memory_url_problem(url) or redis_problem(url, "--redis-url")
     if problem:
         print(f"molt: error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)

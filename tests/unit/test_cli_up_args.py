@@ -124,3 +124,18 @@ def test_runs_started_in_the_same_second_get_their_own_default_folders(monkeypat
     first, second = up.default_run_dir("tiny"), up.default_run_dir("tiny")
     assert (first.name, second.name) == ("tiny-20261205-090000", "tiny-20261205-090000-2")
     assert first.is_dir() and second.is_dir()
+
+
+@pytest.mark.parametrize("command", [["up"], ["train-rl", "--dry-run"]])
+def test_an_in_memory_stream_is_refused_as_the_stack_runs_processes(command, capsys):
+    from molt import cli
+
+    try:
+        code = cli.main([*command, "--redis-url", "memory://"])  # train-rl returns its status, up exits
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "molt: error: --redis-url memory://: each service runs as its own process and cannot share an in-memory "
+        "stream; pass a redis:// URL, or leave --redis-url out for an embedded Redis"
+    ]
