@@ -7,16 +7,21 @@ env worker and the FSDP2 trainer as separate processes. Checked from the run fol
 - every trajectory the gateway wrote was trained exactly once (ids from the trainer's step log);
 - the pod's policy version advanced with the trainer's;
 - mismatch KL on tokens scored by the weights that generated them stays below MISMATCH_KL_BOUND.
+Then the same run goes on with `molt up --resume` and is stopped by Ctrl-C: the trainer finishes its step and
+saves it, and the steps of both starts are each trained once.
 """
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from services.rollout.cpu_dtype import cpu_flags, cpu_serving_dtype
+from services.trainer.checkpoint import latest_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +52,20 @@ def step_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_tiny_recipe_learns_async(tmp_path):
-    run_dir = tmp_path / "async"
-    steps = 10  # reward takes off near step 8; bench/e2e.py runs longer
-    summary = molt_up(run_dir, "--steps", str(steps))
-    rows = step_rows(run_dir)
+STEPS = 10  # reward takes off near step 8; bench/e2e.py runs longer
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> tuple[Path, dict, list[dict]]:
+    """A 10-step run: its folder, and its summary and step rows as it ended (the resume test extends it)."""
+    run_dir = tmp_path_factory.mktemp("stack") / "async"
+    summary = molt_up(run_dir, "--steps", str(STEPS))
+    return run_dir, summary, step_rows(run_dir)
+
+
+def test_tiny_recipe_learns_async(async_run):
+    run_dir, summary, rows = async_run
+    steps = STEPS
     assert summary["steps"] == len(rows) == steps
     assert summary["reward_last_10pct"] > summary["reward_first_10pct"] + 0.05, summary
     trained = [tid for r in rows for tid in r["trajectory_ids"]]
@@ -83,3 +97,46 @@ def test_tiny_recipe_learns_async(tmp_path):
 
     assert AutoTokenizer.from_pretrained(run_dir / "model").chat_template
     AutoModelForCausalLM.from_pretrained(run_dir / "model")
+
+
+def test_the_run_resumes_and_a_ctrl_c_saves_the_step_it_was_in(async_run):
+    run_dir = async_run[0]
+    cmd = [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(STEPS + 4)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while len(step_rows(run_dir)) < STEPS + 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends: to molt up alone, not the services
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    rows = step_rows(run_dir)
+    stopped_at = rows[-1]["step"]
+    assert STEPS + 2 <= stopped_at < STEPS + 4 and [r["step"] for r in rows] == list(range(1, stopped_at + 1))
+    # The trainer finished the step it was in and saved it: a resume goes on from there, losing nothing trained.
+    saved = latest_dir(str(run_dir / "ckpt"))
+    assert saved is not None and saved.name == f"global_step{stopped_at}"
+    assert f"continue this run with: molt up --resume {run_dir}" in out
+    trainer_log = (run_dir / "trainer.log").read_text()
+    assert f"resumed from {run_dir / 'ckpt' / f'global_step{STEPS}'} (step {STEPS})" in trainer_log
+    trained = [tid for r in rows for tid in r["trajectory_ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] == stopped_at
+    assert summary["pod_policy_versions"] == [stopped_at] == [summary["final_policy_version"]]
+    # A run at its steps needs more of them: one line, nothing started.
+    again = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(stopped_at)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"molt: error: --resume {run_dir}: its checkpoint is at step {stopped_at}, the run's {stopped_at} steps; "
+        f"pass --steps above {stopped_at}"
+    ]
