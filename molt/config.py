@@ -77,6 +77,19 @@ def http_url(url: str) -> str:
 ServiceUrl = Annotated[str, AfterValidator(http_url)]
 
 
+def host_port(target: str) -> str:
+    """A gRPC target as HOST:PORT (``ValueError`` otherwise): a URL or a missing port would only fail at the first
+    weight push, after the model has loaded."""
+    target = target.strip()
+    host, sep, port = target.rpartition(":")
+    if "://" in target or not sep or not host or not port.isdigit() or not 1 <= int(port) <= PORT_MAX:
+        raise ValueError(f"not HOST:PORT with a port in 1..{PORT_MAX}; pass one like 127.0.0.1:50051")
+    return target
+
+
+HostPort = Annotated[str, AfterValidator(host_port)]
+
+
 def split_list(values: Any) -> Any:
     """A list flag's items split at commas and blanks (``--rollout.urls A,B C``), for a ``mode="before"`` field
     validator: the split items are what the item type then checks. Anything but a list is left to pydantic."""

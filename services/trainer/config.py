@@ -24,7 +24,16 @@ from molt.algorithms import (
     get_advantage_estimator,
     validate_algo,
 )
-from molt.config import MetricsConfig, ModelConfig, RedisConfig, Section, ServerConfig, ServiceUrl, split_list
+from molt.config import (
+    HostPort,
+    MetricsConfig,
+    ModelConfig,
+    RedisConfig,
+    Section,
+    ServerConfig,
+    ServiceUrl,
+    split_list,
+)
 from services.trainer.device import transformers_path_problem
 from services.trainer.optim_config import AdamConfig, LoraConfig, OptimizerConfig, checkpoint_mode
 
@@ -188,7 +197,7 @@ class RolloutConfig(Section):
     urls: list[ServiceUrl] = []
     """Rollout pod base URLs (http://host:port), space- or comma-separated (weights are pushed to them after every
     step; their gRPC ports come from /readyz)."""
-    grpc_targets: list[str] = []
+    grpc_targets: list[HostPort] = []
     """Explicit HOST:PORT weight-sync targets (overrides discovery through --rollout.urls)."""
     startup_wait_s: float = Field(600.0, ge=0)
     """At start-up: how long to wait for a --rollout.urls pod that does not answer /readyz yet (its engine still

@@ -10,7 +10,7 @@ import time
 import pytest
 from pydantic import BaseModel
 
-from molt.config import Port, RedisConfig, Section, ServiceUrl, http_url, parse_settings, redis_url
+from molt.config import Port, RedisConfig, Section, ServiceUrl, host_port, http_url, parse_settings, redis_url
 from molt.serve import redis_problem, redis_url_problem
 from services.envs.config import EnvsSettings
 from services.envs.config import validate_settings as validate_envs
@@ -206,3 +206,22 @@ def test_the_url_type_checks_any_settings_field():
     assert _Urls().url is None and _Urls(url="http://h:1").url == "http://h:1"
     with pytest.raises(ValueError, match="not an http"):
         _Urls(url="h:1")
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "molt-rollout-0.molt-rollout:50051", "[fd00::7]:50051"])
+def test_a_grpc_target_is_host_colon_port(target):
+    assert host_port(target) == target
+
+
+@pytest.mark.parametrize("target", ["notahost", "http://pod:50051", "pod:0", "pod:99999", ":50051", "pod:port"])
+def test_a_grpc_target_without_host_and_port_is_one_line_naming_the_flag(target, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(TrainerSettings, ["--model.path", "m", "--rollout.grpc_targets", f"127.0.0.1:1,{target}"])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"--rollout.grpc_targets {target}: not HOST:PORT with a port in 1..65535; pass one like 127.0.0.1:50051"
+        )
+    )
