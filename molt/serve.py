@@ -104,10 +104,8 @@ def configure_logging(level: str, rank: int | None = None) -> None:
 
 
 def port_problem(host: str, port: int, flag: str = "--server.port") -> str | None:
-    """Why ``host:port`` cannot be bound now (None: it can; port 0 always can). Binds and closes at once, with
-    the same SO_REUSEADDR the service binds with, so only a live listener (or a bad address) is reported."""
-    if not port:
-        return None
+    """Why ``host:port`` cannot be bound now (None: it can). Binds and closes at once, with the same SO_REUSEADDR
+    the service binds with, so only a live listener or a bad address is reported; port 0 checks the address."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -225,3 +225,12 @@ def test_a_grpc_target_without_host_and_port_is_one_line_naming_the_flag(target,
             f"--rollout.grpc_targets {target}: not HOST:PORT with a port in 1..65535; pass one like 127.0.0.1:50051"
         )
     )
+
+
+def test_a_host_that_cannot_be_bound_is_named_before_start_even_on_port_0():
+    from molt.serve import port_problem
+
+    assert port_problem("127.0.0.1", 0) is None
+    problem = port_problem("notahost.invalid", 0) or ""  # the resolver's words vary: "Name or service not known"
+    assert problem.startswith("--server.port 0: cannot bind notahost.invalid:0 (")
+    assert problem.endswith("); check --server.host")
