@@ -73,7 +73,9 @@ class Progress:
             f" reward {_fmt(row.get('reward_mean'), '.3f')}"
             f" | mismatch_kl {_fmt(row.get('mismatch_kl'), '.2e')}"
             f" (fresh {_fmt(row.get('mismatch_kl_fresh'), '.1e')})"
-            f" | queue lag {m.get('molt_queue_undelivered_entries', 0) + m.get('molt_queue_pending_entries', 0):.0f}"
+            # Rollouts written but not yet read by the trainer. Not the pending entries: with checkpoints those
+            # include every trained one until its step's checkpoint acks it, so they climb to save_steps batches.
+            f" | queue lag {m.get('molt_queue_undelivered_entries', 0):.0f}"
             f" | staleness {_fmt(row.get('staleness_mean'), '.2f')}"
             f" | {rate:.1f} samples/s | version {row.get('policy_version', '?')}",
             flush=True,
