@@ -40,6 +40,7 @@ class Progress:
         self.total = total_steps
         self.enabled = enabled
         self.rows: list[dict] = []
+        self._quiet_rows = 0  # rows read quietly (a resumed run's earlier steps): not in this start's rate
         self._offset = 0
         self._started = time.monotonic()
         self.last_metrics: dict[str, float] = {}
@@ -57,7 +58,9 @@ class Progress:
                     for line in complete.splitlines():
                         if line.strip():
                             self.rows.append(json.loads(line))
-                            if not quiet:
+                            if quiet:
+                                self._quiet_rows = len(self.rows)
+                            else:
                                 self._print(self.rows[-1], metrics_url)
 
     def _print(self, row: dict, metrics_url: str | None) -> None:
@@ -66,7 +69,7 @@ class Progress:
         if not self.enabled:
             return
         m = self.last_metrics
-        samples = sum(r.get("samples", 0) for r in self.rows)
+        samples = sum(r.get("samples", 0) for r in self.rows[self._quiet_rows :])
         rate = samples / max(time.monotonic() - self._started, 1e-9)
         print(
             f"[step {row.get('step', len(self.rows)):>4}/{self.total or '?'}]"

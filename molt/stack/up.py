@@ -453,7 +453,9 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             if progress.rows:
                 summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, True)
         if _checkpointed(plan):
-            print(f"[molt up] continue this run with: molt up --resume {run_dir}", flush=True)
+            # As this command was run: `molt` where the console script is on PATH, else this venv's python.
+            molt = "molt" if Path(sys.argv[0]).name == "molt" else f"{sys.executable} -m molt.cli"
+            print(f"[molt up] continue this run with: {molt} up --resume {run_dir}", flush=True)
         return summary
     finally:
         codes = sup.stop_all()

@@ -120,7 +120,7 @@ def test_the_run_resumes_and_a_ctrl_c_saves_the_step_it_was_in(async_run):
     # The trainer finished the step it was in and saved it: a resume goes on from there, losing nothing trained.
     saved = latest_dir(str(run_dir / "ckpt"))
     assert saved is not None and saved.name == f"global_step{stopped_at}"
-    assert f"continue this run with: molt up --resume {run_dir}" in out
+    assert f"continue this run with: {sys.executable} -m molt.cli up --resume {run_dir}" in out
     trainer_log = (run_dir / "trainer.log").read_text()
     assert f"resumed from {run_dir / 'ckpt' / f'global_step{STEPS}'} (step {STEPS})" in trainer_log
     trained = [tid for r in rows for tid in r["trajectory_ids"]]
