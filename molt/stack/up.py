@@ -13,6 +13,7 @@ On Ctrl-C the trainer is stopped first, and given time to finish its step and sa
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import IO
 
 from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
@@ -87,8 +89,10 @@ class StackPlan:
 
 PLAN_FILE = "plan.json"
 # What --resume needs to start the same stack again; run_dir, progress and timeouts belong to each start.
-_PLAN_KEYS = ("name", "model", "agents", "agent", "trainer", "rollout", "gateway", "envs", "num_pods", "num_envs")
-_PLAN_KEYS += ("steps", "trainer_threads", "env", "redis_url", "cwd")
+_PLAN_KEYS = (
+    *("name", "model", "agents", "agent", "trainer", "rollout", "gateway", "envs", "num_pods", "num_envs"),
+    *("steps", "trainer_threads", "env", "redis_url", "cwd"),
+)
 # The trainer is stopped first on Ctrl-C and finishes its step and checkpoint: a tiny model's step takes
 # seconds, a larger one's a minute.
 TRAINER_STOP_GRACE_S = 120.0
@@ -97,6 +101,31 @@ TRAINER_STOP_GRACE_S = 120.0
 def save_plan(plan: StackPlan, run_dir: Path) -> None:
     data = {k: getattr(plan, k) for k in _PLAN_KEYS}
     (run_dir / PLAN_FILE).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+LOCK_FILE = "molt-up.lock"
+
+
+def lock_run_dir(run_dir: Path, flag: str) -> IO[str]:
+    """Hold the run folder for this process (released when it exits): a second `molt up` in it, a resume typed
+    in another terminal, would write the same checkpoints and logs. One line naming ``flag`` (status 2) if held."""
+    lock = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        print(
+            f"molt: error: {flag} {run_dir}: a molt up is running in it (pid {holder}); stop it first",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(2) from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _resume_error(run_dir: Path, problem: str) -> SystemExit:
@@ -339,6 +368,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         run_dir = plan.run_dir
     else:
         run_dir = make_run_dir(plan.run_dir or default_run_dir(plan.name))
+    lock = lock_run_dir(run_dir, "--resume" if resume else "--run-dir")
     save_plan(plan, run_dir)
     what = "resuming from its newest checkpoint" if resume else "run folder"
     print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; {what} {run_dir}", flush=True)
@@ -445,7 +475,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         return summary
     except KeyboardInterrupt:
         print("\n[molt up] interrupted: stopping the stack", flush=True)
-        summary: dict = {"interrupted": True}
+        summary = {"interrupted": True}
         if trainer is not None:
             # The trainer first, while the rest still serves its step: it finishes the step and saves a checkpoint.
             trainer.stop(TRAINER_STOP_GRACE_S)
@@ -462,6 +492,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
+        lock.close()
 
 
 def _report(
@@ -497,7 +528,7 @@ def _checkpointed(plan: StackPlan) -> bool:
     from services.trainer.checkpoint import latest_dir
 
     path = flag_value(plan.trainer, "--ckpt.path")
-    return bool(path) and latest_dir(str(Path(plan.cwd, path))) is not None
+    return path is not None and latest_dir(str(Path(plan.cwd, path))) is not None
 
 
 def _start_on_free_ports(

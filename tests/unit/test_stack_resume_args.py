@@ -92,3 +92,20 @@ def test_resume_keeps_the_plan_and_adds_what_the_command_line_gives(tmp_path, ti
     assert plan.agents == {"tiny": Path("agent.py")} and not plan.progress
     saved = json.loads((run_dir / PLAN_FILE).read_text())
     assert saved["trainer"] == ["--ckpt.path", str(run_dir / "ckpt"), "--actor.adam.lr", "1e-3"]
+
+
+def test_a_run_folder_in_use_by_another_molt_up_is_refused(tmp_path, capsys):
+    """A resume typed in a second terminal while the run goes on would write the same checkpoints and logs."""
+    import os
+
+    from molt.stack.up import lock_run_dir
+
+    held = lock_run_dir(tmp_path, "--resume")
+    with pytest.raises(SystemExit) as exit_:
+        lock_run_dir(tmp_path, "--resume")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"molt: error: --resume {tmp_path}: a molt up is running in it (pid {os.getpid()}); stop it first"
+    ]
+    held.close()  # the run ended: the folder is free again
+    lock_run_dir(tmp_path, "--resume").close()
