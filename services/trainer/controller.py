@@ -411,6 +411,7 @@ class Controller:
                     self.gate.refills += 1
             if len(kept) >= num_groups:
                 break
+            self._refill_lost(num_groups)
             if (
                 self.s.train.dispatch
                 and self.dispatch_exhausted()
@@ -430,6 +431,28 @@ class Controller:
             self.uncommitted.extend(group.all_deliveries())
         self.batches += bool(kept)
         return kept or None
+
+    def _refill_lost(self, num_groups: int) -> None:
+        """Liveness: a batch must be able to fill from the groups still open (taken into it included) and those the
+        gate lets dispatch before the next step. Fewer means groups were lost (dispatched, never trained, no longer
+        open: a checkpoint that missed them), and the run would wait forever at the gate; new prompts take their
+        place instead, said loudly, since those prompts go untrained this epoch."""
+        if not (self.own_groups and self.s.train.dispatch) or self.position >= self._total_prompts():
+            return
+        may = min(self.gate.allowed(self.version) - self.gate.dispatched, self._total_prompts() - self.position)
+        lost = num_groups - len(self.open) - max(may, 0)
+        if lost <= 0:
+            return
+        log.error(
+            "%d prompt group(s) of run %s were lost (dispatched before position %d, never trained, not in the "
+            "checkpoint's open groups): dispatching as many new prompts so the run goes on",
+            lost,
+            self.run_tag,
+            self.position,
+        )
+        self.gate.refills += lost
+        if self._version_changed is not None:
+            self._version_changed.set()
 
     def _check_failures(self) -> None:
         """At the end of the dataset with nothing trained by this run: if episodes failed, that is why, and the

@@ -170,6 +170,30 @@ async def test_a_stop_while_a_batch_fills_keeps_its_complete_groups_open_for_the
     assert state["open"][:2] == [0, 1] and state["unacked_ids"] == []
 
 
+async def test_groups_lost_from_a_checkpoint_are_replaced_instead_of_waiting_forever(caplog):
+    """A checkpoint that missed an untrained group (as a stop mid-batch once did): 6 groups allowed by
+    --train.num_steps 3, all dispatched, 2 steps trained, and only group 5 still open. The last batch can never
+    fill at the gate; a new prompt takes the lost one's place, with an error in the log."""
+    q = MemoryTrajectoryQueue()
+    c = _controller(q, "--train.dispatch", "true", "--rollout.batch_size", "2", "--train.num_steps", "3")
+    c.own_groups = True
+    c.assembler = type(c.assembler)(2, by_sample=True)
+    c.dataset, c.dispatcher = _MorePrompts(), _Dispatcher(q)
+    await c.resume({"version": 2, "position": 6, "refills": 0, "unacked_ids": [], "run_tag": "r", "open": [5]})
+    c.start_dispatch()
+    try:
+        groups = await asyncio.wait_for(c.next_batch(2), 10)
+    finally:
+        await c.close()
+    assert sorted(g.group_id for g in groups) == ["r-5", "r-6"]
+    assert "1 prompt group(s) of run r were lost" in caplog.text
+
+
+class _MorePrompts(_Prompts):
+    def __len__(self):
+        return 10
+
+
 class _Stuck(_Dispatcher):
     """Env workers whose episodes never finish."""
 
