@@ -122,6 +122,8 @@ def lock_run_dir(run_dir: Path, flag: str) -> IO[str]:
             flush=True,
         )
         raise SystemExit(2) from None
+    except OSError:  # a file system without locks (some network mounts): the run goes on unguarded
+        return lock
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")
     lock.flush()
