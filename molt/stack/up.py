@@ -165,13 +165,14 @@ def resume_plan(opts: UpOptions) -> StackPlan:
     plan.run_dir, plan.progress, plan.ready_timeout_s = run_dir, opts.progress, opts.ready_timeout_s
     if not (plan.model / "config.json").is_file():
         raise _resume_error(opts.resume, f"the run's model {plan.model} is gone (no config.json there)")
-    ckpt = Path(plan.cwd, flag_value(plan.trainer, "--ckpt.path") or "")
-    latest = latest_dir(str(ckpt)) if flag_value(plan.trainer, "--ckpt.path") else None
+    ckpt = _ckpt_root(plan)
+    latest = latest_dir(str(ckpt)) if ckpt else None
     if latest is None:
         raise _resume_error(
             opts.resume,
-            f"no checkpoint in {ckpt} to resume from (the trainer writes one every --ckpt.save_steps steps and when "
-            "it stops; a run started with --set trainer ckpt.save_steps=-1 keeps none)",
+            f"no checkpoint in {ckpt or 'a --ckpt.path'} to resume from (the trainer writes one every "
+            "--ckpt.save_steps steps and when it stops; a run started with --set trainer ckpt.save_steps=-1 keeps "
+            "none)",
         )
     done = int(latest.name.removeprefix(STEP_PREFIX))
     if plan.steps is not None and done >= plan.steps:
@@ -526,11 +527,17 @@ def _earlier_starts(run_dir: Path) -> tuple[int, float]:
         return 0, 0.0
 
 
+def _ckpt_root(plan: StackPlan) -> Path | None:
+    """The trainer's --ckpt.path, read from where the run was started (None: it has none)."""
+    path = flag_value(plan.trainer, "--ckpt.path")
+    return Path(plan.cwd, path) if path else None
+
+
 def _checkpointed(plan: StackPlan) -> bool:
     from services.trainer.checkpoint import latest_dir
 
-    path = flag_value(plan.trainer, "--ckpt.path")
-    return path is not None and latest_dir(str(Path(plan.cwd, path))) is not None
+    ckpt = _ckpt_root(plan)
+    return ckpt is not None and latest_dir(str(ckpt)) is not None
 
 
 def _start_on_free_ports(
