@@ -318,8 +318,7 @@ def mode_args(opts: UpOptions) -> list[str]:
 
 def run_stack(opts: UpOptions) -> dict:
     """`molt up --recipe NAME`: a recipe's plan; `molt up --resume DIR`: a run's own, on its newest checkpoint."""
-    if opts.resume is not None:
-        check_redis(opts.redis_url)
+    if opts.resume is not None:  # run_plan checks the plan's Redis, --redis-url or the saved one
         return run_plan(resume_plan(opts), resume=True)
     if opts.recipe not in RECIPES:
         raise SystemExit(f"unknown recipe {opts.recipe!r}: choose one of {', '.join(RECIPES)}")
