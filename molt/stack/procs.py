@@ -2,7 +2,8 @@
 
 Each service runs as its own process group with its log in the run folder. Shutdown goes in reverse
 start order: SIGTERM (services drain and flush), then SIGKILL after a grace period. Only processes this
-supervisor started are ever signalled, by pid.
+supervisor started are ever signalled, by pid. A reaper process (``molt.stack.reaper``) does the same shutdown
+if the supervising process dies without running its own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,8 @@ class ManagedProcess:
     proc: subprocess.Popen | None = None
     log_offset: int = 0
     """Where this start's output begins in the log (a restart appends to the same file)."""
+    stop_grace_s: float = 15.0
+    """How long the reaper waits after SIGTERM before SIGKILL (``Supervisor.stop_all`` takes its own)."""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,9 +128,40 @@ class Supervisor:
 
     def __init__(self) -> None:
         self.procs: list[ManagedProcess] = []
+        self._reaper: subprocess.Popen | None = None
+
+    def start(self, proc: ManagedProcess) -> None:
+        """Start ``proc`` as one of the stack's, and have the reaper stop it should this process die first."""
+        self.procs.append(proc)
+        proc.start()
+        assert proc.proc is not None
+        try:
+            reaper = self._reaper or self._start_reaper()
+            assert reaper.stdin is not None
+            reaper.stdin.write(f"{proc.proc.pid} {proc.stop_grace_s}\n")
+            reaper.stdin.flush()
+        except OSError:  # the reaper is gone: our own shutdown still stops it
+            pass
+
+    def _start_reaper(self) -> subprocess.Popen:
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "molt.stack.reaper"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],  # where `molt` imports from, whatever the caller's cwd
+            start_new_session=True,  # Ctrl-C and a closed terminal reach the supervisor, not its reaper
+        )
+        return self._reaper
 
     def stop_all(self, grace_s: float = 15.0) -> dict[str, int | None]:
         codes = {}
         for p in reversed(self.procs):
             codes[p.name] = p.stop(grace_s)
+        if self._reaper is not None:  # nothing left for it: end of its input ends it
+            if self._reaper.stdin is not None:
+                self._reaper.stdin.close()
+            self._reaper.wait()
+            self._reaper = None
         return codes

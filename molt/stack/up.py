@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
@@ -205,7 +205,7 @@ def check_redis(url: str | None) -> None:
         raise SystemExit(2)
 
 
-RUN_FILES = ("plan.json", "steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt")
+RUN_FILES = ("plan.json", "steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt", "appendonlydir")
 """What a run leaves in its run folder, besides one ``<service>.log`` per process."""
 
 
@@ -381,11 +381,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     stream = f"molt:run:{run_dir.name}"
     sup = Supervisor()
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt
-
-    old_int = signal.signal(signal.SIGINT, on_signal)
-    old_term = signal.signal(signal.SIGTERM, on_signal)
+    old_handlers = _stop_on_signals()
     started = time.monotonic()
     progress = Progress(run_dir / "steps.jsonl", plan.steps, enabled=plan.progress)
     if resume:
@@ -400,8 +396,10 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             from molt.bus.embedded import find_redis_server
 
             def redis_proc(port: int) -> ManagedProcess:
-                no_disk = ("--save", "", "--appendonly", "no")
-                cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *no_disk]
+                # An append-only file in the run folder: rollouts generated but not yet trained when the run
+                # stops are trained after `--resume` instead of generated again. No snapshots (`--save ""`).
+                aof = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(run_dir))
+                cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *aof]
                 return ManagedProcess("redis", cmd, run_dir / "redis.log")
 
             _, (port,) = _start_on_free_ports(sup, 1, redis_proc, _wait_output("Ready to accept connections", 10.0))
@@ -458,7 +456,9 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         def trainer_proc(port: int) -> ManagedProcess:
             cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer, *steps)
             trainer_env = {**weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
-            return ManagedProcess("trainer", cmd, run_dir / "trainer.log", None, trainer_env)
+            return ManagedProcess(
+                "trainer", cmd, run_dir / "trainer.log", None, trainer_env, stop_grace_s=TRAINER_STOP_GRACE_S
+            )
 
         # The trainer listens once its models are loaded, which takes as long as they are large.
         listening = _wait_output("molt-trainer listening on", None)
@@ -491,10 +491,25 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         return summary
     finally:
         codes = sup.stop_all()
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
         lock.close()
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGINT, SIGTERM and SIGHUP (its terminal closed) stop the run as Ctrl-C does: the trainer saves its step
+    and the services stop. A SIGHUP already ignored (``nohup molt up``) stays ignored. The old handlers."""
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        old[sig] = signal.signal(sig, _interrupt)
+    return old
 
 
 def _report(
@@ -554,8 +569,7 @@ def _start_on_free_ports(
         ports = [free_port() for _ in range(count)]
         proc = make(*ports)
         try:
-            sup.procs.append(proc)
-            proc.start()
+            sup.start(proc)
             if callable(ready):
                 ready(proc)
             else:  # its own "listening" line first: /readyz alone could be another server's on a lost port

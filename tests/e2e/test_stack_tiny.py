@@ -8,10 +8,13 @@ env worker and the FSDP2 trainer as separate processes. Checked from the run fol
 - the pod's policy version advanced with the trainer's;
 - mismatch KL on tokens scored by the weights that generated them stays below MISMATCH_KL_BOUND.
 Then the same run goes on with `molt up --resume` and is stopped by Ctrl-C: the trainer finishes its step and
-saves it, and the steps of both starts are each trained once.
+saves it, and the steps of both starts are each trained once. A third start trains the rollouts the stopped one
+left in the run folder's Redis file, and is killed with SIGKILL: its reaper stops every service, trainer first.
 """
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,7 +102,7 @@ def test_tiny_recipe_learns_async(async_run):
     AutoModelForCausalLM.from_pretrained(run_dir / "model")
 
 
-def test_the_run_resumes_and_a_ctrl_c_saves_the_step_it_was_in(async_run):
+def test_the_run_resumes_and_a_ctrl_c_or_a_kill_saves_the_step_it_was_in(async_run):
     run_dir = async_run[0]
     cmd = [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(STEPS + 4)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -140,3 +143,59 @@ def test_the_run_resumes_and_a_ctrl_c_saves_the_step_it_was_in(async_run):
         f"molt: error: --resume {run_dir}: its checkpoint is at step {stopped_at}, the run's {stopped_at} steps; "
         f"pass --steps above {stopped_at}"
     ]
+    resume_and_kill(run_dir, stopped_at)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def resume_and_kill(run_dir: Path, stopped_at: int) -> None:
+    """Resume once more; after one step, SIGKILL `molt up` (no shutdown of its own). Its reaper stops the
+    services: none is left, and the trainer, stopped first by SIGTERM, saved the step it was in."""
+    log_before = len((run_dir / "trainer.log").read_text())
+    cmd = [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(stopped_at + 4)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    services: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while len(step_rows(run_dir)) <= stopped_at and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None and len(step_rows(run_dir)) > stopped_at
+        services = _children(proc.pid)  # redis, pod, gateway, env worker, trainer and the reaper
+        assert len(services) == 6, services
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 200
+        while not all(_gone(p) for p in services) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert all(_gone(p) for p in services), [p for p in services if not _gone(p)]
+    finally:
+        for pid in [proc.pid, *services]:  # what is still running, by pid: only what this test started
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = (run_dir / "trainer.log").read_text()[log_before:]
+    # The Ctrl-C'd start left rollouts it had read and not trained; the run folder's Redis file kept them.
+    pending = re.search(rf"resume: version {stopped_at}, (\d+) pending entries", log)
+    assert pending and int(pending.group(1)) > 0, log[-3000:]
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    trained = [tid for r in rows for tid in r["trajectory_ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    saved = latest_dir(str(run_dir / "ckpt"))
+    assert saved is not None and saved.name == f"global_step{rows[-1]['step']}"
