@@ -55,6 +55,11 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited (None while it runs, or before it started)."""
+        return self.proc.poll() if self.proc is not None else None
+
     def output(self) -> str:
         """What this start wrote to its log so far."""
         try:
@@ -133,6 +138,10 @@ class Supervisor:
     def start(self, proc: ManagedProcess) -> None:
         """Start ``proc`` as one of the stack's, and have the reaper stop it should this process die first."""
         self.procs.append(proc)
+        self.restart(proc)
+
+    def restart(self, proc: ManagedProcess) -> None:
+        """Start one of the stack's processes (again, after it exited)."""
         proc.start()
         assert proc.proc is not None
         try:

@@ -104,7 +104,9 @@ def finish_report(
     recipe: str,
     pod_versions: list[float | None] | None = None,
     interrupted: bool = False,
+    restarts: dict[str, int] | None = None,
 ) -> dict:
+    """``restarts``: service name -> times `molt up` started it again after it died (only those it did)."""
     # A step trained after the last checkpoint of a run that was killed is trained again on resume: its last row.
     rows = list({r.get("step", -1 - i): r for i, r in enumerate(progress.rows)}.values())
     rows.sort(key=lambda r: r.get("step", 0))
@@ -132,6 +134,8 @@ def finish_report(
     }
     if interrupted:
         summary["interrupted"] = True
+    if restarts:
+        summary["restarts"] = dict(restarts)
     evals = run_dir / "eval.jsonl"
     if evals.exists() and evals.read_text().strip():  # the last evaluation (the only one with --eval.eval_only)
         summary["last_eval"] = json.loads(evals.read_text().strip().splitlines()[-1])

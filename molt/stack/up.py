@@ -388,6 +388,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         progress.poll(quiet=True)  # the earlier starts' steps count in the summary, and are not printed again
     before = _earlier_starts(run_dir) if resume else (0, 0.0)
     trainer = None
+    restarts: dict[str, int] = {}
     gateway_url = ""
     pods: list[tuple[str, str]] = []
     try:
@@ -464,15 +465,19 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         listening = _wait_output("molt-trainer listening on", None)
         trainer, (metrics_port,) = _start_on_free_ports(sup, 1, trainer_proc, listening)
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        while trainer.alive():
+        produced = _GatewayCount(gateway_url)
+        while trainer.returncode != 0:  # None while it trains
             for p in sup.procs:
-                if p is not trainer and not p.alive():
-                    raise ServiceFailed(f"{p.name} died while training; log {p.log_path}:\n{p.tail()}")
+                if not p.alive() and not (p is trainer and p.returncode == 0):
+                    if p.name == "gateway":
+                        produced.lost()
+                    _revive(sup, p, trainer, plan, restarts)
             progress.poll(trainer_metrics)
+            produced.poll()
             time.sleep(1.0)
         progress.poll(trainer_metrics)
-        trainer.check()
-        summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before)
+        before = (before[0] + produced.earlier, before[1])
+        summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, restarts=restarts)
         print(f"[molt up] done: {json.dumps(summary)}", flush=True)
         return summary
     except KeyboardInterrupt:
@@ -483,7 +488,9 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             trainer.stop(TRAINER_STOP_GRACE_S)
             progress.poll()
             if progress.rows:
-                summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, True)
+                summary = _report(
+                    run_dir, progress, gateway_url, pods, started, plan.name, before, True, restarts=restarts
+                )
         if _checkpointed(plan):
             # As this command was run: `molt` where the console script is on PATH, else this venv's python.
             molt = "molt" if Path(sys.argv[0]).name == "molt" else f"{sys.executable} -m molt.cli"
@@ -495,6 +502,48 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             signal.signal(sig, handler)
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
         lock.close()
+
+
+MAX_RESTARTS = 3
+"""Restarts of one service within one `molt up`: one that keeps dying has a cause a restart will not fix."""
+
+
+def _revive(sup: Supervisor, p: ManagedProcess, trainer: ManagedProcess, plan: StackPlan, restarts: dict) -> None:
+    """Start ``p`` again after it died while the trainer trains, as Kubernetes restarts a pod: on its own ports
+    (the others know it by them); a rollout pod out of routing until the trainer pushes it the current weights;
+    the trainer from its newest checkpoint, and only after a signal (the OOM killer, a kill), since its named
+    errors and tracebacks would come back. Never after exit 2 (a flag or port problem), nor past MAX_RESTARTS."""
+    code = p.returncode
+    assert code is not None
+    if code == 2 or restarts.get(p.name, 0) >= MAX_RESTARTS or (p is trainer and code >= 0):
+        more = f" ({MAX_RESTARTS} restarts)" if restarts.get(p.name) else ""
+        raise ServiceFailed(f"{p.name} exited with code {code}{more}; log {p.log_path}:\n{p.tail()}")
+    if p.name.startswith("rollout-") and "--weights.await_push" not in p.cmd:
+        p.cmd += ["--weights.await_push", "true"]
+    if p is trainer and _checkpointed(plan):
+        p.cmd += ["--ckpt.load_enable", "true"]
+    restarts[p.name] = restarts.get(p.name, 0) + 1
+    print(
+        f"[molt up] {p.name} exited with code {code}; starting it again ({restarts[p.name]} of {MAX_RESTARTS}); "
+        f"log {p.log_path}",
+        flush=True,
+    )
+    sup.restart(p)
+
+
+class _GatewayCount:
+    """Trajectories the gateway wrote, over its restarts: each start counts from zero, so the count of one that
+    died is the last one read from it (read once a second while it runs: what it wrote in its last second is
+    not counted)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.earlier, self.seen = f"{url}/metrics", 0, 0
+
+    def poll(self) -> None:
+        self.seen = int(scrape(self.url).get("molt_gateway_trajectories_written_total", self.seen))
+
+    def lost(self) -> None:
+        self.earlier, self.seen = self.earlier + self.seen, 0
 
 
 def _interrupt(signum, _frame):
@@ -521,6 +570,7 @@ def _report(
     name: str,
     before: tuple[int, float],
     interrupted: bool = False,
+    restarts: dict[str, int] | None = None,
 ) -> dict:
     """The run's summary. A resumed run counts its earlier starts' trajectories and seconds too (``before``)."""
     gateway_counts = scrape(f"{gateway_url}/metrics")
@@ -528,7 +578,7 @@ def _report(
     gateway_counts[key] = gateway_counts.get(key, 0.0) + before[0]
     pod_versions = [scrape(f"{http}/metrics").get("molt_rollout_policy_version") for http, _ in pods]
     wall_s = time.monotonic() - started + before[1]
-    return finish_report(run_dir, progress, gateway_counts, wall_s, name, pod_versions, interrupted)
+    return finish_report(run_dir, progress, gateway_counts, wall_s, name, pod_versions, interrupted, restarts)
 
 
 def _earlier_starts(run_dir: Path) -> tuple[int, float]:
