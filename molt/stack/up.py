@@ -33,9 +33,13 @@ from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_contex
 from molt.stack.report import Progress, finish_report, scrape
 
 
+def model_dir(recipe: Recipe, cache: Path) -> Path:
+    """Where ``build_model`` puts the recipe's model."""
+    return cache / "-".join(a.lstrip("-") for a in recipe.model)
+
+
 def build_model(recipe: Recipe, cache: Path) -> Path:
-    key = "-".join(a.lstrip("-") for a in recipe.model)
-    out = cache / key
+    out = model_dir(recipe, cache)
     if not (out / "config.json").exists():
         print(f"[molt up] building model {' '.join(recipe.model)} -> {out}", flush=True)
         subprocess.run([sys.executable, "-m", "molt.models", *recipe.model, "--out", str(out)], check=True)
@@ -335,18 +339,23 @@ def run_stack(opts: UpOptions) -> dict:
         str(run_dir / "model"),
         *recipe.trainer,
     ]
-    trainer += mode_args(opts)
+    trainer += mode_args(opts) + extra.get("trainer", [])
+    steps = opts.steps or recipe.steps
+    cache = ROOT / ".cache" / "models"
+    # A bad trainer flag fails in one line before the model is built (smollm2's is converted from GGUF);
+    # run_plan checks again, with the built model.
+    check_trainer_flags([*trainer, "--train.num_steps", str(steps)], model_dir(recipe, cache), recipe.name)
     plan = StackPlan(
         name=recipe.name,
-        model=build_model(recipe, ROOT / ".cache" / "models"),
+        model=build_model(recipe, cache),
         agents={recipe.name: ROOT / recipe.agent},
         agent=recipe.name,
-        trainer=trainer + extra.get("trainer", []),
+        trainer=trainer,
         rollout=recipe.rollout + extra.get("rollout", []),
         gateway=recipe.gateway + extra.get("gateway", []),
         envs=recipe.envs + extra.get("envs", []),
         num_pods=opts.num_pods or recipe.num_pods,
-        steps=opts.steps or recipe.steps,
+        steps=steps,
         trainer_threads=recipe.trainer_threads,
         run_dir=run_dir,
         redis_url=opts.redis_url,

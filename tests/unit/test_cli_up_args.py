@@ -139,3 +139,19 @@ def test_an_in_memory_stream_is_refused_as_the_stack_runs_processes(command, cap
         "molt: error: --redis-url memory://: each service runs as its own process and cannot share an in-memory "
         "stream; pass a redis:// URL, or leave --redis-url out for an embedded Redis"
     ]
+
+
+def test_a_bad_trainer_flag_is_one_line_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    from molt.stack import up
+
+    def no_build(*_):
+        raise AssertionError("the model was built before the trainer's flags were checked")
+
+    monkeypatch.setattr(up, "build_model", no_build)
+    monkeypatch.setattr(up, "check_redis", lambda url: None)
+    opts = up.UpOptions(recipe="smollm2", run_dir=tmp_path / "run", extra={"trainer": ["--train.bogus", "1"]})
+    with pytest.raises(SystemExit) as exc:
+        up.run_stack(opts)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--train.bogus" in err[0], err
