@@ -144,8 +144,7 @@ def shard(model: nn.Module, fsdp, info: DistInfo) -> nn.Module:
 
     mp = _mp_policy(fsdp, info.on_gpu)
     if _use_nemo(fsdp.strategy):
-        from nemo_automodel.components.distributed.config import DistributedSetup
-        from nemo_automodel.components.distributed.mesh import ParallelismSizes
+        from nemo_automodel.components.distributed import DistributedSetup, ParallelismSizes
         from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
 
         setup = DistributedSetup.build("fsdp2", ParallelismSizes(dp_size=info.world_size), world_size=info.world_size)
@@ -163,8 +162,7 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: str = "
     """GPU path: NeMo AutoModel with TP/EP/CP/offload passed through (see the module docstring); LoRA is
     NeMo's own (the adapters' names and scale are services/trainer/lora.py's)."""
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
-    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from nemo_automodel.components.distributed import DistributedSetup, FSDP2Config, ParallelismSizes
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     cfg = FSDP2Config(
@@ -197,9 +195,9 @@ def _load_nemo_gpu(path: str, fsdp, info: DistInfo, gradient_checkpoint: str = "
 
 
 def _nemo_peft_config() -> type:
-    """NeMo's LoRA settings class. from_pretrained's peft_config reads its attributes (a dict, as its docstring
-    says, fails). Releases after 0.7.0 publish it as ``nemo_automodel.shared.peft_config``; 0.7.0, the newest on
-    PyPI and the one requirements/gpu.lock pins, has it only in a private module."""
+    """NeMo's LoRA settings class: from_pretrained's peft_config reads its attributes, so a dict (its docstring's
+    type) fails. NeMo's main-branch docs publish it as ``nemo_automodel.shared.peft_config``; 0.7.0 (pinned, the
+    newest release) exports it from no public module, only from the private ``components._peft.lora``."""
     try:
         from nemo_automodel.shared.peft_config import PeftConfig
     except ImportError:

@@ -130,6 +130,21 @@ def test_lora_reaches_nemos_loader_as_its_peft_config(tmp_path, nemo_calls):
     assert (peft.dim, peft.alpha, peft.dropout, peft.target_modules) == (4, 8, 0.1, ["q_proj", "v_proj"])
 
 
+def test_nemos_public_peft_config_is_preferred_where_the_release_has_it(monkeypatch):
+    """nemo_automodel.shared.peft_config (NeMo's documented module after 0.7.0) wins over the private fallback."""
+    import sys
+    from types import ModuleType
+
+    public = ModuleType("nemo_automodel.shared.peft_config")
+
+    class PeftConfig:
+        pass
+
+    public.PeftConfig = PeftConfig  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nemo_automodel.shared.peft_config", public)
+    assert model._nemo_peft_config() is PeftConfig
+
+
 def test_unset_attention_is_flash_on_gpu_only_where_flash_attn_is_installed(monkeypatch):
     """The images ship without flash-attn: a GPU trainer started with no --fsdp.attn_implementation loads on
     sdpa there instead of failing, and picks flash_attention_2 where it is installed."""
