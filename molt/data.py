@@ -11,15 +11,18 @@ A folder of files is split as ``datasets.load_dataset(folder)`` splits it, so a 
 name their split; otherwise folders named for a split (train, validation, test and HF's other spellings,
 as a whole word of the name) assign every file below them; otherwise file names do. A folder without
 split names is one ``train`` split, and any ``split`` asked of it reads all of it, as before.
-``check_dataset`` is the cheap start-up check: the path, the split, the first row's keys.
+``check_dataset`` is the cheap start-up check: the path, the split, a first row and its keys.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,6 +41,7 @@ _SPLIT_WORD = {
 _SHARD = re.compile(r"data/(?P<split>\w+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
 # The flag that picks the split of each dataset flag, for the error that lists a folder's splits.
 _SPLIT_FLAGS = {"--data.prompt_dataset": "--data.prompt_split", "--data.dataset": "--data.dataset_split"}
+_PROBS_FLAGS = {"--data.prompt_dataset": "--data.prompt_probs", "--data.dataset": "--data.dataset_probs"}
 
 
 def read_rows(
@@ -55,7 +59,7 @@ def read_rows(
 def iter_rows(path: str | Path, *, split: str = "train", flag: str = "--data.prompt_dataset") -> Iterator[dict]:
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{flag} {p}: no such file or directory")
+        _no_path(p, flag)
     if p.is_dir() and _is_saved_dataset(p):
         yield from _saved_dataset(p, split, flag)
         return
@@ -101,39 +105,97 @@ def _assign_splits(p: Path, files: list[Path]) -> dict[str, list[Path]]:
     return {}
 
 
+def _no_path(p: Path, flag: str) -> NoReturn:
+    where = "" if p.is_absolute() else f" (relative to {os.getcwd()})"
+    raise ValueError(
+        f"{flag} {p}: no such file or directory{where}; pass a datasets.save_to_disk directory, "
+        f"a {'/'.join(_SUFFIXES)} file or a folder of them"
+    )
+
+
 def _no_split(p: Path, split: str, found: list[str], flag: str) -> NoReturn:
     choose = _SPLIT_FLAGS.get(flag, "--eval.split" if flag == "--eval.dataset" else "the split flag")
     raise ValueError(f"{flag} {p}: no {split!r} split (splits: {sorted(found)}); choose one with {choose}")
 
 
-def check_dataset(spec: str, split: str, keys: dict[str, str | None], flag: str) -> None:
+def check_dataset(spec: str, split: str, keys: dict[str, str | None], flag: str, *, every_row: bool = True) -> None:
     """Cheap start-up check of a dataset flag (several comma-separated paths): each path exists, a folder has
-    ``split``, and its first row holds every key in ``keys`` (key flag -> key; None: not asked). Reads one row
-    of one file (a parquet file's schema); a save_to_disk directory gets its split checked, not its rows.
+    ``split``, the paths hold a row, and the rows hold every key in ``keys`` (key flag -> key; None: not asked).
+    ``every_row``: the reader needs each key in every row (RL prompts), so a path's first row is proof; else it
+    skips rows without one (SFT), and only a key no row holds is refused, reading on until each has shown up.
+    A parquet file gives its schema and row count, a save_to_disk directory its features: neither is loaded.
     Raises the ``ValueError`` reading it would end in, so a run fails before anything starts."""
+    wanted = {key_flag: key for key_flag, key in keys.items() if key is not None}
+    unseen = {} if every_row else dict(wanted)  # keys no row has shown yet
+    first: tuple[Path, set[str]] | None = None
     for path in (Path(s.strip()) for s in spec.split(",") if s.strip()):
         if not path.exists():
-            raise ValueError(f"{flag} {path}: no such file or directory")
-        if path.is_dir() and (path / "dataset_dict.json").exists():
-            found = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            if split not in found:
-                _no_split(path, split, found, flag)
-            continue
-        if path.is_dir() and _is_saved_dataset(path):
-            continue
-        first = split_files(path, split, flag)[0] if path.is_dir() else path
-        if first.suffix == ".parquet":
+            _no_path(path, flag)
+        for source, columns in _row_columns(path, split, flag):
+            if columns is None:  # a saved dataset without readable features: its rows are not known here
+                first, unseen = first or (source, set()), {}
+                break
+            first = first or (source, columns)
+            if every_row:
+                _check_keys(source, columns, wanted, flag)
+                break
+            unseen = {key_flag: key for key_flag, key in unseen.items() if key not in columns}
+            if not unseen:
+                break
+    if first is None:
+        # The readers end the same way (no prompts, no usable row), only later: after the model has loaded.
+        raise ValueError(f"{flag} {spec}: no rows in it; pass a dataset with at least one row")
+    if unseen:
+        key_flag, key = next(iter(unseen.items()))
+        source, columns = first
+        of = "" if str(source) == spec.strip() else f" of {source}"
+        raise ValueError(f"{flag} {spec}: no row has {key!r} ({key_flag}); keys of row 0{of}: {sorted(columns)}")
+
+
+def _check_keys(source: Path, columns: set[str], keys: dict[str, str], flag: str) -> None:
+    for key_flag, key in keys.items():
+        if key not in columns:
+            raise ValueError(f"{flag} {source}: row 0 has no {key!r} ({key_flag}); keys: {sorted(columns)}")
+
+
+def _row_columns(path: Path, split: str, flag: str) -> Iterator[tuple[Path, set[str] | None]]:
+    """(file, its row's keys) for each row of ``path``'s ``split``, lazily, in reading order; a parquet file is
+    one item (its schema, when it has rows), a save_to_disk directory one item (its features, None if unknown)."""
+    if path.is_dir() and _is_saved_dataset(path):
+        yield path, _saved_columns(path, split, flag)
+        return
+    for f in split_files(path, split, flag) if path.is_dir() else [path]:
+        if f.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            columns = set(pq.read_schema(first).names)
-        else:
-            row = next(_file_rows(first, flag), None)
-            if row is None:
-                continue  # no rows to check; reading it says what is wrong with that
-            columns = set(row)
-        for key_flag, key in keys.items():
-            if key is not None and key not in columns:
-                raise ValueError(f"{flag} {first}: row 0 has no {key!r} ({key_flag}); keys: {sorted(columns)}")
+            with _parquet_errors(f, flag):
+                meta = pq.ParquetFile(f).metadata
+            if meta.num_rows:
+                yield f, set(meta.schema.to_arrow_schema().names)
+            continue
+        for row in _file_rows(f, flag):
+            yield f, set(row)
+
+
+def _saved_columns(p: Path, split: str, flag: str) -> set[str] | None:
+    """The columns a save_to_disk directory's rows hold (its ``split`` of a DatasetDict), from the JSON files
+    ``datasets`` writes beside the data; None where they do not say."""
+    if (p / "dataset_dict.json").exists():
+        found = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        if split not in found:
+            _no_split(p, split, found, flag)
+        p = p / split
+    try:
+        features = json.loads((p / "dataset_info.json").read_text())["features"]
+        state = json.loads((p / "state.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(features, dict):
+        return None
+    shown = state.get("_format_columns") if isinstance(state, dict) else None
+    if shown is not None and not state.get("_output_all_columns"):  # set_format(columns=...): rows hold only those
+        return set(features) & set(shown)
+    return set(features)
 
 
 def _is_saved_dataset(p: Path) -> bool:
@@ -151,31 +213,54 @@ def _saved_dataset(p: Path, split: str, flag: str) -> Iterator[dict]:
     yield from loaded
 
 
+@contextmanager
+def _parquet_errors(f: Path, flag: str) -> Iterator[None]:
+    """pyarrow's errors for a file that is not parquet (or cannot be read) as one line naming the flag and the
+    file: its own text names neither."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        why = getattr(e, "strerror", None) or str(e).split(". ")[0]
+        raise ValueError(f"{flag} {f}: cannot read it as parquet ({why})") from None
+
+
 def _file_rows(f: Path, flag: str) -> Iterator[dict]:
     if f.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(f).iter_batches():
-            yield from batch.to_pylist()
+        with _parquet_errors(f, flag):
+            for batch in pq.ParquetFile(f).iter_batches():
+                yield from batch.to_pylist()
         return
-    with open(f) as fh:
-        if f.suffix == ".json" and _first_char(fh) == "[":  # a JSON array of rows (pretty-printed or not)
-            for i, row in enumerate(json.load(fh)):
+    try:
+        with open(f) as fh:
+            if f.suffix == ".json" and _first_char(fh) == "[":  # a JSON array of rows (pretty-printed or not)
+                try:
+                    rows = json.load(fh)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{flag} {f}:{e.lineno}: not valid JSON ({e.msg})") from None
+                for i, row in enumerate(rows):
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{flag} {f}: row {i} must be a JSON object, got {type(row).__name__}")
+                    yield row
+                return
+            fh.seek(0)
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{flag} {f}:{lineno}: not a JSON line ({e.msg})") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{flag} {f}: row {i} must be a JSON object, got {type(row).__name__}")
+                    raise ValueError(f"{flag} {f}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
                 yield row
-            return
-        fh.seek(0)
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {f}:{lineno}: not a JSON line ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{flag} {f}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
-            yield row
+    except UnicodeDecodeError:  # a ValueError whose own text names neither the flag nor the file
+        raise ValueError(f"{flag} {f}: not UTF-8 text; pass JSON lines, a JSON array of rows or parquet") from None
+    except OSError as e:  # unreadable (permissions, a broken mount): one line, not a traceback
+        raise ValueError(f"{flag} {f}: cannot read it ({e.strerror or e})") from None
 
 
 def _first_char(fh) -> str:
@@ -186,17 +271,33 @@ def _first_char(fh) -> str:
     return ch
 
 
+def mix_weights(spec: str, probs: str | None, flag: str) -> list[float] | None:
+    """The sampling weights ``probs`` gives the comma-separated datasets of ``spec`` (``flag``); None where nothing
+    is mixed (no weights, or one dataset). A ``ValueError`` naming the weights' flag unless there is one finite,
+    non-negative number per dataset and they do not all weigh zero: a start-up check, no file is read."""
+    count = len([p for p in spec.split(",") if p.strip()])
+    if probs is None:
+        return None
+    try:
+        weights = [float(w) for w in probs.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != count or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"{_PROBS_FLAGS.get(flag, 'the weights flag')} {probs!r}: {flag} names {count} datasets; give as many "
+            "comma-separated non-negative weights, not all zero (e.g. 0.7,0.3)"
+        )
+    return weights if count > 1 else None
+
+
 def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:
     """Rows of one or several comma-separated datasets; with ``probs`` (comma-separated weights, one per dataset),
     mixed by weight: each dataset gives its share of ``max_samples`` drawn at random with ``seed`` (Molt's
     blending, --data.prompt_probs / --data.dataset_probs)."""
-    paths = [p.strip() for p in spec.split(",") if p.strip()]
-    parts = [read_rows(p, split=split, flag=flag) for p in paths]
-    if probs is None or len(parts) == 1:
+    weights = mix_weights(spec, probs, flag)
+    parts = [read_rows(p.strip(), split=split, flag=flag) for p in spec.split(",") if p.strip()]
+    if weights is None:
         return [r for part in parts for r in part][:max_samples]
-    weights = [float(p) for p in probs.split(",")]
-    if len(weights) != len(parts) or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(f"{flag}: {len(parts)} datasets need as many non-negative sampling weights, got {probs!r}")
     total = sum(weights)
     rng = random.Random(seed)
     out = []

@@ -223,6 +223,10 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     return _run_stack(lambda: run_plan(plan))
 
 
+# A service's own one-line error in its log ("python -m services.trainer: error: --data.prompt_dataset ...").
+_SERVICE_ERROR = re.compile(r"^[\w .()-]+: error: (?P<msg>.+)$")
+
+
 def _run_stack(run: Callable[[], dict]) -> int:
     """Run the stack; a service that fails is one line naming it and its log (status 1), not a traceback: the
     stack is stopped by then, and the log holds the service's own error in full."""
@@ -231,7 +235,11 @@ def _run_stack(run: Callable[[], dict]) -> int:
     try:
         summary = run()
     except ServiceFailed as exc:
-        print(f"molt: error: {str(exc).splitlines()[0].rstrip(':')}", file=sys.stderr)
+        first, *tail = str(exc).splitlines()
+        # A problem found only mid-run (a bad line deep in a dataset) is named where the user looks first; a
+        # traceback's last line is left to the log.
+        own = next((m["msg"] for line in reversed(tail) if (m := _SERVICE_ERROR.match(line.strip()))), None)
+        print(f"molt: error: {first.rstrip(':')}" + (f"; its error: {own}" if own else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C while the trainer saved: the stack is stopped at once
         return 130

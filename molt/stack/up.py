@@ -21,16 +21,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
-from molt.stack.procs import ManagedProcess, ServiceFailed, Supervisor
+from molt.stack.procs import ManagedProcess, Supervisor
 from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
+from molt.stack.watch import GatewayCount, revive, start_on_free_ports, stop_on_signals, wait_output
 
 
 def model_dir(recipe: Recipe, cache: Path) -> Path:
@@ -272,10 +271,9 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
     """The trainer's own flag checks, before anything starts: it starts last, so a bad flag would otherwise
     surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
     wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win. Its datasets
-    are checked too, cheaply (``molt.data.check_dataset``): a missing path or input key ends the same way."""
+    are checked too, cheaply (``check_datasets``): a missing path or input key ends the same way."""
     from molt.config import parse_settings
-    from molt.data import check_dataset
-    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.config import TrainerSettings, check_datasets, validate_settings
     from services.trainer.device import trainer_on_gpu
 
     on_gpu = trainer_on_gpu()  # the trainer runs here, on this machine's device
@@ -284,12 +282,7 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
 
     def validate(s: TrainerSettings) -> None:
         validate_settings(s, on_gpu=on_gpu)
-        d = s.data
-        keys = {"--data.input_key": d.input_key, "--data.label_key": d.label_key}
-        if d.prompt_dataset and s.train.dispatch:
-            check_dataset(d.prompt_dataset, d.prompt_split, keys, "--data.prompt_dataset")
-        if s.eval.dataset:
-            check_dataset(s.eval.dataset, s.eval.split, keys, "--eval.dataset")
+        check_datasets(s)
 
     parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate)
 
@@ -390,7 +383,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     stream = f"molt:run:{run_dir.name}"
     sup = Supervisor()
 
-    old_handlers = _stop_on_signals()
+    old_handlers = stop_on_signals()
     started = time.monotonic()
     progress = Progress(run_dir / "steps.jsonl", plan.steps, enabled=plan.progress)
     if resume:
@@ -412,7 +405,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
                 cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *aof]
                 return ManagedProcess("redis", cmd, run_dir / "redis.log")
 
-            _, (port,) = _start_on_free_ports(sup, 1, redis_proc, _wait_output("Ready to accept connections", 10.0))
+            _, (port,) = start_on_free_ports(sup, 1, redis_proc, wait_output("Ready to accept connections", 10.0))
             redis_url = f"redis://127.0.0.1:{port}/0"
         for i in range(plan.num_pods):
 
@@ -426,7 +419,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
                     f"rollout-{i}", cmd, run_dir / f"rollout-{i}.log", f"http://127.0.0.1:{http}", weights_env
                 )
 
-            _, (http, grpc) = _start_on_free_ports(sup, 2, pod_proc, plan.ready_timeout_s)
+            _, (http, grpc) = start_on_free_ports(sup, 2, pod_proc, plan.ready_timeout_s)
             pods.append((f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"))
 
         def gateway_proc(port: int) -> ManagedProcess:
@@ -439,7 +432,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             )
             return ManagedProcess("gateway", cmd, run_dir / "gateway.log", f"http://127.0.0.1:{port}", env)
 
-        _, (gw_port,) = _start_on_free_ports(sup, 1, gateway_proc, plan.ready_timeout_s)
+        _, (gw_port,) = start_on_free_ports(sup, 1, gateway_proc, plan.ready_timeout_s)
         gateway_url = f"http://127.0.0.1:{gw_port}"
         envs_urls = []
         agent_flags = [a for name, path in plan.agents.items() for a in ("--agent", f"{name}={path}")]
@@ -454,7 +447,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
                     name, cmd, run_dir / f"{name}.log", f"http://127.0.0.1:{port}", {**env, **plan.env}
                 )
 
-            _, (env_port,) = _start_on_free_ports(sup, 1, envs_proc, plan.ready_timeout_s)
+            _, (env_port,) = start_on_free_ports(sup, 1, envs_proc, plan.ready_timeout_s)
             envs_urls.append(f"http://127.0.0.1:{env_port}")
         trainer_flags = [
             *("--model.path", str(model), "--redis.url", redis_url, "--redis.stream", stream),
@@ -471,16 +464,16 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             )
 
         # The trainer listens once its models are loaded, which takes as long as they are large.
-        listening = _wait_output("molt-trainer listening on", None)
-        trainer, (metrics_port,) = _start_on_free_ports(sup, 1, trainer_proc, listening)
+        listening = wait_output("molt-trainer listening on", None)
+        trainer, (metrics_port,) = start_on_free_ports(sup, 1, trainer_proc, listening)
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        produced = _GatewayCount(gateway_url)
+        produced = GatewayCount(gateway_url)
         while trainer.returncode != 0:  # None while it trains
             for p in sup.procs:
                 if not p.alive() and not (p is trainer and p.returncode == 0):
                     if p.name == "gateway":
                         produced.lost()
-                    _revive(sup, p, trainer, plan, restarts)
+                    revive(sup, p, trainer, restarts, lambda: _checkpointed(plan))
             progress.poll(trainer_metrics)
             produced.poll()
             time.sleep(1.0)
@@ -511,63 +504,6 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             signal.signal(sig, handler)
         print(f"[molt up] stopped {', '.join(f'{k}={v}' for k, v in codes.items())}; run folder {run_dir}", flush=True)
         lock.close()
-
-
-MAX_RESTARTS = 3
-"""Restarts of one service within one `molt up`: one that keeps dying has a cause a restart will not fix."""
-
-
-def _revive(sup: Supervisor, p: ManagedProcess, trainer: ManagedProcess, plan: StackPlan, restarts: dict) -> None:
-    """Start ``p`` again after it died while the trainer trains, as Kubernetes restarts a pod: on its own ports
-    (the others know it by them); a rollout pod out of routing until the trainer pushes it the current weights;
-    the trainer from its newest checkpoint, and only after a signal (the OOM killer, a kill), since its named
-    errors and tracebacks would come back. Never after exit 2 (a flag or port problem), nor past MAX_RESTARTS."""
-    code = p.returncode
-    assert code is not None
-    if code == 2 or restarts.get(p.name, 0) >= MAX_RESTARTS or (p is trainer and code >= 0):
-        more = f" ({MAX_RESTARTS} restarts)" if restarts.get(p.name) else ""
-        raise ServiceFailed(f"{p.name} exited with code {code}{more}; log {p.log_path}:\n{p.tail()}")
-    if p.name.startswith("rollout-") and "--weights.await_push" not in p.cmd:
-        p.cmd += ["--weights.await_push", "true"]
-    if p is trainer and _checkpointed(plan):
-        p.cmd += ["--ckpt.load_enable", "true"]
-    restarts[p.name] = restarts.get(p.name, 0) + 1
-    print(
-        f"[molt up] {p.name} exited with code {code}; starting it again ({restarts[p.name]} of {MAX_RESTARTS}); "
-        f"log {p.log_path}",
-        flush=True,
-    )
-    sup.restart(p)
-
-
-class _GatewayCount:
-    """Trajectories the gateway wrote, over its restarts: each start counts from zero, so the count of one that
-    died is the last one read from it (read once a second while it runs: what it wrote in its last second is
-    not counted)."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.earlier, self.seen = f"{url}/metrics", 0, 0
-
-    def poll(self) -> None:
-        self.seen = int(scrape(self.url).get("molt_gateway_trajectories_written_total", self.seen))
-
-    def lost(self) -> None:
-        self.earlier, self.seen = self.earlier + self.seen, 0
-
-
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt
-
-
-def _stop_on_signals() -> dict[int, Any]:
-    """SIGINT, SIGTERM and SIGHUP (its terminal closed) stop the run as Ctrl-C does: the trainer saves its step
-    and the services stop. A SIGHUP already ignored (``nohup molt up``) stays ignored. The old handlers."""
-    old: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        old[sig] = signal.signal(sig, _interrupt)
-    return old
 
 
 def _report(
@@ -611,55 +547,6 @@ def _checkpointed(plan: StackPlan) -> bool:
 
     ckpt = _ckpt_root(plan)
     return ckpt is not None and latest_dir(str(ckpt)) is not None
-
-
-def _start_on_free_ports(
-    sup: Supervisor,
-    count: int,
-    make: Callable[..., ManagedProcess],
-    ready: float | Callable[[ManagedProcess], None],
-    tries: int = 3,
-) -> tuple[ManagedProcess, list[int]]:
-    """Start ``make(*ports)`` on ``count`` ports the kernel reports free, and wait until it is ready (``ready``:
-    a /readyz timeout, or a function that waits). A free port can be taken by another process between the pick
-    and the service's bind (parallel runs on one machine); a service that exits on that is started again on
-    new ports, so the stack never fails, or talks to someone else's server, on a port it lost."""
-    for attempt in range(1, tries + 1):
-        ports = [free_port() for _ in range(count)]
-        proc = make(*ports)
-        try:
-            sup.start(proc)
-            if callable(ready):
-                ready(proc)
-            else:  # its own "listening" line first: /readyz alone could be another server's on a lost port
-                _wait_output("listening on http://", ready)(proc)
-                proc.wait_ready(ready)
-            return proc, ports
-        except ServiceFailed:
-            if attempt == tries or not proc.lost_port_race():
-                raise
-            proc.kill_group()  # what it started (a vLLM engine process) goes with it
-            sup.procs.remove(proc)
-            print(f"[molt up] {proc.name}: a port it was given was taken first; starting it on new ports", flush=True)
-    raise AssertionError("unreachable")
-
-
-def _wait_output(marker: str, timeout_s: float | None) -> Callable[[ManagedProcess], None]:
-    """A wait until the process writes ``marker`` to its log (redis-server's "ready", the trainer's "listening"
-    line). Its own line, not a TCP connect: a connect would also succeed against another server that took the
-    port first."""
-
-    def wait(proc: ManagedProcess) -> None:
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-        while time.monotonic() < deadline:
-            if marker in proc.output():
-                return
-            if not proc.alive():
-                raise ServiceFailed(f"{proc.name} exited before it was ready; log {proc.log_path}:\n{proc.tail()}")
-            time.sleep(0.05)
-        raise ServiceFailed(f"{proc.name} did not write {marker!r} within {timeout_s:.0f} s; log {proc.log_path}")
-
-    return wait
 
 
 __all__ = ["StackPlan", "UpOptions", "run_plan", "run_stack"]

@@ -14,7 +14,7 @@ import sys
 
 from molt.config import parse_settings
 from molt.serve import configure_logging, freeze_before_exit, preflight
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.config import TrainerSettings, check_datasets, validate_settings
 from services.trainer.device import trainer_on_gpu
 
 PROG = "python -m services.trainer"
@@ -24,13 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     hints: list[str] = []
     on_gpu = trainer_on_gpu()  # what this machine's loader refuses is refused at parse time, --dry-run too
-    settings = parse_settings(
-        TrainerSettings,
-        sys.argv[1:] if argv is None else argv,
-        prog=PROG,
-        validate=lambda s: hints.extend(validate_settings(s, on_gpu=on_gpu)),
-    )
     rank = int(os.environ.get("RANK", "0"))
+
+    def validate(s: TrainerSettings) -> None:
+        hints.extend(validate_settings(s, on_gpu=on_gpu))
+        # Before the model loads, a bad dataset is one line with status 2. Rank 0 is the one that reads the
+        # datasets: on several nodes, the others' file systems need not hold them.
+        if rank == 0:
+            check_datasets(s)
+
+    settings = parse_settings(TrainerSettings, sys.argv[1:] if argv is None else argv, prog=PROG, validate=validate)
     port = settings.metrics.port if settings.metrics.port is not None else settings.server.port
     flag = "--metrics.port" if settings.metrics.port is not None else "--server.port"
     preflight(

@@ -5,7 +5,7 @@ Additions, each because the services design needs it: ``--train.dispatch`` (cons
 ``--train.num_steps``, ``--logger.steps_jsonl``, ``--envs.*`` (env worker URLs), ``--rollout.urls`` /
 ``--rollout.grpc_targets`` (pods to push weights to), ``--fsdp.strategy``, ``--redis.*``, ``--server.*``,
 ``--metrics.port``. ``validate_settings`` applies the cross-flag rules once, after parsing, and raises
-``ValueError`` naming the flags.
+``ValueError`` naming the flags; ``check_datasets`` checks the dataset files the flags name.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from molt.config import (
     ServiceUrl,
     split_list,
 )
+from molt.data import check_dataset, mix_weights
 from services.trainer.device import transformers_path_problem
 from services.trainer.optim_config import AdamConfig, LoraConfig, OptimizerConfig, checkpoint_mode
 
@@ -503,6 +504,8 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
             raise ValueError("--train.dispatch needs --envs.urls (env worker base URLs); or --train.dispatch false")
     if s.eval.dataset and not t.dispatch:
         raise ValueError("--eval.dataset runs episodes on --envs.urls, which needs --train.dispatch")
+    if s.data.prompt_dataset:
+        mix_weights(s.data.prompt_dataset, s.data.prompt_probs, "--data.prompt_dataset")
     if s.eval.dataset and s.eval.steps <= 0 and not (s.eval.eval_at_start or s.eval.eval_only):
         notes.append("--eval.dataset is never evaluated: --eval.steps is off (add --eval.steps N to evaluate)")
     if s.actor.freezing_steps and s.algo.advantage.estimator != "gae":
@@ -519,6 +522,19 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
         s.rollout.top_p,
         eval_only=s.eval.eval_only,
     )
+
+
+def check_datasets(s: TrainerSettings) -> None:
+    """The datasets this run reads (--data.prompt_dataset with --train.dispatch, --eval.dataset), checked cheaply
+    with ``molt.data.check_dataset``: a ``ValueError`` naming the flag. Kept out of ``validate_settings``, which
+    also checks Helm values away from the files they name; the service runs it at parse time, so a bad dataset
+    ends in one line with status 2 (``--dry-run`` too) instead of after the model has loaded."""
+    d = s.data
+    keys = {"--data.input_key": d.input_key, "--data.label_key": d.label_key}
+    if d.prompt_dataset and s.train.dispatch:
+        check_dataset(d.prompt_dataset, d.prompt_split, keys, "--data.prompt_dataset")
+    if s.eval.dataset:
+        check_dataset(s.eval.dataset, s.eval.split, keys, "--eval.dataset")
 
 
 def check_actor_lora(a: ActorConfig) -> None:

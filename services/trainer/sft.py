@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from molt.data import read_mixed_rows
+from molt.data import check_dataset, read_mixed_rows
 from molt.serve import configure_logging, freeze_before_exit, model_dir_problem
 from services.trainer import checkpoint
 from services.trainer.errors import CheckpointWriteError
@@ -80,16 +80,28 @@ def load_tokenizer(s: SftSettings):
 
 def check(s: SftSettings, on_gpu: bool) -> None:
     """Every start-up check, before anything loads (``--dry-run`` runs them too): the flags (``validate_sft``),
-    the model directory, image flags only on a model that takes images."""
+    the model directory, the datasets (``check_datasets``), image flags only on a model that takes images."""
     validate_sft(s, on_gpu=on_gpu)
     path = s.model.model_name_or_path
     problem = model_dir_problem(path, "--model.model_name_or_path")
     if problem or path is None:
         raise ValueError(problem)
+    check_datasets(s)
     flags = {"--data.image_key": s.data.image_key, "--model.freeze_visual_encoder": s.model.freeze_visual_encoder}
     for flag, on in flags.items():
         if on and not is_vision_language(path):
             raise ValueError(f"{flag}: {path} takes no images (its config has no vision_config); drop the flag")
+
+
+def check_datasets(s: SftSettings) -> None:
+    """--data.dataset and --eval.dataset, cheaply (``molt.data.check_dataset``): the path, the split, a row, the
+    keys. Rows without a key are dropped and counted (``sft_data``), so only a key no row holds is refused."""
+    d = s.data
+    keys = {"--data.input_key": d.input_key, "--data.output_key": d.output_key}
+    if d.dataset:
+        check_dataset(d.dataset, d.dataset_split, keys, "--data.dataset", every_row=False)
+    if s.eval.dataset:
+        check_dataset(s.eval.dataset, s.eval.split, keys, "--eval.dataset", every_row=False)
 
 
 def load_vision(s: SftSettings):

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from molt.config import Section
+from molt.data import mix_weights
 from services.trainer.config import CkptConfig, FsdpConfig, LoggerConfig
 from services.trainer.optim_config import AdamConfig, LoraConfig, OptimizerConfig, checkpoint_mode
 
@@ -218,13 +219,7 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
     s.ckpt.check()
     if len(s.adam.betas) != 2:
         raise ValueError(f"--adam.betas takes two values B1 B2, got {s.adam.betas}")
-    if s.data.dataset_probs is not None:
-        probs = [p for p in s.data.dataset_probs.split(",") if p.strip()]
-        if len(probs) != len(s.data.dataset.split(",")):
-            raise ValueError(
-                f"--data.dataset_probs has {len(probs)} values for {len(s.data.dataset.split(','))} "
-                "datasets in --data.dataset; give one weight per dataset"
-            )
+    mix_weights(s.data.dataset, s.data.dataset_probs, "--data.dataset")
     if s.eval.steps == 0 or s.eval.steps < -1:
         raise ValueError(f"--eval.steps {s.eval.steps}: give N > 0 (every N steps) or -1 (once per epoch)")
     if s.ckpt.save_steps == 0 or s.ckpt.save_steps < -1:

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from molt.bus.embedded import find_redis_server
-from molt.stack import up
+from molt.stack import watch
 from molt.stack.procs import ManagedProcess, Supervisor
 
 
@@ -20,8 +20,8 @@ def test_a_service_that_loses_its_port_starts_again_on_a_new_one(tmp_path, monke
     taken.listen()  # someone else's server, on the port the first pick returns
     lost = taken.getsockname()[1]
     picks = iter([lost])
-    real_free_port = up.free_port
-    monkeypatch.setattr(up, "free_port", lambda: next(picks, None) or real_free_port())
+    real_free_port = watch.free_port
+    monkeypatch.setattr(watch, "free_port", lambda: next(picks, None) or real_free_port())
 
     def redis_proc(port: int) -> ManagedProcess:
         cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
@@ -29,7 +29,7 @@ def test_a_service_that_loses_its_port_starts_again_on_a_new_one(tmp_path, monke
 
     sup = Supervisor()
     try:
-        proc, (port,) = up._start_on_free_ports(sup, 1, redis_proc, up._wait_output("Ready to accept", 10.0))
+        proc, (port,) = watch.start_on_free_ports(sup, 1, redis_proc, watch.wait_output("Ready to accept", 10.0))
         assert port != lost and proc.alive() and sup.procs == [proc]
         assert redis.Redis(port=port).ping()
         log = (tmp_path / "redis.log").read_text()
@@ -46,8 +46,8 @@ def test_a_service_that_fails_for_another_reason_is_not_restarted(tmp_path):
 
     sup = Supervisor()
     try:
-        with pytest.raises(up.ServiceFailed, match="exited before it was ready"):
-            up._start_on_free_ports(sup, 1, bad_proc, up._wait_output("Ready to accept", 10.0))
+        with pytest.raises(watch.ServiceFailed, match="exited before it was ready"):
+            watch.start_on_free_ports(sup, 1, bad_proc, watch.wait_output("Ready to accept", 10.0))
         assert (tmp_path / "redis.log").read_text().count("$ ") == 1  # one start, no retry
     finally:
         sup.stop_all(grace_s=5)

@@ -106,15 +106,15 @@ def test_a_supervisor_that_stops_its_services_ends_its_reaper(tmp_path):
 
 
 def test_a_closed_terminal_stops_the_run_as_ctrl_c_does_unless_started_with_nohup():
-    from molt.stack import up
+    from molt.stack import watch
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
-        up._stop_on_signals()
+        watch.stop_on_signals()
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        old = up._stop_on_signals()
+        old = watch.stop_on_signals()
         assert old[signal.SIGHUP] == signal.SIG_DFL
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGHUP)

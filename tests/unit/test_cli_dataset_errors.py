@@ -86,3 +86,26 @@ def test_a_service_that_fails_is_one_line_naming_it_and_its_log(monkeypatch, cap
     monkeypatch.setattr(up, "run_stack", fail)
     assert cli.main(["up", "--no-progress"]) == 1
     assert capsys.readouterr().err == "molt: error: trainer exited before it was ready; log /r/trainer.log\n"
+
+
+def test_a_bad_line_found_only_mid_run_is_named_on_molts_line(monkeypatch, capsys):
+    """The start-up check reads one row; a malformed line deep in the file ends the trainer with its own one-line
+    error in its log, and molt's line carries it: the file and the line, without opening the log."""
+    from molt import cli
+    from molt.stack import up
+    from molt.stack.procs import ServiceFailed
+
+    own = "--data.prompt_dataset /d/p.jsonl:4: not a JSON line (Expecting value)"
+
+    def fail(_options):
+        raise ServiceFailed(
+            "trainer exited with code 1; log /r/trainer.log:\n"
+            "2026-01-01 00:00:00,000 INFO rank0 molt.trainer: actor: 10 of 10 parameters train\n"
+            f"python -m services.trainer: error: {own}"
+        )
+
+    monkeypatch.setattr(up, "run_stack", fail)
+    assert cli.main(["up", "--no-progress"]) == 1
+    assert (
+        capsys.readouterr().err == f"molt: error: trainer exited with code 1; log /r/trainer.log; its error: {own}\n"
+    )

@@ -125,7 +125,7 @@ def test_a_saved_dataset_dict_still_reads_its_split_and_is_checked_without_loadi
 
 def test_the_start_up_check_reads_one_row_of_the_split_it_will_train_on(tmp_path):
     keys = {"--data.input_key": "q", "--data.label_key": None}
-    with pytest.raises(ValueError, match="^--data.prompt_dataset .*nope.jsonl: no such file or directory$"):
+    with pytest.raises(ValueError, match="^--data.prompt_dataset .*nope.jsonl: no such file or directory; pass "):
         check_dataset(f"{tmp_path / 'nope.jsonl'}", "train", keys, "--data.prompt_dataset")
     write(tmp_path, "d/train.jsonl", "a")
     (tmp_path / "d" / "test.jsonl").write_text('{"other": 1}\n')  # not the train split: never looked at
@@ -145,4 +145,6 @@ def test_the_start_up_check_reads_one_row_of_the_split_it_will_train_on(tmp_path
     with pytest.raises(ValueError, match="nope.jsonl: no such file"):
         check_dataset(f"{both},{tmp_path / 'nope.jsonl'}", "train", keys, "--data.prompt_dataset")
     (tmp_path / "empty.jsonl").write_text("")
-    check_dataset(str(tmp_path / "empty.jsonl"), "train", keys, "--data.prompt_dataset")  # no row to check
+    with pytest.raises(ValueError, match="empty.jsonl: no rows in it"):  # the reader would refuse it after the model
+        check_dataset(str(tmp_path / "empty.jsonl"), "train", keys, "--data.prompt_dataset")
+    check_dataset(f"{tmp_path / 'empty.jsonl'},{both}", "train", keys, "--data.prompt_dataset")  # one holds rows

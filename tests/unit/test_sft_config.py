@@ -48,7 +48,7 @@ def test_gradient_checkpoint_modes(value, mode):
         (["--fsdp.bf16_master_weights"], "GPUs"),
         (["--ckpt.max_mem", "0"], "--ckpt.max_mem must be > 0"),
         (["--fsdp.attn_implementation", "flash_attention_2"], "on CPU use sdpa"),
-        (["--data.dataset_probs", "0.5,0.5"], "one weight per dataset"),
+        (["--data.dataset_probs", "0.5,0.5"], "--data.dataset_probs '0.5,0.5': --data.dataset names 1 datasets"),
         (["--eval.steps", "0"], "--eval.steps"),
         (["--data.tokenizer_chat_template", "./templats/chatml.jinja"], "no such file, and not a Jinja template"),
     ],

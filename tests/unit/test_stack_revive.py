@@ -1,12 +1,13 @@
-"""Which services `molt up` starts again when they die mid-run, and with what (molt.stack.up._revive)."""
+"""Which services `molt up` starts again when they die mid-run, and with what (molt.stack.watch.revive)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from molt.stack import up
+from molt.stack import up, watch
 from molt.stack.procs import ManagedProcess, ServiceFailed
 
 
@@ -32,29 +33,31 @@ def _dead(name: str, code: int, tmp_path: Path) -> ManagedProcess:
     return p
 
 
-def _plan(tmp_path: Path, ckpt: bool) -> up.StackPlan:
+def _checkpointed(tmp_path: Path, ckpt: bool) -> Callable[[], bool]:
+    """`molt up`'s own test of the run's --ckpt.path, over a checkpoint folder that holds one or not."""
     root = tmp_path / "ckpt"
     if ckpt:
         (root / "global_step4").mkdir(parents=True)
         (root / "global_step4" / "extra_state.pt").write_bytes(b"")
         (root / "latest").write_text("global_step4")
-    return up.StackPlan("t", tmp_path, {}, "t", trainer=["--ckpt.path", str(root)], cwd=str(tmp_path))
+    plan = up.StackPlan("t", tmp_path, {}, "t", trainer=["--ckpt.path", str(root)], cwd=str(tmp_path))
+    return lambda: up._checkpointed(plan)
 
 
 def test_a_pod_comes_back_out_of_routing_until_the_trainer_pushes_it_weights(tmp_path):
     sup, restarts = _Sup(), {}
     pod, trainer = _dead("rollout-0", -9, tmp_path), _dead("trainer", 0, tmp_path)
-    up._revive(sup, pod, trainer, _plan(tmp_path, False), restarts)  # type: ignore[arg-type]
+    watch.revive(sup, pod, trainer, restarts, _checkpointed(tmp_path, False))  # type: ignore[arg-type]
     assert sup.restarted == ["rollout-0"] and restarts == {"rollout-0": 1}
     assert pod.cmd[-2:] == ["--weights.await_push", "true"]
-    up._revive(sup, pod, trainer, _plan(tmp_path, False), restarts)  # type: ignore[arg-type]
+    watch.revive(sup, pod, trainer, restarts, _checkpointed(tmp_path, False))  # type: ignore[arg-type]
     assert pod.cmd.count("--weights.await_push") == 1 and restarts == {"rollout-0": 2}
 
 
 def test_a_killed_trainer_comes_back_from_its_checkpoint(tmp_path):
     sup, restarts = _Sup(), {}
     trainer = _dead("trainer", -9, tmp_path)
-    up._revive(sup, trainer, trainer, _plan(tmp_path, True), restarts)  # type: ignore[arg-type]
+    watch.revive(sup, trainer, trainer, restarts, _checkpointed(tmp_path, True))  # type: ignore[arg-type]
     assert sup.restarted == ["trainer"] and trainer.cmd[-2:] == ["--ckpt.load_enable", "true"]
 
 
@@ -63,7 +66,7 @@ def test_a_killed_trainer_comes_back_from_its_checkpoint(tmp_path):
     [
         ("trainer", 1, {}),  # its own error: a restart would meet it again
         ("gateway", 2, {}),  # a flag or a port: the same
-        ("envs", 1, {"envs": up.MAX_RESTARTS}),  # it keeps dying
+        ("envs", 1, {"envs": watch.MAX_RESTARTS}),  # it keeps dying
     ],
 )
 def test_what_a_restart_would_not_fix_ends_the_run_naming_the_service(tmp_path, name, code, restarts):
@@ -71,5 +74,5 @@ def test_what_a_restart_would_not_fix_ends_the_run_naming_the_service(tmp_path, 
     p = _dead(name, code, tmp_path)
     trainer = p if name == "trainer" else _dead("trainer", 0, tmp_path)
     with pytest.raises(ServiceFailed, match=rf"^{name} exited with code {code}"):
-        up._revive(sup, p, trainer, _plan(tmp_path, True), dict(restarts))  # type: ignore[arg-type]
+        watch.revive(sup, p, trainer, dict(restarts), _checkpointed(tmp_path, True))  # type: ignore[arg-type]
     assert sup.restarted == []
