@@ -29,10 +29,10 @@ def revive(
     if code == 2 or restarts.get(p.name, 0) >= MAX_RESTARTS or (p is trainer and code >= 0):
         more = f" ({MAX_RESTARTS} restarts)" if restarts.get(p.name) else ""
         raise ServiceFailed(f"{p.name} exited with code {code}{more}; log {p.log_path}:\n{p.tail()}")
-    if p.name.startswith("rollout-") and "--weights.await_push" not in p.cmd:
-        p.cmd += ["--weights.await_push", "true"]
+    if p.name.startswith("rollout-"):
+        _set_last(p.cmd, "--weights.await_push", "true")
     if p is trainer and checkpointed():
-        p.cmd += ["--ckpt.load_enable", "true"]
+        _set_last(p.cmd, "--ckpt.load_enable", "true")
     restarts[p.name] = restarts.get(p.name, 0) + 1
     print(
         f"[molt up] {p.name} exited with code {code}; starting it again ({restarts[p.name]} of {MAX_RESTARTS}); "
@@ -40,6 +40,12 @@ def revive(
         flush=True,
     )
     sup.restart(p)
+
+
+def _set_last(cmd: list[str], flag: str, value: str) -> None:
+    """``flag value`` last on ``cmd`` (the last of a repeated flag wins over a user's earlier one), once."""
+    if cmd[-2:] != [flag, value]:
+        cmd += [flag, value]
 
 
 class GatewayCount:

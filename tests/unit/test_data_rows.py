@@ -119,7 +119,7 @@ def test_prompt_datasets_mix_by_molts_prompt_probs_and_split(tmp_path):
     prompts = [ds.get(p).prompt for p in range(20)]
     assert sum(p.startswith("a") for p in prompts) == 15 and sum(p.startswith("b") for p in prompts) == 5
     assert [build().get(p).prompt for p in range(20)] == prompts  # the same mix after a restart
-    with pytest.raises(ValueError, match="--data.prompt_probs .1.: --data.prompt_dataset names 2 datasets; give as many"):
+    with pytest.raises(ValueError, match="--data.prompt_probs .1.: --data.prompt_dataset names 2 datasets"):
         PromptDataset(d.prompt_dataset, "input", None, chat=False, max_samples=20, seed=1, split="test", probs="1")
 
 

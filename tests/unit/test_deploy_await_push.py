@@ -108,6 +108,17 @@ def test_rollout_pods_await_the_push_by_default_and_serve_at_once_when_told(char
         assert not any(a.startswith("--weights.await_push") for a in args), name
 
 
+def test_the_install_notes_say_how_pods_get_their_weights():
+    """Without the chart's trainer, awaitPush is off whatever its value: the notes say so, and how a trainer run
+    elsewhere gets it back (rollout.extraArgs), instead of leaving it silent."""
+    from tests.unit.test_deploy_chart_security import _notes
+
+    assert "turn Ready only once the trainer has pushed" in _notes()
+    for sets in (("trainer.enabled=false",), ("trainer.enabled=false", "rollout.awaitPush=true")):
+        assert "add --weights.await_push=true to rollout.extraArgs" in _notes(*sets)
+    assert "pushed" not in _notes("rollout.awaitPush=false") and "extraArgs" not in _notes("rollout.awaitPush=false")
+
+
 def test_nothing_in_the_chart_waits_for_a_ready_rollout_pod(chart):
     docs = chart["default"]
     sts = by_kind(docs, "StatefulSet")["molt-rollout"]

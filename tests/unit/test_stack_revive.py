@@ -59,6 +59,8 @@ def test_a_killed_trainer_comes_back_from_its_checkpoint(tmp_path):
     trainer = _dead("trainer", -9, tmp_path)
     watch.revive(sup, trainer, trainer, restarts, _checkpointed(tmp_path, True))  # type: ignore[arg-type]
     assert sup.restarted == ["trainer"] and trainer.cmd[-2:] == ["--ckpt.load_enable", "true"]
+    watch.revive(sup, trainer, trainer, restarts, lambda: True)  # type: ignore[arg-type]
+    assert trainer.cmd.count("--ckpt.load_enable") == 1 and restarts == {"trainer": 2}
 
 
 @pytest.mark.parametrize(
