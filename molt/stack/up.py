@@ -201,14 +201,25 @@ def memory_url_problem(url: str | None) -> str | None:
 
 
 def check_redis(url: str | None) -> None:
-    """An explicit --redis-url must answer before anything is built or started (one line, status 2)."""
+    """An explicit --redis-url must answer before anything is built or started (one line, status 2); without
+    one, the redis-server to embed must be there."""
     problem = memory_url_problem(url) or redis_problem(url, "--redis-url")
+    if not url:
+        from molt.bus.embedded import find_redis_server
+
+        try:
+            find_redis_server()
+        except FileNotFoundError as e:
+            problem = str(e)
     if problem:
         print(f"molt: error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 
-RUN_FILES = ("plan.json", "steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt", "appendonlydir")
+RUN_FILES = (
+    *("plan.json", "steps.jsonl", "eval.jsonl", "summary.json", "reward.png", "model", "ckpt"),
+    *("appendonlydir", "appendonly.aof"),  # the embedded Redis's stream: Redis 7 writes a folder, 6.2 a file
+)
 """What a run leaves in its run folder, besides one ``<service>.log`` per process."""
 
 

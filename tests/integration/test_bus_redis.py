@@ -30,6 +30,12 @@ def traj(tid: str, tokens: int = 64) -> Trajectory:
     return Trajectory(trajectory_id=tid, group_id=f"g{tid[:4]}", sample_index=0, segments=[seg], reward=1.0)
 
 
+@pytest.fixture(params=["server", "redis-6.2"])
+def redis_url(request, redis_url):
+    """Each test here runs on the suite's Redis and on Redis 6.2, the one a machine without Redis embeds."""
+    return request.getfixturevalue("redis62_url") if request.param == "redis-6.2" else redis_url
+
+
 @pytest.fixture
 async def queue(redis_url, stream_name):
     q = RedisTrajectoryQueue(redis_url, stream_name, metrics=Metrics(QUEUE_METRICS), trim_every=500)
@@ -192,34 +198,15 @@ async def test_backpressure_engages_at_max_len_and_never_trims(redis_url, stream
         await q.close()
 
 
-async def test_lag_reaches_zero_on_redis_6_once_everything_is_delivered(tmp_path):
-    """Redis 6.2 (the embedded server `molt up` starts) has no per-group lag: acked entries stay in the stream,
-    so the undelivered count must come from the group's last delivered id, or a trainer waiting for the end of
-    its dataset never sees it."""
-    from molt.bus.embedded import find_redis_server
-    from molt.net import free_port
-
-    port = free_port()
-    server = subprocess.Popen(
-        [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        q = RedisTrajectoryQueue(f"redis://127.0.0.1:{port}/0", "lag-test")
-        for _ in range(100):
-            try:
-                await q.ensure_group()
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                await asyncio.sleep(0.05)
-        await q.put_many([traj(f"{i:05d}") for i in range(5)])
-        assert (await q.lag()).undelivered == 5
-        got = await q.read("c", 3, block_s=0.1)
-        await q.ack(got)
-        assert (await q.lag()).undelivered == 2
-        await q.ack(await q.read("c", 10, block_s=0.1))
-        assert (await q.lag()).undelivered == 0  # length - pending would still say 5
-        await q.close()
-    finally:
-        server.kill()
-        server.wait()
+async def test_lag_reaches_zero_once_everything_is_delivered(queue, request):
+    """Redis 6.2 has no per-group lag and keeps acked entries in the stream, so the undelivered count must come
+    from the group's last delivered id, or a trainer waiting for the end of its dataset never sees it."""
+    if request.node.callspec.params["redis_url"] == "redis-6.2":
+        assert (await queue.redis.info("server"))["redis_version"].startswith("6.2.")
+    await queue.put_many([traj(f"{i:05d}") for i in range(5)])
+    assert (await queue.lag()).undelivered == 5
+    got = await queue.read("c", 3, block_s=0.1)
+    await queue.ack(got)
+    assert (await queue.lag()).undelivered == 2
+    await queue.ack(await queue.read("c", 10, block_s=0.1))
+    assert (await queue.lag()).undelivered == 0  # length - pending would still say 5

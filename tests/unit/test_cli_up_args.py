@@ -82,12 +82,16 @@ def test_a_run_folder_holding_an_earlier_run_is_refused_before_anything_starts(t
 
 
 @pytest.mark.parametrize(
-    "name", ["steps.jsonl", "summary.json", "eval.jsonl", "reward.png", "model", "ckpt", "envs.log"]
+    "name",
+    [
+        *("steps.jsonl", "summary.json", "eval.jsonl", "reward.png", "model", "ckpt", "envs.log"),
+        *("appendonlydir", "appendonly.aof"),  # the embedded Redis's stream, as Redis 7 and 6.2 keep it
+    ],
 )
 def test_any_one_file_of_a_run_marks_the_folder_as_taken(tmp_path, capsys, name):
     from molt.stack.up import make_run_dir
 
-    (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("")
+    (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("")  # appendonlydir: a folder
     with pytest.raises(SystemExit) as exit_:
         make_run_dir(tmp_path)
     assert exit_.value.code == 2
