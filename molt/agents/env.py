@@ -17,7 +17,8 @@ Feedback is appended even on the terminal turn. The loop stops when the env says
 or when the total ``max_length`` budget is spent. A turn cut by its per-turn cap (finish_reason "length") marks the
 episode truncated but does not end it, as in Molt. There is no turn limit of the framework's own:
 the env decides. A first observation that leaves no room to generate keeps its last
-max(1, max_length - reserve) tokens (reserve: the turn's max_tokens, else 32), as in Molt.
+max(1, max_length - reserve) tokens (reserve: the turn's max_tokens, else 32), as in Molt. However the episode
+ends, the runner then awaits ``env.close()`` (Molt's hook: what the env started for the episode is released).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Env(abc.ABC):
     @abc.abstractmethod
     async def step(self, state: dict[str, Any]) -> Result:
         """Grade this turn's ``state["action_text"]``; return reward, feedback and whether to stop."""
+
+    async def close(self) -> None:  # noqa: B027 - Molt's hook, a no-op unless an env holds something
+        """Release what the episode holds (a game process, a sandbox, a connection). Called once after every
+        episode, however it ended (done, out of context, failed, cancelled), as Molt's StepEnvRunner does; an
+        env that closes itself on its last step must accept a second call."""
 
 
 def _messages_text(messages: list[dict[str, Any]]) -> str:
@@ -117,8 +123,14 @@ class StepEnvRunner(Runner):
         return await execute_on_engine(self._execute, *args, **kwargs)
 
     async def _execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
-        urls = [to_data_url(image, f"images[{i}]") for i, image in enumerate(episode.images or [])]
         env = self.env_cls()
+        try:
+            return await self._run(env, episode, gateway)
+        finally:
+            await _close(env)
+
+    async def _run(self, env: Env, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
+        urls = [to_data_url(image, f"images[{i}]") for i, image in enumerate(episode.images or [])]
         params = SamplingParams.from_any(episode.sampling_params)
         cap = episode.max_new_tokens
         async with gateway.session(**episode.session_fields(turn_params(params, cap).wire())) as session:
@@ -200,3 +212,17 @@ class StepEnvRunner(Runner):
             info=numeric,
             response_tokens=response_tokens,
         )
+
+
+async def _close(env: Env) -> None:
+    """``env.close()`` (async or plain def, or none at all on a duck-typed env). Its failure is logged, not raised:
+    the episode's own outcome, already decided, stands, and an exception the episode raised is not masked."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        done = close()
+        if inspect.isawaitable(done):
+            await done
+    except Exception:  # any failure of user code while releasing
+        log.warning("%s.close failed", type(env).__name__, exc_info=True)
