@@ -15,6 +15,7 @@ import pytest
 from molt.agents import Env, Episode, Result, StepEnvRunner
 from molt.agents.gateway import GatewayClient
 from molt.agents.testing import FakeGateway
+from tests.unit.test_molt_parity_agents import _CharTokenizer, _ScriptedEngine
 
 
 class _GameEnv(Env):
@@ -115,22 +116,8 @@ def test_a_plain_def_close_is_called_and_its_failure_does_not_lose_the_episode(c
 
 
 def test_molts_in_process_form_closes_the_env_too():
-    class Tok:
-        def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
-            import torch
-
-            return {"input_ids": torch.tensor([[ord(c) for c in text]], dtype=torch.long)}
-
-        def decode(self, ids, skip_special_tokens=False):
-            return "".join(chr(i) for i in ids)
-
-    class Engine:
-        async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, session_id=None):
-            ids = [ord(c) for c in "win"]
-            out = SimpleNamespace(token_ids=ids, text="", finish_reason="stop", logprobs=None)
-            return SimpleNamespace(outputs=[out]), 0
-
     params = SimpleNamespace(max_tokens=8, min_tokens=0, temperature=1.0, top_p=1.0, top_k=-1, logprobs=None)
-    asyncio.run(StepEnvRunner(_GameEnv).execute("room", "label", params, 100, Tok(), Engine()))
+    engine = _ScriptedEngine(["win"])
+    asyncio.run(StepEnvRunner(_GameEnv).execute("room", "label", params, 100, _CharTokenizer(), engine))
     [proc] = _GameEnv.procs
     assert proc.poll() is not None and _GameEnv.closes == 2
