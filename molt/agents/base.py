@@ -120,12 +120,14 @@ class Episode:
     eval: bool = False
     """Evaluation: the runner grades the episode and aborts its session instead of finishing it (no trajectory)."""
 
-    async def finish(self, session, reward: float, score: float | None, info: dict[str, float]) -> dict[str, Any]:
+    async def finish(
+        self, session, reward: float, score: float | None, info: dict[str, float], truncated: bool = False
+    ) -> dict[str, Any]:
         """Finish ``session`` with the reward (the gateway writes the trajectory); an eval episode writes nothing:
         leaving the session unfinished makes ``GatewayClient.session`` abort it."""
         if self.eval:
             return {"written": False}
-        return await session.finish(reward, score, info)
+        return await session.finish(reward, score, info, truncated=truncated)
 
     def session_fields(self, sampling_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """The POST /v1/sessions body for this episode."""

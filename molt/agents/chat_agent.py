@@ -124,7 +124,7 @@ class ChatAgentRunner(Runner):
             score = reward if result.score is None else first_scalar(result.score, "score")
             info = numeric_info(result.info)
             summary = await session.summary()
-            done = await episode.finish(session, reward, score, info)
+            done = await episode.finish(session, reward, score, info, truncated=bool(result.truncated))
         return EpisodeResult(
             reward=reward,
             score=score,

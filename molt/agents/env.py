@@ -200,7 +200,7 @@ class StepEnvRunner(Runner):
                 pending = {"append_text": result.observation, "images": shown} if result.observation else {}
             final_score = reward if score is None else first_scalar(score, "score")
             numeric = numeric_info(info)
-            done = await episode.finish(session, reward, final_score, numeric)
+            done = await episode.finish(session, reward, final_score, numeric, truncated=truncated)
         return EpisodeResult(
             reward=reward,
             score=final_score,
@@ -215,13 +215,10 @@ class StepEnvRunner(Runner):
 
 
 async def _close(env: Env) -> None:
-    """``env.close()`` (async or plain def, or none at all on a duck-typed env). Its failure is logged, not raised:
-    the episode's own outcome, already decided, stands, and an exception the episode raised is not masked."""
-    close = getattr(env, "close", None)
-    if close is None:
-        return
+    """``env.close()``, async or plain def. Its failure is logged, not raised: the episode's own outcome,
+    already decided, stands, and an exception the episode raised is not masked."""
     try:
-        done = close()
+        done = env.close()
         if inspect.isawaitable(done):
             await done
     except Exception:  # any failure of user code while releasing

@@ -88,15 +88,21 @@ class Session:
     async def summary(self) -> dict[str, Any]:
         return await self._client.request("GET", f"/v1/sessions/{self.id}")
 
-    async def finish(self, reward: float, score: float | None = None, info: dict[str, float] | None = None) -> dict:
-        """Write the trajectory with ``reward``. Idempotent on the gateway side (a finish whose answer was lost
-        writes nothing twice), so a 503 (Redis down: the gateway kept the session open) or a lost connection is
-        retried with backoff for up to the client's ``finish_retry_s``: a finished episode outlasts an outage.
+    async def finish(
+        self, reward: float, score: float | None = None, info: dict[str, float] | None = None, truncated: bool = False
+    ) -> dict:
+        """Write the trajectory with ``reward``; ``truncated``: the env or agent cut the episode short (the
+        trajectory is then marked truncated, as when a turn hits the length limit). Idempotent on the gateway
+        side (a finish whose answer was lost writes nothing twice), so a 503 (Redis down: the gateway kept the
+        session open) or a lost connection is retried with backoff for up to the client's ``finish_retry_s``: a
+        finished episode outlasts an outage.
         A reward or score that is not finite or past ``molt.schema.MAX_ABS_REWARD`` raises SchemaError here,
         before anything is written."""
         body: dict[str, Any] = {"reward": check_reward(reward, "reward"), "info": info or {}}
         if score is not None:
             body["score"] = check_reward(score, "score")
+        if truncated:
+            body["truncated"] = True
         path = f"/v1/sessions/{self.id}/finish"
         deadline = time.monotonic() + self._client.finish_retry_s
         delay = 0.25

@@ -101,8 +101,9 @@ class EngineSession:
         """The terminal feedback, appended without a generation; its images are not shown (as the gateway)."""
         return await self.generate(append_text=text, sampling_params={"max_tokens": 0})
 
-    async def finish(self, reward, score=None, info=None) -> dict:
+    async def finish(self, reward, score=None, info=None, truncated=False) -> dict:
         self.traj.reward, self.traj.scores = reward, score
+        self.traj.truncated = self.traj.truncated or truncated
         self.finished = {"written": True}
         return self.finished
 

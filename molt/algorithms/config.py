@@ -105,7 +105,7 @@ class AlgoConfig(Section):
 
 class ActorLossConfig(Section):
     loss_mode: str = "ppo"
-    """Policy loss: ppo, gspo, cispo, or a name registered with molt.algorithms.register_policy_loss."""
+    """Policy loss: ppo, gspo, cispo, reinforce, or a name registered with molt.algorithms.register_policy_loss."""
     eps_clip_low_high: list[float] | None = None
     """Ratio clip LOW HIGH: [1-LOW, 1+HIGH] for ppo/gspo; for cispo HIGH is an absolute ceiling >= 1.
     Unset: 0.2 0.2."""
@@ -130,7 +130,14 @@ class CriticLossConfig(Section):
 
 class RewardConfig(Section):
     clip_range: list[float] = [-10.0, 10.0]
-    """Rewards are clamped to LOW HIGH before the advantage estimator."""
+    """Rewards are clamped to LOW HIGH before the advantage estimator (after the length penalties)."""
+    overlong_buffer_len: float | None = None
+    """Overlong penalty: a rollout whose longest segment reaches into the last L tokens of --data.max_len loses
+    factor * (tokens past max_len - L) / L. Unset: off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at a full context."""
+    stop_properly_penalty_coef: float | None = None
+    """Truncated rollouts: in [0, 1] scales their reward, below 0 replaces it. Unset: off."""
 
     @field_validator("clip_range")
     @classmethod

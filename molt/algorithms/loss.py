@@ -12,6 +12,7 @@ start-up) and called once per micro-batch on step-axis tensors:
    - ``gspo``: the sequence ratio e^S (S = masked mean lr, detached) carried by a per-token
      straight-through ratio exp(logp - sg(logp) + S), then PPO clipping without dual clip;
    - ``cispo``: -sg(min(r, eps_high)) * A * logp with ``eps_high`` an absolute ceiling >= 1;
+   - ``reinforce``: -A * logp (pi_old unused, nothing clipped);
 3. the IS coefficient (``is_correction.py``) multiplies the per-token loss;
 4. ``loss`` = global token-mean share (``tensor_ops.token_mean``), or the rows weighted by ``row_scale``
    (``--actor.loss_agg_mode``, see ``aggregation``): backprop it as is.
@@ -175,6 +176,13 @@ def cispo_loss(inp: SurrogateInputs) -> tuple[Tensor, Tensor]:
     ratio = torch.exp(inp.log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     weight = ratio.clamp(max=inp.eps_high).detach()
     return -weight * inp.advantages * inp.logp, (ratio > inp.eps_high) & inp.action_mask
+
+
+@register_policy_loss("reinforce")
+def reinforce_loss(inp: SurrogateInputs) -> tuple[Tensor, Tensor]:
+    # pi_old plays no part: the gradient is -A grad log pi whatever the policy drifted to since sampling (only
+    # the IS coefficient, when on, weighs the sampler's mismatch).
+    return -inp.advantages * inp.logp, torch.zeros_like(inp.action_mask)
 
 
 @dataclass(frozen=True)

@@ -364,7 +364,9 @@ class SessionLifecycle:
 
     # ---- finishing
 
-    def _trajectory(self, s: Session, reward: float, score: float | None, info: dict) -> Trajectory | None:
+    def _trajectory(
+        self, s: Session, reward: float, score: float | None, info: dict, truncated: bool
+    ) -> Trajectory | None:
         segments = s.capture.trainable_segments()
         if not segments:
             return None
@@ -377,7 +379,8 @@ class SessionLifecycle:
             reward=reward,
             score=score,
             info=info,
-            status="truncated" if any(seg.truncated for seg in s.capture.segments) else "completed",
+            # Cut by the length limit here, or truncated by the env or agent (the runner says so at finish).
+            status="truncated" if truncated or any(seg.truncated for seg in s.capture.segments) else "completed",
             provenance=Provenance(
                 model=self.settings.served_model_name + ":" + str(self.model.path),
                 weight_version=max(versions),
@@ -392,9 +395,9 @@ class SessionLifecycle:
         )
 
     @staticmethod
-    def _outcome(body: dict) -> tuple[float, float | None, dict]:
+    def _outcome(body: dict) -> tuple[float, float | None, dict, bool]:
         if not isinstance(body, dict):
-            raise bad_request("expected an object {reward, score?, info?}")
+            raise bad_request("expected an object {reward, score?, info?, truncated?}")
         try:  # bounded, not only finite: advantages are computed in float32 (molt.schema.MAX_ABS_REWARD)
             reward = check_reward(body.get("reward"), "reward")
             score = None if body.get("score") is None else check_reward(body["score"], "score")
@@ -405,7 +408,12 @@ class SessionLifecycle:
             raise bad_request("'info' must be an object of numbers", "info")
         for k, v in info.items():
             _finite(v, f"info.{k}")
-        return reward, score, {k: float(v) for k, v in info.items()}
+        truncated = body.get("truncated")
+        if truncated is None:
+            truncated = False
+        elif not isinstance(truncated, bool):
+            raise bad_request("'truncated' must be true or false", "truncated")
+        return reward, score, {k: float(v) for k, v in info.items()}, truncated
 
     async def finish(self, sid: str, owner: str | None, body: dict) -> dict:
         return (await self.finish_many([dict(body, session_id=sid)], owner, raise_single=True))[0]
@@ -429,12 +437,12 @@ class SessionLifecycle:
                         raise GatewayError(
                             409, f"session {sid} is {s.state}; nothing to finish", code="session_closed"
                         )
-                    reward, score, info = self._outcome(item)
+                    reward, score, info, truncated = self._outcome(item)
                     if sid in locked:
                         raise bad_request(f"session {sid} appears twice in one call", "session_id")
                     await s.lock.acquire()
                     locked[sid] = s
-                    todo.append((i, s, self._trajectory(s, reward, score, info)))
+                    todo.append((i, s, self._trajectory(s, reward, score, info, truncated)))
                 except GatewayError as exc:
                     if raise_single:
                         raise

@@ -66,6 +66,8 @@ class Sample:
     """int16 [T, L, K] (token axis), -1 = use live routing."""
     images: list[bytes] = field(default_factory=list)
     """Image files shown in ``tokens``, in the order of their token runs (vision-language models)."""
+    truncated: bool = False
+    """The trajectory's status is truncated (a turn cut by the length limit, or the env / agent said so)."""
     # Filled by the learner's experience pass (step axis, [T-1]).
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
@@ -117,6 +119,7 @@ def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs
                 versions,
                 routed,
                 images,
+                traj.status == "truncated",
             )
         )
     return out

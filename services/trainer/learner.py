@@ -37,14 +37,22 @@ from molt.algorithms import (
     build_kl_controller,
     build_policy_loss,
     compute_advantages,
+    get_advantage_estimator,
     row_scales,
     scaled_sum,
     token_mean,
     value_loss,
 )
+from molt.algorithms.length_shaping import PARTS, shape_rewards, shaping_metrics
 from services.trainer import lora
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
-from services.trainer.config import TrainerSettings, actor_schedule_steps, needs_critic, needs_reference
+from services.trainer.config import (
+    TrainerSettings,
+    actor_schedule_steps,
+    length_shaping,
+    needs_critic,
+    needs_reference,
+)
 from services.trainer.model import (
     DistInfo,
     eval_mode,
@@ -310,9 +318,10 @@ class Learner:
         if self.ref is not None and (not s.algo.kl.use_loss) and full.old_logp is not None:
             assert full.ref_logp is not None  # computed above for every sample when there is a reference
             kl = approx_kl(full.old_logp, full.ref_logp, s.algo.kl.estimator) * full.action_mask
+        rewards = self._shaped_rewards(samples)
         adv, ret = compute_advantages(
             s.algo.advantage.estimator,
-            torch.tensor([x.reward for x in samples]),
+            rewards,
             full.action_mask,
             group_ids=[x.group_id for x in samples],
             rollout_ids=[x.trajectory_id for x in samples],
@@ -328,6 +337,24 @@ class Learner:
             n = x.num_tokens - 1
             x.advantages, x.returns = adv[i, :n].clone(), ret[i, :n].clone()
             x.extra["kl"] = float((kl[i, :n] * x.action_mask).sum() / max(x.num_actions, 1)) if kl is not None else 0.0
+
+    def _shaped_rewards(self, samples: list[Sample]) -> torch.Tensor:
+        """Rewards after the ``--reward.*`` length penalties (molt.algorithms.length_shaping), each sample's
+        parts kept in ``extra`` for the step's metrics. Estimators that merge a rollout's segments shape it
+        once; the others shape each segment alone."""
+        spec = get_advantage_estimator(self.s.algo.advantage.estimator)
+        merged = spec.grouped or spec.per_rollout
+        rewards, parts = shape_rewards(
+            torch.tensor([x.reward for x in samples]),
+            [x.num_tokens for x in samples],
+            [x.truncated for x in samples],
+            [x.trajectory_id if merged else str(i) for i, x in enumerate(samples)],
+            length_shaping(self.s),
+        )
+        for name, values in parts.items():
+            for x, v in zip(samples, values.tolist(), strict=True):
+                x.extra[name] = v
+        return rewards
 
     # ---- optimisation
 
@@ -399,6 +426,8 @@ class Learner:
             else sum(x.extra.get("kl", 0.0) for x in samples) / max(len(samples), 1)
         )
         self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
+        parts = {name: [x.extra[name] for x in samples] for name in PARTS if samples and name in samples[0].extra}
+        metrics.update(shaping_metrics([x.trajectory_id for x in samples], parts))
         return metrics
 
     def _row_scales(self, samples: list[Sample], window: list[int]) -> dict[int, float] | None:

@@ -221,3 +221,34 @@ async def test_a_chat_agent_that_runs_out_of_context_is_trained_as_truncated(
     assert traj.status == "truncated" and body["truncated"], body
     assert 2 <= traj.reward < 40 and sum(len(seg.action_spans) for seg in traj.segments) == traj.reward - 1
     assert all(len(seg.token_ids) <= 96 for seg in traj.segments)
+
+
+CUTOFF = """
+from molt.agents import Env, Result, StepEnvRunner
+
+
+class StepLimit(Env):
+    async def step(self, state):
+        # An env that stops the episode at its own step limit, as AlfWorld's does: Molt's truncated.
+        return Result(reward=1.0, truncated=state["label"] == "cut", terminated=state["label"] != "cut")
+
+
+class AgentRunner(StepEnvRunner):
+    def __init__(self):
+        super().__init__(StepLimit)
+"""
+
+
+async def test_an_env_that_says_truncated_writes_a_truncated_trajectory(tiny_qwen3, redis_url, monkeypatch, tmp_path):
+    """Molt's Result.truncated reaches the trajectory, whose status the trainer's stop-properly penalty reads;
+    an env that terminates stays completed."""
+    (tmp_path / "cutoff.py").write_text(CUTOFF)
+    async with molt_stack(tiny_qwen3, redis_url, [], monkeypatch, {"cutoff": tmp_path / "cutoff.py"}) as (
+        worker,
+        reader,
+    ):
+        episode = {"agent": "cutoff", "prompt": "Go.", "group_id": "g-cut", "sampling_params": SP}
+        answers = await run_episodes(worker, [{**episode, "label": label} for label in ("cut", "done")])
+        trajs = await reader.get({a["trajectory_id"] for a in answers}, timeout_s=30)
+    assert [trajs[a["trajectory_id"]].status for a in answers] == ["truncated", "completed"]
+    assert [a["truncated"] for a in answers] == [True, False]

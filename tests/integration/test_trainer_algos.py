@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from molt.algorithms import compute_advantages
 from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
 from services.trainer import checkpoint
@@ -26,7 +27,8 @@ def world():
     dist.destroy_process_group()
 
 
-def _samples(seed=0):
+def _samples(seed=0, truncated=()):
+    """Four one-segment trajectories t0..t3 of 9..12 tokens, rewards 0, 1, 0, 1 in groups (t0, t1), (t2, t3)."""
     rng = np.random.default_rng(seed)
     trajs = [
         Trajectory(
@@ -35,6 +37,7 @@ def _samples(seed=0):
             i % 2,
             [Segment(rng.integers(3, 1000, 9 + i), [[4, 9 + i]], -rng.uniform(0.5, 3, 5 + i), np.zeros(5 + i, int))],
             float(i % 2),
+            status="truncated" if f"t{i}" in truncated else "completed",
         )
         for i in range(4)
     ]
@@ -151,6 +154,22 @@ CASES = {
         ],
         ["vllm_kl", "kl_loss"],
     ),
+    # Molt's plain REINFORCE surrogate, weighed by a truncated per-token IS coefficient
+    "grpo_reinforce_loss_token_is": (
+        [
+            "--algo.advantage.estimator",
+            "grpo",
+            "--actor.loss_mode",
+            "reinforce",
+            "--algo.advantage.is_correction_level",
+            "token",
+            "--algo.advantage.is_correction_mode",
+            "trunc",
+            "--algo.kl.init_coef",
+            "0",
+        ],
+        ["vllm_kl", "is_filter_ratio"],
+    ),
     "reinforce_baseline_dual_clip_epochs": (
         [
             "--algo.advantage.estimator",
@@ -177,6 +196,30 @@ def test_each_algorithm_trains(case, world, tiny_qwen3):
         assert key in stats and math.isfinite(stats[key]), (key, stats)
     after = full_state_dict(learner.actor)
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-5
+
+
+def test_length_penalties_shape_the_rewards_before_the_estimator(world, tiny_qwen3):
+    """--data.max_len 12 with a 4-token buffer: t0..t3 (9..12 tokens) lose 0.25, 0.5, 0.75 and 1; t3 was
+    truncated and -2 replaces its reward. Group (t2, t3) swaps order (-0.75 > -2), so its advantages flip."""
+    flags = ["--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--data.max_len", "12"]
+    flags += ["--reward.overlong_buffer_len", "4", "--reward.stop_properly_penalty_coef", "-2"]
+    learner = Learner(_settings(tiny_qwen3, *flags), world)
+    samples = _samples(truncated={"t3"})
+    stats = learner.train_step(samples)
+    shaped = torch.tensor([-0.25, 0.5, -0.75, -2.0])
+    expected, _ = compute_advantages(
+        "grpo",
+        shaped,
+        collate(samples).action_mask,
+        group_ids=["g0", "g0", "g1", "g1"],
+        rollout_ids=["t0", "t1", "t2", "t3"],
+    )
+    for i, x in enumerate(samples):
+        torch.testing.assert_close(x.advantages, expected[i, : x.num_tokens - 1])
+    assert samples[2].advantages.max() > 0 > samples[3].advantages.min()  # unshaped, t3 (reward 1) led its group
+    assert [x.reward for x in samples] == [0.0, 1.0, 0.0, 1.0]  # the raw rewards stay
+    assert stats["rollout/overlong_frac"] == 1.0 and stats["overlong_penalty"] == pytest.approx(-0.625)
+    assert stats["stop_properly_penalty"] == pytest.approx(-0.5) and stats["length_penalty"] == pytest.approx(-1.125)
 
 
 def test_distillation_uses_the_teacher(world, tiny_qwen3, tiny_qwen3_b):

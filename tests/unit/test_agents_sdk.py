@@ -247,6 +247,27 @@ async def test_chat_agent_with_the_openai_sdk():
     assert s.action_texts() == ["the answer is 2"]
 
 
+@pytest.mark.parametrize("truncated", [True, False])
+async def test_a_truncated_result_is_said_at_finish_by_both_runners(truncated):
+    class Cut(Env):
+        async def step(self, state):
+            return Result(reward=1.0, truncated=truncated, terminated=not truncated)
+
+    class Agent(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app))
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=http)
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=32)
+            return Result(reward=1.0, truncated=truncated)
+
+    fake = FakeGateway(policy=lambda prompt, turn: "ok")
+    for runner in (StepEnvRunner(Cut), ChatAgentRunner(Agent)):
+        out = await runner.execute(_episode(), _gateway(fake))
+        assert out.truncated == truncated and fake.sessions[out.trajectory_id].finish.get("truncated") == (
+            True if truncated else None
+        )
+
+
 async def test_chat_agent_string_prompt_and_failures_abort():
     class NotResult(ChatAgent):
         async def run(self, ctx):

@@ -164,6 +164,19 @@ def test_cispo_caps_the_detached_weight():
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -1.0]]))
 
 
+def test_reinforce_is_minus_advantage_times_log_prob_whatever_the_old_policy():
+    """Molt's --actor.loss_mode reinforce: logp = [-0.5, -1.0], A = [2, -1] -> loss -A*logp = [1.0, -1.0],
+    gradient -A/N = [-1.0, 0.5], the same for any pi_old (ratios 1.35 and 1/3 here); nothing is clipped."""
+    for ratios in ([0.0, 0.0], [0.3, -math.log(3.0)]):
+        out, logp = _run(PolicyLoss("reinforce"), ratios, [2.0, -1.0], logp=[-0.5, -1.0])
+        torch.testing.assert_close(out.token_loss.detach(), torch.tensor([[1.0, -1.0]]))
+        assert out.metrics["policy_clip_ratio"].item() == 0.0
+        out.loss.backward()
+        torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.5]]))
+    with pytest.raises(ValueError, match="--actor.dual_clip works only with --actor.loss_mode ppo"):
+        PolicyLoss("reinforce", dual_clip=3.0)
+
+
 def test_loss_construction_rejects_bad_settings():
     with pytest.raises(ValueError, match="--actor.dual_clip must be > 1"):
         PolicyLoss("ppo", dual_clip=1.0)

@@ -569,3 +569,19 @@ async def test_stop_strings_and_session_completions(env, model):
     seg2 = app.gateway.sessions[s2["session_id"]].capture.segments
     assert len(seg2) == 1 and len(seg2[0].spans) == 2
     assert model.decode(seg2[0].token_ids, skip_special=False) == "Story:Once upon and a time"
+
+
+async def test_a_runner_that_says_truncated_marks_the_trajectory_truncated(env):
+    """An env or agent that cut its episode short (Molt's Result.truncated) says so at finish, on both finish
+    paths; the trainer's --reward.stop_properly_penalty_coef reads the trajectory's status."""
+    app, pods, replies, http = env()
+    turn = {"append_text": "hi", "sampling_params": {"max_tokens": 32}}
+    sids = [(await _open(http))["session_id"] for _ in range(4)]
+    for sid in sids:
+        assert (await http.post(f"/v1/sessions/{sid}/generate", json=turn)).json()["finish_reason"] == "stop"
+    await http.post(f"/v1/sessions/{sids[0]}/finish", json={"reward": 1, "truncated": True})
+    await http.post(f"/v1/sessions/{sids[1]}/finish", json={"reward": 1, "truncated": False})
+    items = [{"session_id": sids[2], "reward": 1, "truncated": True}, {"session_id": sids[3], "reward": 1}]
+    assert (await http.post("/v1/episodes", json={"episodes": items})).status_code == 200
+    status = {t.trajectory_id: t.status for t in await _written(app)}
+    assert [status[sid] for sid in sids] == ["truncated", "completed", "truncated", "completed"]

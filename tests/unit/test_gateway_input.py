@@ -157,6 +157,13 @@ def test_rewards_must_be_finite_and_within_the_bound(model, reward):
     assert assert_openai_error(status, raw, {400})["param"] == "reward"
 
 
+@pytest.mark.parametrize("truncated", ["yes", 1, 0, [True]])
+def test_truncated_at_finish_must_be_a_boolean(model, truncated):
+    body = encode({"reward": 1.0, "truncated": truncated})
+    [(_, status, raw)] = _run(model, lambda sid: [("POST", f"/v1/sessions/{sid}/finish", body)])
+    assert assert_openai_error(status, raw, {400})["param"] == "truncated"
+
+
 def test_raw_bodies_and_wrong_methods_answer_in_each_wires_shape(model):
     paths = ["/v1/sessions", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/episodes"]
 
