@@ -117,6 +117,11 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         "--eval.temperature",
         "0.5",
         "--train.check_weight_update_equal",
+        # Molt's length penalties: past 8 of the 128 tokens every rollout (prompt + answer) pays some
+        "--reward.overlong_buffer_len",
+        "120",
+        "--reward.stop_properly_penalty_coef",
+        "0.5",
     ]
     _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
@@ -124,6 +129,9 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     for s in steps:
         assert {"policy_loss", "actor_grad_norm", "vllm_kl", "is_filter_ratio", "math_exact"} <= set(s), sorted(s)
         assert s["samples"] == 8 and 0.0 <= s["math_exact"] <= 1.0
+        assert s["rollout/overlong_frac"] == 1.0 and -1.0 <= s["overlong_penalty"] < 0, s
+        # reward 0 (random weights) - overlong, then x0.5 for the truncated ones: the parts add up
+        assert s["length_penalty"] == pytest.approx(s["overlong_penalty"] + s["stop_properly_penalty"], abs=1e-6)
     assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
     # every push passed the pod's probe check (--train.check_weight_update_equal): the pod is at version 2
     assert json.loads((run / "summary.json").read_text())["pod_policy_versions"] == [2]
