@@ -217,6 +217,8 @@ def validate_algo(
         adv.is_correction_level, adv.is_correction_mode, adv.is_correction_threshold, adv.is_correction_gating
     )
     check_policy_loss(actor.loss_mode, actor.resolved_eps_clip(), actor.dual_clip)
+    if actor.loss_mode == "reinforce" and actor.eps_clip_low_high is not None:
+        hints.append("--actor.eps_clip_low_high has no effect with --actor.loss_mode reinforce (nothing is clipped)")
     return hints
 
 

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from molt.algorithms import (
+    ActorLossConfig,
+    AlgoConfig,
     PolicyLoss,
     entropy_from_logits,
     get_policy_loss,
     register_policy_loss,
     token_mean,
+    validate_algo,
     value_loss,
 )
 from molt.algorithms import loss as loss_module
@@ -175,6 +178,8 @@ def test_reinforce_is_minus_advantage_times_log_prob_whatever_the_old_policy():
         torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.5]]))
     with pytest.raises(ValueError, match="--actor.dual_clip works only with --actor.loss_mode ppo"):
         PolicyLoss("reinforce", dual_clip=3.0)
+    hints = validate_algo(AlgoConfig(), ActorLossConfig(loss_mode="reinforce", eps_clip_low_high=[0.2, 0.3]), 1)
+    assert any("--actor.eps_clip_low_high has no effect" in h for h in hints)
 
 
 def test_loss_construction_rejects_bad_settings():
