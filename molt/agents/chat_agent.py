@@ -62,6 +62,12 @@ def _extract_prompt_text(prompt: Any) -> str:
 class ChatAgent(abc.ABC):
     """An agent that runs its own loop against ``ctx.base_url`` / ``ctx.session_url``; fresh per episode."""
 
+    REPLIES = "raw"
+    """How the gateway answers this agent's turns. "raw", as Molt's chat server does: the generated text as it
+    is, think and ``<tool_call>`` blocks inline (Molt's agents parse them from the content). "parsed", as
+    vLLM's server does: the think block apart and, when a request offers tools, structured tool calls (what an
+    SDK's or framework's own tool loop expects)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - Molt's constructor, arguments ignored
         pass
 
@@ -78,6 +84,8 @@ class ChatAgentRunner(Runner):
     def __init__(self, agent_cls: type[ChatAgent]) -> None:
         if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
+        if agent_cls.REPLIES not in ("raw", "parsed"):
+            raise ValueError(f'{agent_cls.__name__}.REPLIES must be "raw" or "parsed", got {agent_cls.REPLIES!r}')
         self.agent_cls = agent_cls
 
     async def execute(self, episode: Episode, gateway: GatewayClient, *molt_args: Any) -> EpisodeResult:
@@ -101,7 +109,8 @@ class ChatAgentRunner(Runner):
         sp = turn_params(SamplingParams.from_any(episode.sampling_params), episode.max_new_tokens)
         # As under Molt, a turn that does not fit the context answers "" with finish_reason "length" (not an
         # error the agent's SDK would raise), so an episode that runs out of context is trained as truncated.
-        async with gateway.session(**episode.session_fields(sp.wire()), context_full="length") as session:
+        fields = episode.session_fields(sp.wire())
+        async with gateway.session(**fields, context_full="length", replies=self.agent_cls.REPLIES) as session:
             episode.trajectory_id = session.id
             ctx = ChatContext(
                 messages=messages,

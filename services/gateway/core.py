@@ -153,16 +153,26 @@ class Gateway(SessionLifecycle):
         return gen
 
     def _result(
-        self, gen: Generation, prompt_tokens: int, num_tokens: int, remaining: int, stop: list[str] | None = None
+        self,
+        gen: Generation,
+        prompt_tokens: int,
+        num_tokens: int,
+        remaining: int,
+        stop: list[str] | None = None,
+        *,
+        tools: bool = False,
+        as_generated: bool = False,
     ) -> TurnResult:
+        """``tools``: the request offered tools, so ``<tool_call>`` blocks become tool calls (as vLLM parses only
+        then); ``as_generated``: a "raw" session's turn, its text as generated (Session.replies)."""
         text = self.model.decode(gen.token_ids, skip_special=True)
         raw = self.model.decode(gen.token_ids, skip_special=False)
         matched = None
         if gen.extra.get("stop_string") and stop:
             cut, matched = min(((text.find(s), s) for s in stop if s and s in text), default=(-1, None))
             text = text[:cut] if cut >= 0 else text
-        reasoning, answer = split_reasoning(text) if self.model.thinks else ("", text)
-        content, calls = parse_tool_calls(answer)
+        reasoning, answer = split_reasoning(text) if self.model.thinks and not as_generated else ("", text)
+        content, calls = parse_tool_calls(answer) if tools and not as_generated else (answer, [])
         finish = gen.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
@@ -220,7 +230,10 @@ class Gateway(SessionLifecycle):
                     return self._context_full(s, plan)
                 seg = s.capture.commit(plan, fitted, events)
                 n = len(seg.token_ids)
-                result = self._result(fitted, plan.num_tokens, n, s.capture.remaining(n), stop)
+                raw = s.replies == "raw"
+                result = self._result(
+                    fitted, plan.num_tokens, n, s.capture.remaining(n), stop, tools=bool(tools), as_generated=raw
+                )
                 s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
                 self._after_turn(s, plan, key, result)
                 return result
@@ -427,9 +440,8 @@ class Gateway(SessionLifecycle):
                 return self._context_full(s, plan)
             gen = fitted
             seg = s.capture.commit(plan, gen, events)
-            result = self._result(
-                gen, plan.num_tokens, len(seg.token_ids), s.capture.remaining(len(seg.token_ids)), stop
-            )
+            n = len(seg.token_ids)
+            result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop, as_generated=True)
             if isinstance(prompt, str):
                 s.capture.completion_text = prompt + result.text
             self._after_turn(s, plan, None, result)
@@ -444,7 +456,7 @@ class Gateway(SessionLifecycle):
         images = message_images(messages)
         self._refuse_images(images)
         ids = model.encode(model.render(messages, tools, generation_prompt=True))
-        return await self.plain_generate(ids, overrides, images)
+        return await self.plain_generate(ids, overrides, images, tools=bool(tools))
 
     def _refuse_images(self, images: list[dict] | None) -> None:
         if images and self.model.image_token_id is None:
@@ -456,7 +468,7 @@ class Gateway(SessionLifecycle):
             )
 
     async def plain_generate(
-        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None
+        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None, tools: bool = False
     ) -> list[TurnResult]:
         """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
         request's image parts in order (chat.message_images)."""
@@ -481,10 +493,8 @@ class Gateway(SessionLifecycle):
                 tried.add(pod.url)
         stop = overrides.get("stop")
         gens = [self._apply_stop(g, stop) for g in gens]
-        return [
-            self._result(g, len(prompt_ids), len(prompt_ids) + len(g.token_ids), limit - len(g.token_ids), stop)
-            for g in gens
-        ]
+        n = len(prompt_ids)
+        return [self._result(g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools) for g in gens]
 
 
 def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:

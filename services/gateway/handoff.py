@@ -75,6 +75,7 @@ def parked_state(s: Session) -> dict[str, bytes]:
             "last_key": s.last_key,
             "lease_s": s.lease_s,
             "context_full": s.context_full,
+            "replies": s.replies,
             "last_result": _fields(s.last_result) if s.last_result is not None else None,
             "capture": {
                 "max_length": cap.max_length,
@@ -151,6 +152,7 @@ def session_from_state(state: bytes, segments: bytes, owner: str | None) -> Sess
             last_key=d["last_key"],
             lease_s=d.get("lease_s"),
             context_full=d.get("context_full", "error"),
+            replies=d.get("replies", "parsed"),
             last_result=TurnResult(**last) if last is not None else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:

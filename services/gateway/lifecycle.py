@@ -23,7 +23,7 @@ from services.gateway.errors import GatewayError, UnreadableParkedSession
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import PodPool
-from services.gateway.session import CONTEXT_FULL, Session
+from services.gateway.session import CONTEXT_FULL, REPLIES, Session
 
 log = logging.getLogger("molt.gateway")
 
@@ -256,6 +256,9 @@ class SessionLifecycle:
             raise bad_request(
                 f"'context_full' must be one of {list(CONTEXT_FULL)}, got {context_full!r}", "context_full"
             )
+        replies = body.get("replies", "parsed")
+        if replies not in REPLIES:
+            raise bad_request(f"'replies' must be one of {list(REPLIES)}, got {replies!r}", "replies")
         sid = self.new_session_id()
         if owner is not None:
             await self._acquire(owner, sid)
@@ -272,6 +275,7 @@ class SessionLifecycle:
             capture=Capture(max_length=max_length),
             lease_s=float(lease_s) if lease_s is not None else None,
             context_full=context_full,
+            replies=replies,
         )
         self.sessions[sid] = session
         self.num_open += 1

@@ -178,7 +178,8 @@ class Handlers:
         self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict
     ) -> tuple[TextFeed, asyncio.Future, asyncio.Future]:
         """A streamed chat turn (``start``) whose tokens reach its ``TextFeed`` as the pod generates them."""
-        feed = TextFeed(self.gw.model, overrides.get("stop") or s.sampling_params.get("stop"))
+        stop = overrides.get("stop") or s.sampling_params.get("stop")
+        feed = TextFeed(self.gw.model, stop, tools=bool(tools), raw=s.replies == "raw")
         ready, done = self.start(lambda rd: self.gw.chat_turn(s, messages, tools, overrides, rd, feed.push))
         done.add_done_callback(feed.close)
         return feed, ready, done

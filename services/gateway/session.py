@@ -12,6 +12,8 @@ from services.gateway.capture import Capture
 
 CONTEXT_FULL = ("error", "length")
 """A session's ``context_full`` choices (``Session.context_full``)."""
+REPLIES = ("parsed", "raw")
+"""A session's ``replies`` choices (``Session.replies``)."""
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Session:
     """One of ``CONTEXT_FULL``: what a chat or completion turn gets when the context is full. "error": a 400
     context_length_exceeded (OpenAI's answer). "length": a 200 with no tokens and finish_reason "length", the
     segment marked truncated (Molt's answer to a ChatAgent, whose episode is then trained as truncated)."""
+    replies: str = "parsed"
+    """One of ``REPLIES``: how a chat turn's text comes back. "parsed" (vLLM's server): a think block apart
+    (``reasoning_content`` / a thinking block) and, when the request offers tools, ``<tool_call>`` blocks as
+    structured tool calls. "raw" (Molt's chat server, which its ChatAgents parse themselves): the text as
+    generated, think and tool-call blocks inline, finish reason "stop"."""
     lease_s: float | None = None
     """A shorter idle TTL the client asked for (``lease_s`` at open) and renews while it holds the session
     (``POST /v1/sessions/{id}/renew``): a client that dies has its sessions closed this soon."""

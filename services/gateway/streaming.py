@@ -2,9 +2,10 @@
 
 The pod sends a streamed call's tokens after each engine step (services/rollout/stream.py); they are queued
 here and decoded into text the client may already see. Text that may still change is held back until the
-turn's result: an unfinished UTF-8 character, a ``<tool_call>`` block (it becomes structured tool calls) and a
-stop string (it is cut), or the start of either at the end of the text so far. With a template that has think
-blocks, the reasoning is held until its block closes, then kept apart (``reasoning``) from the text. The turn's
+turn's result: an unfinished UTF-8 character, a ``<tool_call>`` block when the request offers tools (it becomes
+structured tool calls) and a stop string (it is cut), or the start of either at the end of the text so far. With a
+template that has think blocks, the reasoning is held until its block closes, then kept apart (``reasoning``) from
+the text. A "raw" session's text streams as generated (services/gateway/session.py, ``replies``). The turn's
 result is built from the pod's final answer exactly as for a call that is not streamed, so what a client assembles
 from the pieces plus the rest is the non-streamed content, and usage and the captured trajectory are the same.
 """
@@ -20,9 +21,9 @@ HELD = ("<tool_call>",)
 
 
 class TextFeed:
-    def __init__(self, model: ChatModel, stop: list[str] | None) -> None:
-        self.model = model
-        self.markers = [*HELD, *(s for s in stop or () if s)]
+    def __init__(self, model: ChatModel, stop: list[str] | None, tools: bool = False, raw: bool = False) -> None:
+        self.model, self.raw = model, raw
+        self.markers = [*(HELD if tools and not raw else ()), *(s for s in stop or () if s)]
         self.ids: list[int] = []
         self.sent = ""
         self.reasoning = ""
@@ -56,7 +57,7 @@ class TextFeed:
 
     def _safe(self) -> str:
         text = self.model.decode(self.ids, skip_special=True)
-        if self.model.thinks:
+        if self.model.thinks and not self.raw:
             head = text.lstrip()
             if not head or "<think>".startswith(head[:7]) and "</think>" not in text:
                 return ""  # thinking (or about to): held until the block closes

@@ -287,3 +287,38 @@ def test_a_streamed_forced_call_arrives_as_a_tool_call(stack):
     assert [t.function.name for t in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # the call's text is not content
     jsonschema.validate(json.loads(calls[0].function.arguments), CITY)
+
+
+def test_a_raw_session_answers_with_the_call_inline_as_molts_chat_server(stack):
+    """A session opened with replies "raw" (ChatAgentRunner's, for Molt's ChatAgents, which parse calls from the
+    content themselves as chat_geo3k.py does): the forced call stays in the text, finish "stop", on both wires;
+    the agent sends the text back as the assistant's content with the tool's answer, and the turns stay one
+    segment."""
+    r = httpx.post(stack["url"] + "/v1/sessions", json={"replies": "raw"})
+    assert r.status_code == 201, r.text
+    s = r.json()
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+    first = client.chat.completions.create(
+        model="policy", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, seed=3
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice.message
+    action = choice.message.content
+    assert action.startswith("<tool_call>") and action.rstrip().endswith("</tool_call>"), action
+    call = json.loads(action.strip().removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert call["name"] in ("get_weather", "get_time")
+    functions = [t["function"] for t in TOOLS]
+    history = [*ASK, {"role": "assistant", "content": action}]
+    history.append({"role": "user", "content": "<tool_response>\nSUNNY\n</tool_response>"})
+    an = anthropic.Anthropic(base_url=s["anthropic_base_url"], api_key="EMPTY")
+    reply = an.messages.create(
+        model="policy",
+        max_tokens=MAX_TOKENS,
+        messages=history,
+        tools=[{"name": f["name"], "description": f["description"], "input_schema": CITY} for f in functions],
+        tool_choice={"type": "any"},
+    )
+    [block] = reply.content
+    assert block.type == "text" and "<tool_call>" in block.text and reply.stop_reason == "end_turn", reply
+    seg = _segment(stack, s["session_id"])
+    assert len(seg.action_spans) == 2

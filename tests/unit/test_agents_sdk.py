@@ -268,6 +268,30 @@ async def test_a_truncated_result_is_said_at_finish_by_both_runners(truncated):
         )
 
 
+@pytest.mark.parametrize("replies", ["raw", "parsed", None])
+async def test_chat_agent_sessions_get_raw_replies_unless_the_agent_asks_for_parsed_ones(replies):
+    class Agent(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            return Result(reward=0.0)
+
+    if replies is not None:
+        Agent.REPLIES = replies
+    fake = FakeGateway(policy=lambda prompt, turn: "ok")
+    out = await ChatAgentRunner(Agent).execute(_episode(), _gateway(fake))
+    assert fake.sessions[out.trajectory_id].fields["replies"] == (replies or "raw")  # Molt's chat server: raw
+
+
+def test_an_unknown_replies_choice_is_refused_when_the_runner_is_built():
+    class Agent(ChatAgent):
+        REPLIES = "json"
+
+        async def run(self, ctx: ChatContext) -> Result:
+            return Result(reward=0.0)
+
+    with pytest.raises(ValueError, match='Agent.REPLIES must be "raw" or "parsed"'):
+        ChatAgentRunner(Agent)
+
+
 async def test_chat_agent_string_prompt_and_failures_abort():
     class NotResult(ChatAgent):
         async def run(self, ctx):

@@ -147,3 +147,28 @@ async def test_text_feed_holds_the_think_block_and_keeps_it_apart(model):
         shown.append(feed._safe())
     assert "".join(shown) == "Four." and feed.reasoning == "The user wants a number."
     assert all("think" not in p for p in shown)
+
+
+async def test_a_raw_session_keeps_the_think_block_in_the_text_on_every_wire(gw, model):
+    """replies "raw" (Molt's chat server, for its ChatAgents): the reply text as generated, streamed or not;
+    Molt's agents read ``msg.content[0].text`` and grade what they find in it."""
+    app, _pods, queue, http = gw
+    text = THINK.removesuffix("<|im_end|>")
+    s = (await http.post("/v1/sessions", json={"replies": "raw"})).json()
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    queue.extend([THINK, THINK, THINK])
+    msgs = [{"role": "user", "content": "2 + 2?"}]
+    msg = (await client.chat.completions.create(model="policy", messages=msgs)).choices[0].message
+    assert msg.content == text and not getattr(msg, "reasoning_content", None)
+    again = [{"role": "user", "content": "3 + 3?"}]  # not the same request: not answered from the last turn
+    stream = await client.chat.completions.create(model="policy", messages=again, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == text
+    an = anthropic.AsyncAnthropic(
+        base_url=s["anthropic_base_url"],
+        api_key="EMPTY",
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw"),
+    )
+    m = await an.messages.create(model="policy", max_tokens=64, messages=[{"role": "user", "content": "4 + 4?"}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
+    bad = await http.post("/v1/sessions", json={"replies": "structured"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "replies"

@@ -13,8 +13,10 @@ def model(tiny_qwen3) -> ChatModel:
     return ChatModel(tiny_qwen3)
 
 
-async def _pieces(model: ChatModel, text: str, stop: list[str] | None = None) -> tuple[list[str], TextFeed]:
-    feed = TextFeed(model, stop)
+async def _pieces(
+    model: ChatModel, text: str, stop: list[str] | None = None, **kw: bool
+) -> tuple[list[str], TextFeed]:
+    feed = TextFeed(model, stop, **kw)
     for tok in model.encode(text):  # one token per engine step, as a pod streams them
         feed.push([tok], [-0.1])
     feed.close()
@@ -35,10 +37,18 @@ async def test_plain_text_streams_whole_and_leaves_no_rest(model):
 
 async def test_tool_call_blocks_and_their_prefixes_are_held_back(model):
     text = 'Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    pieces, feed = await _pieces(model, text)
+    pieces, feed = await _pieces(model, text, tools=True)
     assert "".join(pieces) == "Let me look. "
     content, calls = parse_tool_calls(text)
     assert calls and feed.rest(content) == ""  # the parse trims the space the client already saw: nothing more
+
+
+@pytest.mark.parametrize("kw", [{}, {"tools": True, "raw": True}])
+async def test_tool_call_blocks_stream_as_text_without_tools_or_in_a_raw_session(model, kw):
+    # vLLM parses tool calls only for a request that offers tools; Molt's chat server never does
+    text = 'Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    pieces, feed = await _pieces(model, text, **kw)
+    assert "".join(pieces) == text and feed.rest(text) == ""
 
 
 async def test_a_stop_string_is_never_shown(model):

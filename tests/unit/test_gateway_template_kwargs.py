@@ -79,7 +79,8 @@ async def test_a_variable_the_template_does_not_read_is_a_400_naming_it(gw):
     [
         ({"type": "disabled"}, 64, 200, True),
         ({"type": "enabled", "budget_tokens": 1024}, 1024, 200, False),
-        ({"type": "enabled", "budget_tokens": 1024}, 2048, 400, None),  # the budget could bind: not enforced
+        ({"type": "enabled", "budget_tokens": 1024}, 2048, 200, False),  # Anthropic's own rule: budget < max
+        ({"type": "adaptive"}, 64, 200, False),
         ({"type": "enabled", "budget_tokens": 10}, 10, 400, None),
         ({"type": "sometimes"}, 64, 400, None),
     ],
