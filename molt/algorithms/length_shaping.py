@@ -35,6 +35,12 @@ class LengthShaping:
     overlong_penalty_factor: float = 1.0
     stop_properly_penalty_coef: float | None = None
 
+    @classmethod
+    def of(cls, reward, context_len: int) -> LengthShaping:
+        """From the ``--reward.*`` section (``RewardConfig``) and ``--data.max_len``."""
+        r = reward
+        return cls(context_len, r.overlong_buffer_len, r.overlong_penalty_factor, r.stop_properly_penalty_coef)
+
     @property
     def enabled(self) -> bool:
         return self.overlong_buffer_len is not None or self.stop_properly_penalty_coef is not None

@@ -514,7 +514,7 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
             "--actor.freezing_steps is a critic warmup: without the gae estimator there is none, it is ignored"
         )
     get_advantage_estimator(s.algo.advantage.estimator)
-    problems = length_shaping(s).problems()
+    problems = LengthShaping.of(s.reward, s.data.max_len).problems()
     if problems:
         raise ValueError("; ".join(problems))
     return notes + validate_algo(
@@ -525,14 +525,6 @@ def validate_settings(s: TrainerSettings, on_gpu: bool | None = None) -> list[st
         t.partial_rollout_enable,
         s.rollout.top_p,
         eval_only=s.eval.eval_only,
-    )
-
-
-def length_shaping(s: TrainerSettings) -> LengthShaping:
-    """The ``--reward.*`` length penalties, against the context budget ``--data.max_len``."""
-    r = s.reward
-    return LengthShaping(
-        s.data.max_len, r.overlong_buffer_len, r.overlong_penalty_factor, r.stop_properly_penalty_coef
     )
 
 

@@ -43,13 +43,12 @@ from molt.algorithms import (
     token_mean,
     value_loss,
 )
-from molt.algorithms.length_shaping import PARTS, shape_rewards, shaping_metrics
+from molt.algorithms.length_shaping import PARTS, LengthShaping, shape_rewards, shaping_metrics
 from services.trainer import lora
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
 from services.trainer.config import (
     TrainerSettings,
     actor_schedule_steps,
-    length_shaping,
     needs_critic,
     needs_reference,
 )
@@ -349,7 +348,7 @@ class Learner:
             [x.num_tokens for x in samples],
             [x.truncated for x in samples],
             [x.trajectory_id if merged else str(i) for i, x in enumerate(samples)],
-            length_shaping(self.s),
+            LengthShaping.of(self.s.reward, self.s.data.max_len),
         )
         for name, values in parts.items():
             for x, v in zip(samples, values.tolist(), strict=True):

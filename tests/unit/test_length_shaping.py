@@ -4,7 +4,6 @@ penalty starts past 800 tokens and is full at 1000)."""
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -125,8 +124,4 @@ def test_good_values_pass_and_reach_the_shaping():
         environ={},
     )
     validate_settings(s)
-    from services.trainer.config import length_shaping
-
-    assert length_shaping(s) == LengthShaping(4096, 512.0, 0.5, -0.5) and not math.isnan(
-        s.reward.overlong_penalty_factor
-    )
+    assert LengthShaping.of(s.reward, s.data.max_len) == LengthShaping(4096, 512.0, 0.5, -0.5)
