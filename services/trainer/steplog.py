@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from typing import Any, Literal
 
@@ -23,6 +24,30 @@ def info_means(trajectories) -> dict[str, float]:
         for k, v in (t.info or {}).items():
             sums.setdefault(k, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
+def rollout_stats(trajectories) -> dict[str, float]:
+    """Molt's ``rollout/*`` statistics of a step's trajectories, every one consumed (also those whose segments
+    trained nothing). Rewards count once per rollout, as Molt regroups its per-turn rows before averaging
+    (a long failing episode would otherwise outweigh a short success); ``pass1`` is the mean of the prompt
+    groups' mean rewards, the quantity eval's ``pass1`` is. Lengths and truncation are per segment, as Molt's
+    rows are per generation."""
+    rewards = [float(t.reward) for t in trajectories]
+    groups: dict[str, list[float]] = {}
+    for t, r in zip(trajectories, rewards, strict=True):
+        groups.setdefault(t.group_id, []).append(r)
+    segments = [(seg, t.status == "truncated") for t in trajectories for seg in t.segments]
+    lengths = [sum(int(e - s) for s, e in seg.action_spans) for seg, _ in segments]
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "rollout/reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/pass1": statistics.fmean(statistics.fmean(g) for g in groups.values()) if groups else 0.0,
+        "rollout/num_rollouts": float(len(rewards)),
+        "rollout/num_prompt_groups": float(len(groups)),
+        "rollout/response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "rollout/truncated_rate": statistics.fmean(float(cut) for _, cut in segments) if segments else 0.0,
+        "rollout/num_samples": float(len(segments)),
+    }
 
 
 def default_run_name() -> str:

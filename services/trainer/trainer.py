@@ -45,7 +45,7 @@ from services.trainer.learner import Learner
 from services.trainer.metrics import phase, record_step, trainer_metrics
 from services.trainer.model import DistInfo, full_state_dict
 from services.trainer.publish import WeightPublisher, build_publisher
-from services.trainer.steplog import StepLog, info_means
+from services.trainer.steplog import StepLog, info_means, rollout_stats
 
 if TYPE_CHECKING:
     import uvicorn
@@ -421,6 +421,7 @@ class Trainer:
         }
         # Molt's rollout metrics of dynamic filtering (pass rate, pre-filter scores, drops by reason).
         line.update(filtering_metrics(self.controller.take_verdicts()))
+        line.update(rollout_stats(trajs))
         line.update({k: v for k, v in info_means(trajs).items() if k not in line})
         line["trajectory_ids"] = [t.trajectory_id for t in trajs]
         self.steplog.log(self.learner.global_step, line)

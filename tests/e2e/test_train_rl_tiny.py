@@ -129,6 +129,9 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     for s in steps:
         assert {"policy_loss", "actor_grad_norm", "vllm_kl", "is_filter_ratio", "math_exact"} <= set(s), sorted(s)
         assert s["samples"] == 8 and 0.0 <= s["math_exact"] <= 1.0
+        # Molt's rollout statistics: 2 prompts x 4 samples, one segment each, the reward per rollout
+        assert (s["rollout/num_rollouts"], s["rollout/num_prompt_groups"], s["rollout/num_samples"]) == (8, 2, 8)
+        assert s["rollout/reward_mean"] == s["reward_mean"] and 0 <= s["rollout/pass1"] <= 1, s
         assert s["rollout/overlong_frac"] == 1.0 and -1.0 <= s["overlong_penalty"] < 0, s
         # reward 0 (random weights) - overlong, then x0.5 for the truncated ones: the parts add up
         assert s["length_penalty"] == pytest.approx(s["overlong_penalty"] + s["stop_properly_penalty"], abs=1e-6)

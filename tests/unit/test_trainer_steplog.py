@@ -4,10 +4,11 @@ Molt's names (train/<key>), with the mean of each Result.info key."""
 import json
 from types import SimpleNamespace
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from services.trainer.config import LoggerConfig
-from services.trainer.steplog import StepLog, info_means
+from services.trainer.steplog import StepLog, info_means, rollout_stats
 
 
 def test_info_means_average_each_key_over_the_trajectories_that_carry_it():
@@ -17,6 +18,42 @@ def test_info_means_average_each_key_over_the_trajectories_that_carry_it():
         SimpleNamespace(info={}),
     ]
     assert info_means(trajs) == {"math_exact": 0.5, "turns": 2.0}  # (1 + 0) / 2; 2 / 1
+
+
+def test_rollout_stats_count_each_rollout_once_and_pass1_per_prompt_group():
+    import numpy as np
+
+    from molt.schema import Segment, Trajectory
+
+    def traj(tid, group, reward, spans_per_segment, status="completed"):
+        segs = [
+            Segment(
+                np.arange(20),
+                spans,
+                np.zeros(sum(e - s for s, e in spans)),
+                np.zeros(sum(e - s for s, e in spans), int),
+            )
+            for spans in spans_per_segment
+        ]
+        return Trajectory(tid, group, 0, segs, reward, status=status)
+
+    # group a: a 3-segment failure and a one-segment success; group b: one success, truncated
+    trajs = [
+        traj("t1", "a", 0.0, [[[2, 4]], [[3, 5]], [[1, 7]]]),
+        traj("t2", "a", 1.0, [[[2, 6]]]),
+        traj("t3", "b", 1.0, [[[2, 12]]], status="truncated"),
+    ]
+    stats = rollout_stats(trajs)
+    assert stats["rollout/reward_mean"] == 2 / 3  # per rollout, not per segment (which would be 2 / 5)
+    assert stats["rollout/pass1"] == (0.5 + 1.0) / 2  # the mean of the groups' means
+    assert stats["rollout/reward_std"] == pytest.approx(np.std([0.0, 1.0, 1.0], ddof=1))  # the sample std
+    assert (stats["rollout/num_rollouts"], stats["rollout/num_prompt_groups"], stats["rollout/num_samples"]) == (
+        3,
+        2,
+        5,
+    )
+    assert stats["rollout/response_length_mean"] == (2 + 2 + 6 + 4 + 10) / 5
+    assert stats["rollout/truncated_rate"] == 1 / 5
 
 
 def test_steps_reach_jsonl_tensorboard_and_offline_wandb(tmp_path):
