@@ -411,6 +411,8 @@ class Trainer:
             "tokens": tokens,
             "seconds": period,
             "train_seconds": train_s,
+            "timing/step_total": period,  # Molt's names for the same two durations
+            "timing/policy_train": train_s,
             "mismatch_kl": stats["vllm_kl_all_pods"],
             "mismatch_kl_by_pod": stats["mismatch_kl"],
             "staleness_mean": sum(k * v for k, v in staleness.items()) / n_stale if n_stale else 0.0,

@@ -132,6 +132,7 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         # Molt's rollout statistics: 2 prompts x 4 samples, one segment each, the reward per rollout
         assert (s["rollout/num_rollouts"], s["rollout/num_prompt_groups"], s["rollout/num_samples"]) == (8, 2, 8)
         assert s["rollout/reward_mean"] == s["reward_mean"] and 0 <= s["rollout/pass1"] <= 1, s
+        assert s["timing/step_total"] == s["seconds"] and s["timing/policy_train"] == s["train_seconds"] > 0
         assert s["rollout/overlong_frac"] == 1.0 and -1.0 <= s["overlong_penalty"] < 0, s
         # reward 0 (random weights) - overlong, then x0.5 for the truncated ones: the parts add up
         assert s["length_penalty"] == pytest.approx(s["overlong_penalty"] + s["stop_properly_penalty"], abs=1e-6)
