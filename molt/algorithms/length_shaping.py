@@ -38,8 +38,9 @@ class LengthShaping:
     @classmethod
     def of(cls, reward, context_len: int) -> LengthShaping:
         """From the ``--reward.*`` section (``RewardConfig``) and ``--data.max_len``."""
-        r = reward
-        return cls(context_len, r.overlong_buffer_len, r.overlong_penalty_factor, r.stop_properly_penalty_coef)
+        return cls(
+            context_len, reward.overlong_buffer_len, reward.overlong_penalty_factor, reward.stop_properly_penalty_coef
+        )
 
     @property
     def enabled(self) -> bool:

@@ -46,12 +46,7 @@ from molt.algorithms import (
 from molt.algorithms.length_shaping import PARTS, LengthShaping, shape_rewards, shaping_metrics
 from services.trainer import lora
 from services.trainer.batch import MicroBatch, Sample, collate, micro_batches, padding_sample, partition, plan_windows
-from services.trainer.config import (
-    TrainerSettings,
-    actor_schedule_steps,
-    needs_critic,
-    needs_reference,
-)
+from services.trainer.config import TrainerSettings, actor_schedule_steps, needs_critic, needs_reference
 from services.trainer.model import (
     DistInfo,
     eval_mode,
