@@ -122,6 +122,12 @@ class StepEnvRunner(Runner):
 
         return await execute_on_engine(self._execute, *args, **kwargs)
 
+    def _check_markers(self, messages: list[dict[str, Any]], urls: list[str]) -> None:
+        markers = count_markers(messages)
+        if markers < len(urls):  # an image without a marker would never be shown to the model
+            why = f"{len(urls) - markers} of its {len(urls)} images have no marker"
+            raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__, why=why))
+
     async def _execute(self, episode: Episode, gateway: GatewayClient) -> EpisodeResult:
         env = self.env_cls()
         try:
@@ -135,20 +141,23 @@ class StepEnvRunner(Runner):
         cap = episode.max_new_tokens
         async with gateway.session(**episode.session_fields(turn_params(params, cap).wire())) as session:
             episode.trajectory_id = session.id
-            first = await env.reset({"observation": episode.prompt, "label": episode.label})
+            prompt, rendered = episode.prompt, False
+            if isinstance(prompt, list) and self.PRERENDER_PROMPT:
+                # As Molt's dataset: an Env gets a chat prompt rendered (template, generation prompt, the row's
+                # tools; images at the model's placeholders) and may edit the text before it is sent back as is.
+                self._check_markers(prompt, urls)
+                prompt, rendered = await session.render(inline_images(prompt, urls), episode.tools), True
+            first = await env.reset({"observation": prompt, "label": episode.label})
             obs = first["observation"] if isinstance(first, dict) else first
             if isinstance(obs, list):
-                markers = count_markers(obs)
-                if markers < len(urls):  # an image without a marker would never be shown to the model
-                    why = f"{len(urls) - markers} of its {len(urls)} images have no marker"
-                    raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__, why=why))
+                self._check_markers(obs, urls)
                 pending: dict[str, Any] = {"messages": inline_images(obs, urls)}
                 observation_text = _messages_text(obs)
-            elif urls:
+            elif urls and not rendered:
                 why = "it is a string"
                 raise ValueError(IMAGES_ON_TOKEN_PATH.format(name=self.env_cls.__name__, why=why))
             else:
-                pending = {"append_text": str(obs)}
+                pending = {"append_text": str(obs), "images": urls}
                 observation_text = str(obs)
             reward, score, info = 0.0, None, {}
             turns, num_tokens, truncated, response_tokens = 0, 0, False, 0

@@ -72,6 +72,15 @@ class Session:
             body["images"] = images
         return await self._client.request("POST", f"/v1/sessions/{self.id}/generate", body)
 
+    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """``messages`` (and the row's ``tools``) rendered with the model's chat template and generation prompt, as
+        the first turn's ``messages`` would be: Molt's pre-rendered prompt. Nothing is generated or recorded."""
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        out = await self._client.request("POST", f"/v1/sessions/{self.id}/render", body)
+        return out["text"]
+
     async def append(self, text: str, images: list[str] | None = None) -> dict[str, Any]:
         """Append masked text without generating (a turn with max_tokens 0; see GatewayClient.can_append). No pod
         sees it, so the gateway drops ``images`` and their image tokens."""

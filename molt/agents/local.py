@@ -97,6 +97,10 @@ class EngineSession:
             out["prompt_text"] = kept_text
         return out
 
+    async def render(self, messages, tools=None) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.gw.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
     async def append(self, text: str, images: list[str] | None = None) -> dict:
         """The terminal feedback, appended without a generation; its images are not shown (as the gateway)."""
         return await self.generate(append_text=text, sampling_params={"max_tokens": 0})

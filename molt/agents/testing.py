@@ -2,10 +2,11 @@
 
 ``FakeGateway().app`` serves the session routes of docs/contracts.md with a scripted
 policy instead of a model: tokens are UTF-8 bytes (token id = byte value), a message list renders as
-``<|role|>content\\n`` lines plus ``<|assistant|>``, and each turn's answer is ``policy(prompt_text, turn)``
-cut to the turn's max_tokens and the session's remaining budget. Sessions keep the same token / span
-bookkeeping as the real gateway, so tests can check what would have been trained on. Reach it with
-``httpx.ASGITransport(app=fake.app)`` (see ``GatewayClient(transport=...)``): no sockets.
+``<|role|>content\\n`` lines plus ``<|assistant|>`` (after a ``<|tool|>name\\n`` line per tool), and each
+turn's answer is ``policy(prompt_text, turn)`` cut to the turn's max_tokens and the session's remaining budget.
+Sessions keep the same token / span bookkeeping as the real gateway, so tests can check what would have been
+trained on. Reach it with ``httpx.ASGITransport(app=fake.app)`` (see ``GatewayClient(transport=...)``): no
+sockets.
 
     fake = FakeGateway(policy=lambda prompt, turn: "42")
     gateway = GatewayClient("http://fake", transport=httpx.ASGITransport(app=fake.app))
@@ -54,8 +55,9 @@ class FakeSession:
         return out
 
 
-def render(messages: list[dict[str, Any]]) -> str:
-    return "".join(f"<|{m.get('role')}|>{m.get('content')}\n" for m in messages) + "<|assistant|>"
+def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    head = "".join(f"<|tool|>{t['function']['name']}\n" for t in tools or ())
+    return head + "".join(f"<|{m.get('role')}|>{m.get('content')}\n" for m in messages) + "<|assistant|>"
 
 
 class FakeGateway:
@@ -145,6 +147,16 @@ class FakeGateway:
                 prompt = prompt[-keep:]
                 return {**self._generate(s, prompt, sp), "prompt_text": bytes(prompt).decode("utf-8", "replace")}
             return self._generate(s, prompt, sp)
+
+        @app.post("/v1/sessions/{sid}/render")
+        async def render_prompt(sid: str, request: Request):
+            s = self.sessions.get(sid)
+            if s is None or s.status != "open":
+                return missing(sid)
+            body = await request.json()
+            s.requests.append({"render": body})
+            text = render(body["messages"], body.get("tools"))
+            return {"text": text, "num_tokens": len(text.encode("utf-8"))}
 
         @app.post("/s/{sid}/v1/chat/completions")
         async def chat(sid: str, request: Request):

@@ -18,6 +18,7 @@ from services.gateway.chat import (
     ChatModel,
     bad_request,
     canonical_messages,
+    canonical_tools,
     data_url_part,
     message_images,
     parse_tool_calls,
@@ -315,6 +316,19 @@ class Gateway(SessionLifecycle):
         s.turns += 1
         s.last_used = time.monotonic()
         s.last_key, s.last_result = key, result
+
+    def render_prompt(self, s: Session, body: dict) -> dict:
+        """A first prompt as the token-level path would render it (chat template + generation prompt, with the
+        row's tools), without generating: an Env sees its prompt as Molt's dataset hands it, as text, and may edit
+        it before the first turn sends it back as ``append_text``."""
+        messages = canonical_messages(body.get("messages"))
+        tools = canonical_tools(body.get("tools"))
+        if s.state != "open":
+            raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
+        # The samples of a group render the same row: the first-turn cache renders it once.
+        key = request_key(messages, tools, self.model.template_kwargs or None)
+        text, ids = self.model.prompt(key, messages, tools)
+        return {"text": text, "num_tokens": len(ids)}
 
     async def token_turn(self, s: Session, body: dict) -> TurnResult:
         messages = body.get("messages")

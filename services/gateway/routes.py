@@ -380,6 +380,12 @@ class Handlers:
             out.update(prompt_text=r.prompt_text, prompt_tokens_dropped=r.prompt_tokens_dropped)
         return TurnJSON(out, r.policy_version)
 
+    async def render(self, request: Request) -> Response:
+        owner = self.owner(request)
+        body = await self.body(request)
+        s = await self.gw.session(request.path_params["sid"], owner)
+        return self.json(self.gw.render_prompt(s, body))
+
     # ---- OpenAI wire
 
     async def chat(self, request: Request) -> Response:
@@ -532,6 +538,7 @@ def routes(h: Handlers) -> list[Route]:
         Route("/v1/responses", h.responses, methods=["POST"]),
         Route("/s/{sid}/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
         Route("/v1/sessions/{sid}/generate", h.generate, methods=["POST"]),
+        Route("/v1/sessions/{sid}/render", h.render, methods=["POST"]),
         Route("/v1/sessions", h.open_session, methods=["POST"]),
         Route("/v1/sessions/{sid}/finish", h.finish, methods=["POST"]),
         Route("/v1/sessions/{sid}/renew", h.renew_session, methods=["POST"]),

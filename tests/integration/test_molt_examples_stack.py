@@ -1,4 +1,4 @@
-"""Molt's four example agent modules, unchanged (tests/fixtures/molt_examples), through services.envs on the
+"""Molt's example agent modules, unchanged (tests/fixtures/molt_examples), through services.envs on the
 real stack: a rollout pod (vLLM, tiny Qwen3), the gateway, Redis. One trajectory each, read back from the
 stream with the numeric info Molt's modules put in Result.info as torch tensors."""
 
@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from envs_testlib import Served, StreamReader
 pytestmark = [pytest.mark.redis, pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MOLT_EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples" / "agents"
+TEXTWORLD_STAND_IN = Path(__file__).resolve().parents[1] / "fixtures" / "textworld_stub"
 # Random tiny weights rarely stop on their own: stop ids end each turn after a few tokens.
 SP = {"temperature": 1.0, "max_tokens": 12, "stop_token_ids": list(range(300, 1024)), "seed": 5}
 INFO_KEYS = {
@@ -252,3 +254,41 @@ async def test_an_env_that_says_truncated_writes_a_truncated_trajectory(tiny_qwe
         trajs = await reader.get({a["trajectory_id"] for a in answers}, timeout_s=30)
     assert [trajs[a["trajectory_id"]].status for a in answers] == ["truncated", "completed"]
     assert [a["truncated"] for a in answers] == [True, False]
+
+
+async def test_molts_alfworld_env_edits_its_rendered_prompt_and_plays_its_game(
+    tiny_qwen3, redis_url, monkeypatch, tmp_path
+):
+    """Molt's alfworld.py (newer than 0.1.6), unchanged, on chat rows as rl_qwen3_4b_alfworld.sh runs it
+    (--data.apply_chat_template): reset gets the prompt rendered, as Molt's dataset renders it for a step runner,
+    splices the game's room in before the generation prompt and seeds <think>; that text is the trajectory's
+    prompt. Each game runs in a child process the env closes. AlfWorld's games are a download, so the child plays
+    a stand-in engine behind TextWorld's API (tests/fixtures/textworld_stub)."""
+    from transformers import AutoTokenizer
+
+    game = tmp_path / "kitchen.tw-pddl"
+    room = "-= Kitchen =-\nYou are in the middle of a room. You see a drawer 1 and a fridge 1."
+    spec = {"room": room, "task": "put a cold apple in the drawer.", "goal": "open drawer 1"}
+    game.write_text(json.dumps({**spec, "commands": ["open drawer 1", "look"]}))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TEXTWORLD_STAND_IN), os.getenv("PYTHONPATH")])))
+    monkeypatch.setenv("MAX_AGENT_TURNS", "2")  # read when the worker loads the module
+    messages = [{"role": "system", "content": "You are a household agent."}, {"role": "user", "content": "Begin."}]
+    episode = {"agent": "alfworld", "prompt": messages, "label": str(game), "sampling_params": SP}
+    async with molt_stack(tiny_qwen3, redis_url, ["alfworld"], monkeypatch) as (worker, reader):
+        answers = await run_episodes(worker, [{**episode, "group_id": "g-alf", "sample_index": i} for i in range(2)])
+        trajs = await reader.get({a["trajectory_id"] for a in answers}, timeout_s=30)
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    marker = "<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered.endswith(marker)
+    prompt = rendered[: -len(marker)] + "\n" + room + marker + "<think>\n"
+    for a in answers:
+        traj = trajs[a["trajectory_id"]]
+        seg = traj.segments[0]
+        first_action = int(seg.action_spans[0][0])
+        assert tok.decode(list(seg.token_ids[:first_action]), skip_special_tokens=False) == prompt
+        assert traj.status == "truncated" and a["truncated"] and a["turns"] == 2  # MAX_AGENT_TURNS without a win
+        assert traj.info == {"alfworld_won": 0.0, "turn_index": 2.0}
+        assert "Admissible actions: open drawer 1, look" in tok.decode(list(seg.token_ids), skip_special_tokens=False)
+    log = (tmp_path / "kitchen.tw-pddl.log").read_text().splitlines()
+    assert log.count("closed") == 2 and sum(line.startswith("step ") for line in log) == 4

@@ -166,7 +166,35 @@ async def test_total_budget_stops_the_loop():
     assert s.spans[-1][1] <= 12 and s.masked_texts()[-1] == ".." and len(s.token_ids) == 13
 
 
-async def test_messages_prompt_and_reset():
+async def test_an_envs_chat_prompt_arrives_rendered_with_its_tools_and_goes_back_as_the_env_left_it():
+    """As Molt's dataset pre-renders for a step runner: reset gets the chat template's text (tools in it, the
+    generation prompt at its end), and the text it returns is the first turn, sent as is."""
+    seen = []
+
+    class Edit(Env):
+        async def reset(self, state):
+            seen.append(state["observation"])
+            base = state["observation"]
+            at = base.rfind("<|assistant|>")
+            state["observation"] = base[:at] + "<|user|>room\n" + base[at:] + "<think>"
+            return state
+
+        async def step(self, state):
+            seen.append(state["observation_text"])
+            return Result(reward=0.5)
+
+    fake = FakeGateway()
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {}}}]
+    episode = _episode(prompt=[{"role": "user", "content": "hi"}], tools=tools)
+    out = await StepEnvRunner(Edit).execute(episode, _gateway(fake))
+    s = fake.sessions[out.trajectory_id]
+    assert seen[0] == "<|tool|>look\n<|user|>hi\n<|assistant|>"
+    assert s.requests[0]["render"]["tools"] == tools
+    assert "messages" not in s.requests[1] and s.requests[1]["append_text"] == seen[1]
+    assert s.masked_texts()[0] == seen[1] == "<|tool|>look\n<|user|>hi\n<|user|>room\n<|assistant|><think>"
+
+
+async def test_a_runner_that_does_not_prerender_hands_its_env_the_messages():
     class Reset(Env):
         async def reset(self, state):
             return {"observation": state["observation"] + [{"role": "user", "content": "again"}]}
@@ -174,8 +202,11 @@ async def test_messages_prompt_and_reset():
         async def step(self, state):
             return Result(reward=0.5)
 
+    class Runner(StepEnvRunner):
+        PRERENDER_PROMPT = False
+
     fake = FakeGateway()
-    out = await StepEnvRunner(Reset).execute(_episode(prompt=[{"role": "user", "content": "hi"}]), _gateway(fake))
+    out = await Runner(Reset).execute(_episode(prompt=[{"role": "user", "content": "hi"}]), _gateway(fake))
     s = fake.sessions[out.trajectory_id]
     assert s.requests[0]["messages"][-1]["content"] == "again"
     assert s.masked_texts()[0] == "<|user|>hi\n<|user|>again\n<|assistant|>"

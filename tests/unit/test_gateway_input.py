@@ -278,6 +278,10 @@ SURFACES = {
             }
         ),
     ),
+    "render": (
+        "/v1/sessions/{sid}/render",
+        fields({"messages": _messages(["user", "assistant", "system", "tool"]), "tools": json_values}),
+    ),
     "finish": (
         "/v1/sessions/{sid}/finish",
         fields(
@@ -290,7 +294,7 @@ SURFACES = {
 
 @settings(
     FUZZ, max_examples=int(os.environ.get("MOLT_FUZZ_GATEWAY_EXAMPLES", "200"))
-)  # ~10 ms an example in-process: more of them for seven surfaces
+)  # ~10 ms an example in-process: more of them for eight surfaces
 @given(surface=st.sampled_from(sorted(SURFACES)), data=st.data())
 def test_random_bodies_on_every_gateway_surface_never_get_a_5xx(model, surface, data):
     path, strategy = SURFACES[surface]
