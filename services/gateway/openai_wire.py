@@ -76,6 +76,8 @@ def parse_chat(body: dict) -> ChatRequest:
     overrides["tool_choice"] = tool_choice.from_openai(body.get("tool_choice"), body.get("parallel_tool_calls"))
     if body.get("chat_template_kwargs") is not None:
         overrides["chat_template_kwargs"] = body["chat_template_kwargs"]  # checked against the template's variables
+    if body.get("reasoning_effort") is not None:
+        overrides["reasoning_effort"] = body["reasoning_effort"]  # reasoning_model resolves it against the template
     stream = sampling.flag(body, "stream")
     if stream and overrides.get("n", 1) > 1:
         raise bad_request("'n' > 1 is not streamed: drop 'stream', or ask for one choice per request", "n")
@@ -88,6 +90,40 @@ def parse_chat(body: dict) -> ChatRequest:
         logprobs=logprobs,
         top_logprobs=top,
     )
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_model(model: ChatModel, overrides: dict) -> ChatModel:
+    """The model as the request's ``reasoning_effort`` asks it to render, as vLLM's server takes it: the template's
+    ``reasoning_effort`` variable where it reads one, and its ``enable_thinking`` switch (off for "none" only)
+    where it has one and ``chat_template_kwargs`` leave it unset. A template with neither renders one way:
+    asking for the other is a 400 naming the parameter (OpenAI refuses it for a model that does not reason)."""
+    effort = overrides.pop("reasoning_effort", None)
+    kwargs = overrides.get("chat_template_kwargs")
+    if effort is None:
+        return model.with_kwargs(kwargs)
+    if effort not in EFFORTS:
+        raise bad_request(
+            f"'reasoning_effort' must be one of {list(EFFORTS)}, got {str(effort)[:40]!a}", "reasoning_effort"
+        )
+    reads = model.template_variables
+    on = effort != "none"
+    if not {"reasoning_effort", "enable_thinking"} & reads and on != model.thinks:
+        raise bad_request(
+            f"reasoning_effort {effort}: this model's chat template reads neither reasoning_effort nor "
+            f"enable_thinking and {'never' if on else 'always'} renders think blocks",
+            "reasoning_effort",
+        )
+    added: dict[str, Any] = {}
+    if "reasoning_effort" in reads:
+        added["reasoning_effort"] = effort
+    if "enable_thinking" in reads and not (isinstance(kwargs, dict) and "enable_thinking" in kwargs):
+        added["enable_thinking"] = on
+    if added:
+        overrides["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), **added}
+    return model.with_kwargs(overrides.get("chat_template_kwargs"))
 
 
 def response_format(fmt: Any, param: str = "response_format") -> dict | None:

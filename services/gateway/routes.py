@@ -391,7 +391,7 @@ class Handlers:
     async def chat(self, request: Request) -> Response:
         owner = self.owner(request)
         req = oa.parse_chat(await self.body(request))
-        model = self.gw.model.with_kwargs(req.overrides.get("chat_template_kwargs"))
+        model = oa.reasoning_model(self.gw.model, req.overrides)
         tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         if sid is None:

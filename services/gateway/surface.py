@@ -49,6 +49,7 @@ CHAT: dict[str, str] = {
             "response_format",
             "logit_bias",
             "chat_template_kwargs",
+            "reasoning_effort",
         ),
         HONOURED,
     ),
@@ -57,7 +58,6 @@ CHAT: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
-            "reasoning_effort",
             "audio",
             "modalities",
             "prediction",

@@ -63,7 +63,7 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "safety_identifier": ("s", None),
         "logit_bias": ({"5": 1}, {"5": 101}),
         "chat_template_kwargs": ({}, {"enable_thinking": False}),  # the tiny template reads no extra variable
-        "reasoning_effort": (None, "low"),
+        "reasoning_effort": ("none", "low"),  # the tiny template never thinks
         "audio": (None, {"voice": "x", "format": "wav"}),
         "modalities": (None, ["text"]),
         "prediction": (None, {"type": "content", "content": "x"}),

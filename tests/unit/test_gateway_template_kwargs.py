@@ -97,3 +97,63 @@ async def test_anthropic_thinking_goes_through_the_templates_switch(
         assert prompt.endswith(EMPTY_THINK) == empty_think
     else:
         assert "thinking" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "effort, kwargs, status, empty_think",
+    [
+        ("none", None, 200, True),
+        ("low", None, 200, False),
+        ("max", None, 200, False),
+        ("none", {"enable_thinking": True}, 200, False),  # as vLLM: the request's own switch wins
+        ("high", {"enable_thinking": False}, 200, True),
+        ("extreme", None, 400, None),
+    ],
+)
+async def test_openai_reasoning_effort_goes_through_the_templates_switch(
+    gw, model, effort, kwargs, status, empty_think
+):
+    _app, pods, http = gw
+    s = (await http.post("/v1/sessions", json={})).json()
+    client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    extra = {"chat_template_kwargs": kwargs} if kwargs else None
+    call = client.chat.completions.create(model="policy", messages=ASK, reasoning_effort=effort, extra_body=extra)
+    if status == 400:
+        with pytest.raises(openai.BadRequestError) as err:
+            await call
+        assert err.value.body["param"] == "reasoning_effort" and "'none'" in err.value.body["message"]
+        return
+    await call
+    [prompt] = _prompts(model, pods)
+    assert prompt.endswith(EMPTY_THINK) == empty_think
+
+
+async def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_where_nothing_would(
+    tiny_qwen3, tmp_path
+):
+    """A template reading ``reasoning_effort`` (gpt-oss's way) renders it; one with neither the variable nor a
+    switch honours "none" (it never thinks) and refuses the rest by name, where vLLM would drop them silently."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, path)
+    tpl = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").write_text(
+        "{%- if reasoning_effort is defined -%}{{ 'Effort: ' + reasoning_effort + '\n' }}{%- endif -%}" + tpl
+    )
+    for m, effort, status, head in [
+        (ChatModel(path), "medium", 200, "Effort: medium\n"),
+        (ChatModel(tiny_qwen3), "none", 200, "<|im_start|>"),
+        (ChatModel(tiny_qwen3), "low", 400, None),
+    ]:
+        settings = GatewaySettings.model_validate(
+            {"model": {"path": str(m.path)}, "rollout": {"urls": PODS}, "redis": {"url": "memory://", "stream": "t"}}
+        )
+        pods = FakePods(PODS, lambda prompt, sp, m=m: m.encode("Four.<|im_end|>"))
+        app = build_app(settings, transport=pods, model=m)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            body = {"model": "policy", "messages": ASK, "reasoning_effort": effort}
+            r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == status, r.text
+        if status == 200:
+            assert _prompts(m, pods)[0].startswith(head)
+        else:
+            assert r.json()["error"]["param"] == "reasoning_effort" and "never renders think blocks" in r.text
