@@ -585,38 +585,3 @@ async def test_a_runner_that_says_truncated_marks_the_trajectory_truncated(env):
     assert (await http.post("/v1/episodes", json={"episodes": items})).status_code == 200
     status = {t.trajectory_id: t.status for t in await _written(app)}
     assert [status[sid] for sid in sids] == ["truncated", "completed", "truncated", "completed"]
-
-
-async def test_render_gives_the_first_turns_text_which_sent_back_as_text_records_the_same_tokens(env, model):
-    """An Env sees its chat prompt rendered (as Molt's dataset renders it for a step runner) and sends the text back
-    as its first turn: the same tokens as sending the messages. Tools go into the template; nothing is recorded."""
-    app, pods, replies, http = env()
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    tools = [{"type": "function", "function": {"name": "look", "description": "Look around.", "parameters": {}}}]
-    a, b = (await _open(http))["session_id"], (await _open(http))["session_id"]
-    r = await http.post(f"/v1/sessions/{a}/render", json={"messages": messages})
-    assert r.status_code == 200, r.text
-    text = r.json()["text"]
-    assert text == model.render(messages, None, generation_prompt=True) and r.json()["num_tokens"] == len(
-        model.encode(text)
-    )
-    with_tools = (await http.post(f"/v1/sessions/{a}/render", json={"messages": messages, "tools": tools})).json()
-    assert '"name": "look"' in with_tools["text"] and with_tools["text"] != text
-    assert (await http.get(f"/v1/sessions/{a}")).json()["turns"] == 0
-    sp = {"max_tokens": 2}
-    by_text = (await http.post(f"/v1/sessions/{a}/generate", json={"append_text": text, "sampling_params": sp})).json()
-    by_msgs = await http.post(f"/v1/sessions/{b}/generate", json={"messages": messages, "sampling_params": sp})
-    by_msgs = by_msgs.json()
-    assert by_text["num_tokens"] == by_msgs["num_tokens"]
-    for sid in (a, b):
-        await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
-    first, second = await _written(app)
-    assert list(first.segments[0].token_ids) == list(second.segments[0].token_ids)
-    # bad input is a 400 naming the field; a finished session a 409
-    sid = (await _open(http))["session_id"]
-    r = await http.post(f"/v1/sessions/{sid}/render", json={"messages": []})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = await http.post(f"/v1/sessions/{sid}/render", json={"messages": messages, "tools": [{"type": "web"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    r = await http.post(f"/v1/sessions/{a}/render", json={"messages": messages})
-    assert r.status_code == 409, r.text
