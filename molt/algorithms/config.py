@@ -74,10 +74,10 @@ class KLConfig(Section):
     """KL estimator: k1 (log-ratio; recommended as reward), k2 or k3 (recommended in the loss)."""
     init_coef: float | None = Field(None, ge=0.0)
     """Initial KL coefficient beta. Unset: 0.01 (1.0 for on_policy_distill). 0 skips the reference model."""
-    target: float | None = Field(None, gt=0.0)
-    """Target KL of the adaptive controller. Unset: beta stays fixed."""
+    target: float | None = Field(None, ge=0.0)
+    """Target KL of the adaptive controller. Unset or 0: beta stays fixed (Molt tests the flag for truth)."""
     horizon: int = Field(10_000, gt=0)
-    """Adaptive controller horizon, in samples."""
+    """Adaptive controller horizon, in rollouts (a rollout's segments count once)."""
 
 
 class AlgoConfig(Section):
@@ -236,7 +236,7 @@ def build_policy_loss(actor: ActorLossConfig, algo: AlgoConfig) -> PolicyLoss:
 
 
 def build_kl_controller(algo: AlgoConfig) -> KLController:
-    return KLController(algo.resolved_kl_coef(), target=algo.kl.target, horizon=algo.kl.horizon)
+    return KLController(algo.resolved_kl_coef(), target=algo.kl.target or None, horizon=algo.kl.horizon)
 
 
 __all__ = [

@@ -15,7 +15,8 @@ dropped slots with new prompts:
 judged, in percent), ``rollout/pre_filter_mean_score`` (mean score over the representatives of every scored
 group, incomplete ones too, before filtering), ``rollout/group_all_pass_rate`` /
 ``rollout/group_all_fail_rate`` (percent of scored groups with mean >= high / mean <= low), and
-``rollout/dropped/<reason>`` / ``rollout/dropped/total`` (samples dropped, when any were).
+``rollout/dropped/<reason>`` / ``rollout/dropped/total`` (samples dropped, when any were; the trainer adds
+``no_action_tokens``, segments with no action token within ``--data.max_len``, with filtering on or off).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 INCOMPLETE_GROUP = "incomplete_group"
 DYNAMIC_FILTER = "dynamic_filter"
+NO_ACTION_TOKENS = "no_action_tokens"
 
 
 @dataclass(frozen=True)
@@ -71,27 +73,36 @@ def filter_group(
     return GroupVerdict(keep, None if keep else DYNAMIC_FILTER, group_scores, (low, high), samples)
 
 
-def filtering_metrics(verdicts: Sequence[GroupVerdict]) -> dict[str, float]:
-    """Rollout-side metrics for a batch of judged groups (empty input -> empty dict)."""
-    if not verdicts:
-        return {}
+def filtering_metrics(verdicts: Sequence[GroupVerdict], no_action_tokens: int = 0) -> dict[str, float]:
+    """Rollout-side metrics for a batch of judged groups, plus ``no_action_tokens`` segments dropped one by one
+    (nothing judged or dropped -> empty dict)."""
+    metrics: dict[str, float] = {}
+    if verdicts:
+        metrics["dynamic_filtering_pass_rate"] = 100.0 * sum(v.keep for v in verdicts) / len(verdicts)
     # (scores, range) of the groups that have scores (their mean_score is then a float)
     scored = [(v.scores, v.score_range) for v in verdicts if v.scores]
-    metrics = {"dynamic_filtering_pass_rate": 100.0 * sum(v.keep for v in verdicts) / len(verdicts)}
     if scored:
         all_scores = [s for scores, _ in scored for s in scores]
         means = [(sum(scores) / len(scores), lo, hi) for scores, (lo, hi) in scored]
         metrics["rollout/pre_filter_mean_score"] = sum(all_scores) / len(all_scores)
         metrics["rollout/group_all_pass_rate"] = 100.0 * sum(m >= hi for m, _, hi in means) / len(scored)
         metrics["rollout/group_all_fail_rate"] = 100.0 * sum(m <= lo for m, lo, _ in means) / len(scored)
-    for v in verdicts:
-        if v.reason is not None:
-            key = f"rollout/dropped/{v.reason}"
-            metrics[key] = metrics.get(key, 0.0) + v.samples
-    dropped = sum(v.samples for v in verdicts if v.reason is not None)
-    if dropped:
-        metrics["rollout/dropped/total"] = float(dropped)
+    drops = [(v.reason, v.samples) for v in verdicts if v.reason is not None]
+    if no_action_tokens:
+        drops.append((NO_ACTION_TOKENS, no_action_tokens))
+    for reason, n in drops:
+        key = f"rollout/dropped/{reason}"
+        metrics[key] = metrics.get(key, 0.0) + n
+    if drops:
+        metrics["rollout/dropped/total"] = float(sum(n for _, n in drops))
     return metrics
 
 
-__all__ = ["DYNAMIC_FILTER", "INCOMPLETE_GROUP", "GroupVerdict", "filter_group", "filtering_metrics"]
+__all__ = [
+    "DYNAMIC_FILTER",
+    "INCOMPLETE_GROUP",
+    "NO_ACTION_TOKENS",
+    "GroupVerdict",
+    "filter_group",
+    "filtering_metrics",
+]

@@ -8,11 +8,11 @@ sampled tokens. With l = log pi - log pi_base (NaN -> 0, +-inf -> +-30):
 - ``k2`` = l^2 / 2 and ``k3`` = exp(-l) - 1 + l (Schulman's unbiased, non-negative estimator), both
   clamped to [-10, 10]: the recommended choices for KL in the loss (``--algo.kl.use_loss``).
 
-``KLController`` holds beta. Fixed by default; adaptive when ``--algo.kl.target`` is set, using the
-proportional rule of Ziegler et al.:
+``KLController`` holds beta. Fixed by default (and with ``--algo.kl.target 0``); adaptive when the target is
+above 0, using the proportional rule of Ziegler et al.:
 ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon)`` after every train step, with
-n = samples in the step (``rollout.batch_size * n_samples_per_prompt``) and kl the step's ``kl``
-metric. The beta used for a step is what the trainer logs as ``kl_coef``.
+n = rollouts in the step (``rollout.batch_size * n_samples_per_prompt``; a multi-segment rollout counts
+once) and kl the step's ``kl`` metric. The beta used for a step is what the trainer logs as ``kl_coef``.
 """
 
 from __future__ import annotations

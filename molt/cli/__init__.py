@@ -204,7 +204,8 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
         if target == "local" and not gpus:
             tr.cpu_pod_defaults(routed)
         if target == "helm":
-            tr.write_helm_values(routed, Path(str(own["--emit"])))
+            for note in tr.write_helm_values(routed, Path(str(own["--emit"]))):
+                print(f"[molt train-rl] {note}")
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
             return 0
         for note in routed.notes:

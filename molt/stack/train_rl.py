@@ -295,12 +295,25 @@ CHART_OWNED = {
 }
 
 
-def helm_values(r: Routed) -> dict:
-    """The same run as values for deploy/k8s/molt (model and dataset paths as the cluster's pods will see them)."""
+# Molt hands these to every worker from the launching shell; the local stack's processes inherit them. The
+# W&B key (flag or variable) is a secret and stays out of a values file: write_helm_values says how to pass it.
+WANDB_ENV = ("WANDB_ENTITY", "WANDB_MODE")
+SECRET_FLAGS = {"logger.wandb.key"}
+
+
+def helm_values(r: Routed, environ: dict[str, str] | None = None) -> dict:
+    """The same run as values for deploy/k8s/molt (model and dataset paths as the cluster's pods will see them);
+    the W&B settings of ``environ`` (default: this process's) go to the trainer's environment."""
+    environ = os.environ if environ is None else environ
     trainer_nodes = int(r.raw.get("actor.num_nodes", ["1"])[0])
     gpus = int(r.raw.get("actor.num_gpus_per_node", ["8"])[0])
     tp = int(r.raw.get("vllm.tensor_parallel_size", ["1"])[0])
-    extra = [a for name, values in split_flags(r.trainer) if name not in CHART_OWNED for a in ("--" + name, *values)]
+    extra = [
+        a
+        for name, values in split_flags(r.trainer)
+        if name not in CHART_OWNED and name not in SECRET_FLAGS
+        for a in ("--" + name, *values)
+    ]
     checkpoints: dict = {}
     if "ckpt.save_steps" in r.raw:
         checkpoints["saveSteps"] = int(r.raw["ckpt.save_steps"][0])
@@ -330,16 +343,36 @@ def helm_values(r: Routed) -> dict:
     }
     if checkpoints:
         values["trainer"]["checkpoints"] = checkpoints
+    wandb = [{"name": n, "value": environ[n]} for n in WANDB_ENV if environ.get(n)]
+    if wandb:
+        values["trainer"]["extraEnv"] = wandb
     return values
 
 
-def write_helm_values(r: Routed, path: Path) -> None:
+def write_helm_values(r: Routed, path: Path, environ: dict[str, str] | None = None) -> list[str]:
+    """Write the values file; returns notes for the user (what the file leaves out on purpose)."""
+    environ = os.environ if environ is None else environ
     # JSON is YAML too, and quotes every string: a bare 1e-6 would reach Helm (YAML 1.2) as a number.
     path.write_text(
         "# molt train-rl --emit helm-values: the run's flags as values of deploy/k8s/molt\n"
-        + json.dumps(helm_values(r), indent=2)
+        + json.dumps(helm_values(r, environ), indent=2)
         + "\n"
     )
+    given = [
+        x
+        for x, on in (
+            ("--logger.wandb.key", "logger.wandb.key" in r.raw),
+            ("WANDB_API_KEY", environ.get("WANDB_API_KEY")),
+        )
+        if on
+    ]
+    if not given:
+        return []
+    return [
+        f"{' and '.join(given)}: not written to the values file (a secret); give the trainer its W&B key from a "
+        "Secret: trainer.extraEnv [{name: MOLT_LOGGER__WANDB__KEY, valueFrom: {secretKeyRef: {name: wandb, key: "
+        "api-key}}}] (docs/deploy.md)"
+    ]
 
 
 def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress: bool):

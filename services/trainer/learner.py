@@ -419,7 +419,8 @@ class Learner:
             if s.algo.kl.use_loss
             else sum(x.extra.get("kl", 0.0) for x in samples) / max(len(samples), 1)
         )
-        self.kl_ctl.update(metrics["kl"], num_samples=len(samples))
+        # The horizon counts rollouts, as Molt's (batch size x samples per prompt): a rollout's segments count once.
+        self.kl_ctl.update(metrics["kl"], num_samples=len({x.trajectory_id for x in samples}))
         parts = {name: [x.extra[name] for x in samples] for name in PARTS if samples and name in samples[0].extra}
         metrics.update(shaping_metrics([x.trajectory_id for x in samples], parts))
         return metrics

@@ -358,7 +358,7 @@ class Trainer:
             stats = self.learner.train_step(samples)
         train_s = time.perf_counter() - t0
         if self.info.is_main:
-            self._record(trajs, samples, stats, version, train_s)
+            self._record(trajs, samples, stats, version, train_s, idle)
         if plan["save"]:
             self._save()
         elif self.s.ckpt.save_steps <= 0 and self.info.is_main:
@@ -368,7 +368,7 @@ class Trainer:
             self._maybe_evaluate()
         return True
 
-    def _record(self, trajs, samples, stats, version, train_s) -> None:
+    def _record(self, trajs, samples, stats, version, train_s, idle: int = 0) -> None:
         staleness: collections.Counter[int] = collections.Counter()
         for x in samples:
             values, counts = (version - x.versions[x.action_mask]).unique(return_counts=True)
@@ -421,8 +421,9 @@ class Trainer:
             **{k: v for k, v in stats.items() if isinstance(v, float)},
             "grad_norm": stats.get("actor_grad_norm", 0.0),
         }
-        # Molt's rollout metrics of dynamic filtering (pass rate, pre-filter scores, drops by reason).
-        line.update(filtering_metrics(self.controller.take_verdicts()))
+        # Molt's rollout metrics of dynamic filtering (pass rate, pre-filter scores, drops by reason), with the
+        # segments left without an action token as Molt's per-response reason, filtering on or off.
+        line.update(filtering_metrics(self.controller.take_verdicts(), no_action_tokens=idle))
         line.update(rollout_stats(trajs))
         line.update({k: v for k, v in info_means(trajs).items() if k not in line})
         line["trajectory_ids"] = [t.trajectory_id for t in trajs]

@@ -222,6 +222,24 @@ def test_length_penalties_shape_the_rewards_before_the_estimator(world, tiny_qwe
     assert stats["stop_properly_penalty"] == pytest.approx(-0.5) and stats["length_penalty"] == pytest.approx(-1.125)
 
 
+def test_the_adaptive_kl_horizon_counts_rollouts_not_segments(world, tiny_qwen3):
+    """Molt moves beta by n / horizon with n = rollouts in the step: two rollouts of two segments each are n = 2.
+    The KL to the reference stays far below a target of 1, so the error clips at -0.2."""
+    flags = ["--algo.kl.init_coef", "0.1", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    learner = Learner(_settings(tiny_qwen3, *flags, "--algo.kl.target", "1", "--algo.kl.horizon", "100"), world)
+    rng = np.random.default_rng(0)
+
+    def segment(n: int) -> Segment:
+        return Segment(rng.integers(3, 1000, n), [[4, n]], -rng.uniform(0.5, 3, n - 4), np.zeros(n - 4, int))
+
+    trajs = [Trajectory(f"t{i}", "g", i, [segment(9), segment(10)], float(i)) for i in range(2)]
+    samples = [x for t in trajs for x in samples_from_trajectory(t, 100)]
+    assert len(samples) == 4
+    stats = learner.train_step(samples)
+    assert stats["kl"] < 0.8
+    assert learner.kl_ctl.value == pytest.approx(0.1 * (1 - 0.2 * 2 / 100))
+
+
 def test_distillation_uses_the_teacher(world, tiny_qwen3, tiny_qwen3_b):
     s = _settings(
         tiny_qwen3, "--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path", str(tiny_qwen3_b)
@@ -329,6 +347,36 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
     assert queue.consumed_ids == {"ok0", "ok1", "bad0", "bad1"}
     text = trainer.metrics.render()[0].decode()
     assert 'molt_trainer_trajectories_total{outcome="invalid"} 2.0' in text
+
+
+def test_a_segment_without_actions_in_max_len_is_logged_as_molt_drops_it(world, tiny_qwen3, tmp_path):
+    """Molt's ``rollout/dropped/no_action_tokens``: a rollout whose actions all lie past --data.max_len trains
+    nothing and is counted in the step log, with dynamic filtering off."""
+    import asyncio
+    import json
+
+    from molt.bus.memory import MemoryTrajectoryQueue
+    from services.trainer.trainer import Trainer
+
+    queue = MemoryTrajectoryQueue()
+    ok = Trajectory("ok", "g", 0, [Segment([5, 6, 7, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], 1.0)
+    late = Trajectory("late", "g", 1, [Segment(list(range(5, 25)), [[16, 20]], [-1.0] * 4, [0] * 4)], 0.0)
+    asyncio.run(_put(queue, [ok, late]))
+    log = tmp_path / "steps.jsonl"
+    s = _settings(
+        tiny_qwen3,
+        *("--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--data.max_len", "12"),
+        *("--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "2", "--train.num_steps", "1"),
+        *("--logger.steps_jsonl", str(log), "--ckpt.path", str(tmp_path / "ckpt" / "checkpoints")),
+    )
+    trainer = Trainer(s, world, queue=queue)
+    try:
+        assert trainer.run()["steps"] == 1
+    finally:
+        trainer.close()
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert sorted(line["trajectory_ids"]) == ["late", "ok"]
+    assert line["rollout/dropped/no_action_tokens"] == 1 and line["rollout/dropped/total"] == 1
 
 
 def test_checkpoint_retention_and_latest_fallback(world, tiny_qwen3, tmp_path):

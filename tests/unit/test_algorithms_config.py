@@ -76,6 +76,9 @@ def test_dotted_flags_and_help_text():
     assert s.algo.advantage.estimator == "grpo" and s.algo.advantage.is_correction_threshold == [0.99, 1.01]
     assert s.actor.eps_clip_low_high == [0.2, 0.27] and s.actor.dual_clip == 10.0
     assert s.algo.advantage.no_whiten and s.reward.clip_range == [-1.0, 1.0] and s.algo.kl.target == 0.01
+    # Molt tests the flag for truth: a target of 0 keeps beta fixed, as leaving it unset does
+    fixed = parse_settings(_Settings, ["--algo.kl.target", "0"], environ={})
+    assert not build_kl_controller(fixed.algo).adaptive
     help_text = build_parser(_Settings, "trainer").format_help()
     assert "--algo.advantage.lam" in help_text and "GAE lambda" in help_text
     with pytest.raises(SystemExit):  # choices are enforced by the parser
@@ -88,7 +91,7 @@ def test_dotted_flags_and_help_text():
         (lambda: AlgoConfig(advantage={"is_correction_threshold": [0.5, 1, 2]}), "takes LOW HIGH, or HIGH alone"),
         (lambda: AlgoConfig(advantage={"is_correction_threshold": [2.0, 1.0]}), "LOW <= HIGH"),
         (lambda: AlgoConfig(dynamic_filtering_range=[1.0, 0.0]), "LOW < HIGH"),
-        (lambda: AlgoConfig(kl={"target": 0.0}), "greater than 0"),
+        (lambda: AlgoConfig(kl={"target": -0.01}), "greater than or equal to 0"),
         (lambda: AlgoConfig(advantage={"gamma": 1.5}), "less than or equal to 1"),
         (lambda: RewardConfig(clip_range=[1.0, -1.0]), "LOW <= HIGH"),
     ],

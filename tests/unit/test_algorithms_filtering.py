@@ -48,6 +48,13 @@ def test_metrics():
     assert metrics["rollout/dropped/dynamic_filter"] == 8 and metrics["rollout/dropped/incomplete_group"] == 2
     assert metrics["rollout/dropped/total"] == 10
     assert filtering_metrics([]) == {}
+    # segments left without an action token are Molt's per-response drop reason, filtering on or off
+    with_idle = filtering_metrics(verdicts, no_action_tokens=3)
+    assert with_idle["rollout/dropped/no_action_tokens"] == 3 and with_idle["rollout/dropped/total"] == 13
+    assert filtering_metrics([], no_action_tokens=2) == {
+        "rollout/dropped/no_action_tokens": 2.0,
+        "rollout/dropped/total": 2.0,
+    }
 
 
 def test_bad_input():

@@ -143,9 +143,31 @@ def test_routing_replay_has_the_gateway_record_the_pods_routing():
 def test_emitted_helm_values_render_through_the_chart(tmp_path):
     from deploy import tools
 
-    r = tr.route(quick_start_argv("quick_start_rl_qwen3_4b.sh"), "helm")
-    tr.write_helm_values(r, tmp_path / "values.yaml")
+    argv = quick_start_argv("quick_start_rl_qwen3_4b.sh")
+    assert tr.write_helm_values(tr.route(argv, "helm"), tmp_path / "keyless.yaml", environ={}) == []
+    # Molt hands the launching shell's W&B settings to its workers; the key is a secret and stays out of the file
+    r = tr.route([*argv, "--logger.wandb.key", "flag-key-456"], "helm")
+    wandb = {"WANDB_API_KEY": "secret-key-123", "WANDB_ENTITY": "ent", "WANDB_MODE": "offline", "WANDB_DIR": "/x"}
+    [note] = tr.write_helm_values(r, tmp_path / "values.yaml", environ=wandb)
+    text = (tmp_path / "values.yaml").read_text()
+    assert "secret-key-123" not in text and "flag-key-456" not in text
+    assert note.startswith("--logger.wandb.key and WANDB_API_KEY: not written") and "MOLT_LOGGER__WANDB__KEY" in note
     docs = tools.render(str(tmp_path / "values.yaml"))
+    [trainer_env] = [
+        {e["name"]: e.get("value") for e in c.get("env", [])}
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and "trainer" in d["metadata"]["name"]
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+    assert trainer_env["WANDB_ENTITY"] == "ent" and trainer_env["WANDB_MODE"] == "offline"
+    assert "WANDB_API_KEY" not in trainer_env and "WANDB_DIR" not in trainer_env
+    trainer = next(
+        " ".join(c.get("command", []) + c.get("args", []))
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and "trainer" in d["metadata"]["name"]
+        for c in d["spec"]["template"]["spec"]["containers"]
+    )
+    assert "--logger.wandb.project" in trainer and "--logger.wandb.key" not in trainer
     args = {
         c["name"]: " ".join(c.get("command", []) + c.get("args", []))
         for d in docs
