@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -301,10 +302,10 @@ WANDB_ENV = ("WANDB_ENTITY", "WANDB_MODE")
 SECRET_FLAGS = {"logger.wandb.key"}
 
 
-def helm_values(r: Routed, environ: dict[str, str] | None = None) -> dict:
+def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
     """The same run as values for deploy/k8s/molt (model and dataset paths as the cluster's pods will see them);
     the W&B settings of ``environ`` (default: this process's) go to the trainer's environment."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     trainer_nodes = int(r.raw.get("actor.num_nodes", ["1"])[0])
     gpus = int(r.raw.get("actor.num_gpus_per_node", ["8"])[0])
     tp = int(r.raw.get("vllm.tensor_parallel_size", ["1"])[0])
@@ -343,26 +344,26 @@ def helm_values(r: Routed, environ: dict[str, str] | None = None) -> dict:
     }
     if checkpoints:
         values["trainer"]["checkpoints"] = checkpoints
-    wandb = [{"name": n, "value": environ[n]} for n in WANDB_ENV if environ.get(n)]
+    wandb = [{"name": n, "value": env[n]} for n in WANDB_ENV if env.get(n)]
     if wandb:
         values["trainer"]["extraEnv"] = wandb
     return values
 
 
-def write_helm_values(r: Routed, path: Path, environ: dict[str, str] | None = None) -> list[str]:
+def write_helm_values(r: Routed, path: Path, environ: Mapping[str, str] | None = None) -> list[str]:
     """Write the values file; returns notes for the user (what the file leaves out on purpose)."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     # JSON is YAML too, and quotes every string: a bare 1e-6 would reach Helm (YAML 1.2) as a number.
     path.write_text(
         "# molt train-rl --emit helm-values: the run's flags as values of deploy/k8s/molt\n"
-        + json.dumps(helm_values(r, environ), indent=2)
+        + json.dumps(helm_values(r, env), indent=2)
         + "\n"
     )
     given = [
         x
         for x, on in (
             ("--logger.wandb.key", "logger.wandb.key" in r.raw),
-            ("WANDB_API_KEY", environ.get("WANDB_API_KEY")),
+            ("WANDB_API_KEY", env.get("WANDB_API_KEY")),
         )
         if on
     ]

@@ -63,6 +63,7 @@ from services.trainer.model import (
 from services.trainer.packing import no_4d_mask, select_hidden
 from services.trainer.sft_config import SftSettings, validate_sft
 from services.trainer.sft_data import Example, Tokenized, collate
+from services.trainer.steplog import open_jsonl
 
 log = logging.getLogger("molt.trainer")
 PROG = "python -m services.trainer.sft"
@@ -302,7 +303,7 @@ class Sinks:
     def __init__(self, s: SftSettings, on: bool) -> None:
         lg = s.logger
         # Open for the whole run (one line per step); close() ends it.
-        self.jsonl = open(lg.steps_jsonl, "a") if (on and lg.steps_jsonl) else None
+        self.jsonl = open_jsonl(lg.steps_jsonl) if (on and lg.steps_jsonl) else None
         self.wandb = self.tb = None
         if not on:
             return

@@ -54,9 +54,19 @@ def default_run_name() -> str:
     return time.strftime("rl_%m%dT%H:%M")
 
 
+def open_jsonl(path: str):
+    """Open a metrics file for appending, its folder made first: a path into a folder not made yet would
+    otherwise fail at the first step's line, after that step trained and before it was saved."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "a")
+
+
 class StepLog:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
+        for path in (cfg.steps_jsonl, cfg.eval_jsonl):  # their folders, made (or refused) before anything trains
+            if path:
+                open_jsonl(path).close()
         self.run_name = cfg.wandb.run_name or default_run_name()
         self.tb = None
         self.wandb = None
@@ -91,7 +101,7 @@ class StepLog:
 
     def log(self, step: int, line: dict[str, Any]) -> None:
         if self.cfg.steps_jsonl:
-            with open(self.cfg.steps_jsonl, "a") as f:
+            with open_jsonl(self.cfg.steps_jsonl) as f:
                 f.write(json.dumps(line) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -111,7 +121,7 @@ class StepLog:
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         if self.cfg.eval_jsonl:
-            with open(self.cfg.eval_jsonl, "a") as f:
+            with open_jsonl(self.cfg.eval_jsonl) as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():

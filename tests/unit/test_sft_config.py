@@ -173,6 +173,13 @@ def test_a_logger_whose_package_is_missing_is_a_clear_error(monkeypatch, tmp_pat
     Sinks(_s("--logger.wandb.key", "k"), on=False).close()  # only rank 0 logs
 
 
+def test_the_steps_file_folder_is_made_at_start_up(tmp_path):
+    from services.trainer.sft import Sinks
+
+    Sinks(_s("--logger.steps_jsonl", str(tmp_path / "out" / "steps.jsonl")), on=True).close()
+    assert (tmp_path / "out" / "steps.jsonl").exists()
+
+
 def test_dry_run_runs_every_start_up_check(capsys, tmp_path, monkeypatch):
     """A dry run rejects what start-up rejects, with the same one line: flags, the model directory."""
     from services.trainer.sft import main

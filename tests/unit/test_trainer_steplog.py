@@ -58,12 +58,14 @@ def test_rollout_stats_count_each_rollout_once_and_pass1_per_prompt_group():
 
 def test_steps_reach_jsonl_tensorboard_and_offline_wandb(tmp_path):
     cfg = LoggerConfig(
-        steps_jsonl=str(tmp_path / "steps.jsonl"),
+        steps_jsonl=str(tmp_path / "not-made-yet" / "steps.jsonl"),  # its folder is made at start-up
+        eval_jsonl=str(tmp_path / "evals" / "eval.jsonl"),
         tensorboard_dir=str(tmp_path / "tb"),
         logging_steps=2,
         wandb={"mode": "offline", "dir": str(tmp_path), "run_name": "run1"},
     )
     log = StepLog(cfg)
+    assert (tmp_path / "evals").is_dir()
     for step in (1, 2):
         log.log(
             step,
@@ -76,7 +78,7 @@ def test_steps_reach_jsonl_tensorboard_and_offline_wandb(tmp_path):
             },
         )
     log.close()
-    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "not-made-yet" / "steps.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]  # the file gets every step
     acc = EventAccumulator(str(tmp_path / "tb" / "run1"))
     acc.Reload()
