@@ -28,7 +28,9 @@ from molt.vocab import vocab_fingerprint
 from services.gateway.errors import GatewayError
 
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_JSON_WS = re.compile(r"[ \t\n\r]*")  # the whitespace json.loads allows around a value
+_JSON = json.JSONDecoder()
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
@@ -208,9 +210,10 @@ def _max_positions(path: Path) -> int | None:
 # ---- canonical messages
 
 
-def text_of(content: Any, where: str) -> str | list[dict]:
+def text_of(content: Any, where: str, assistant: bool = False) -> str | list[dict]:
     """OpenAI content (str | None | list of parts) -> text (text parts joined), or, when it holds images,
-    a list of text and image parts in their order."""
+    a list of text and image parts in their order. ``assistant``: the content of an assistant message, whose
+    ``refusal`` parts are text the model wrote (a 400 on other roles)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -222,6 +225,8 @@ def text_of(content: Any, where: str) -> str | list[dict]:
                 out.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
                 out.append(str(part.get("text", "")))
+            elif isinstance(part, dict) and part.get("type") == "refusal":
+                out.append(refusal_text(part.get("refusal"), f"{where}[{j}].refusal", assistant))
             elif isinstance(part, dict) and part.get("type") == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
@@ -245,6 +250,16 @@ def text_of(content: Any, where: str) -> str | list[dict]:
                 raise bad_request(f"{where}: content parts must be {{'type': 'text', 'text': ...}}, got {got}", where)
         return joined_parts(out)
     raise bad_request(f"{where}: content must be a string, a list of text parts or null", where)
+
+
+def refusal_text(refusal: Any, field: str, assistant: bool) -> str:
+    """A refusal (a content part's or the message's ``refusal``, named ``field``): the assistant's words,
+    rendered as its text."""
+    if not assistant:
+        raise bad_request(f"{field}: a refusal belongs to an assistant message only", field)
+    if not isinstance(refusal, str):
+        raise bad_request(f"{field}: must be a string", field)
+    return refusal
 
 
 def joined_parts(parts: list[Any]) -> str | list[dict]:
@@ -338,7 +353,12 @@ def canonical_message(msg: Any, i: int, where: str | None = None, content_where:
         role = "system"
     if role not in ROLES:
         raise bad_request(f"{where}.role: must be one of {list(ROLES)} (or 'developer'), got {role!r}", where)
-    out: dict[str, Any] = {"role": role, "content": text_of(msg.get("content"), content_where or f"{where}.content")}
+    assistant = role == "assistant"
+    content = text_of(msg.get("content"), content_where or f"{where}.content", assistant)
+    if msg.get("refusal") is not None:  # OpenAI's field for an assistant's refusal; null when it did not refuse
+        refusal = refusal_text(msg["refusal"], f"{where}.refusal", assistant)
+        content = joined_parts([content, refusal] if isinstance(content, str) else [*content, refusal])
+    out: dict[str, Any] = {"role": role, "content": content}
     if role == "assistant" and msg.get("tool_calls"):
         calls = msg["tool_calls"]
         if not isinstance(calls, list):
@@ -460,26 +480,51 @@ def split_reasoning(text: str) -> tuple[str, str]:
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Split model text into (content without tool-call blocks, structured tool calls).
 
-    A block whose body is not ``{"name": str, "arguments": object|str}`` JSON stays in the content as text.
+    A block is ``<tool_call>``, one JSON value ``{"name": str, "arguments": ...}``, then ``</tool_call>``: the
+    JSON is read with a decoder, so a ``</tool_call>`` inside one of its strings does not end the call. Any other
+    block (up to the first ``</tool_call>`` after its opener) stays in the content as text.
     """
-    if "<tool_call>" not in text:  # most turns: the scan alone cost more than the rest of this function
+    if TOOL_CALL_OPEN not in text:  # most turns: the scan alone cost more than the rest of this function
         return text, []
     calls: list[dict] = []
     kept: list[str] = []
-    pos = 0
-    for m in TOOL_CALL_RE.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-            name, args = body["name"], body.get("arguments", {})
-            if not isinstance(name, str) or not name:
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
+    pos = at = 0
+    while (at := text.find(TOOL_CALL_OPEN, at)) >= 0:
+        call, end = _tool_call_at(text, at + len(TOOL_CALL_OPEN))
+        if call is None:
+            # Not a call: text up to its first closer (the bounds such a block always had); no closer: all text.
+            close = text.find(TOOL_CALL_CLOSE, at + len(TOOL_CALL_OPEN))
+            if close < 0:
+                break
+            at = close + len(TOOL_CALL_CLOSE)
             continue
-        kept.append(text[pos : m.start()])
-        pos = m.end()
-        args_s = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args_s}})
+        kept.append(text[pos:at])
+        pos = at = end
+        calls.append(call)
     if not calls:
         return text, []
     kept.append(text[pos:])
     return "".join(kept).strip(), calls
+
+
+def _tool_call_at(text: str, start: int) -> tuple[dict | None, int]:
+    """The call whose JSON starts at ``start`` (after whitespace) and is followed by ``</tool_call>``, and the
+    index after that closer; (None, start) when there is none."""
+    try:
+        body, end = _JSON.raw_decode(text, _past_whitespace(text, start))
+        name, args = body["name"], body.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        return None, start
+    close = _past_whitespace(text, end)
+    if not text.startswith(TOOL_CALL_CLOSE, close):
+        return None, start
+    args_s = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args_s}}
+    return call, close + len(TOOL_CALL_CLOSE)
+
+
+def _past_whitespace(text: str, i: int) -> int:
+    m = _JSON_WS.match(text, i)
+    return m.end() if m else i

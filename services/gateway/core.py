@@ -214,7 +214,10 @@ class Gateway(SessionLifecycle):
                     raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
                 model = self.model.with_kwargs(overrides.get("chat_template_kwargs"))
                 key = request_key(messages, tools, model.template_kwargs or None)
-                if key == s.last_key and s.last_result is not None:
+                # A retry repeats the whole request: the same messages asked with other sampling, stops or
+                # constraints are a new turn, not the last answer again (that would ignore what they ask).
+                retry = f"{key}:{request_key([], None, overrides)}"
+                if retry == s.last_key and s.last_result is not None:
                     resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
                 plan = s.capture.plan_chat(model, messages, tools, key)
@@ -236,7 +239,7 @@ class Gateway(SessionLifecycle):
                     fitted, plan.num_tokens, n, s.capture.remaining(n), stop, tools=bool(tools), as_generated=raw
                 )
                 s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
-                self._after_turn(s, plan, key, result)
+                self._after_turn(s, plan, retry, result)
                 return result
         except BaseException as exc:
             resolve_future(ready, exc)
@@ -258,8 +261,20 @@ class Gateway(SessionLifecycle):
         max_length (``Capture.fit``; None: the turn does not fit, which with ``hard`` is a 400 instead) and the
         pod's events. ``replan``: the same turn without its new images (feedback whose images do not fit: Molt
         drops them with their image tokens and keeps the text), used when the room check, the pod's answer or
-        its refusal (images that expanded further than estimated) says they do not fit."""
+        its refusal (images that expanded further than estimated) says they do not fit.
+
+        ``ready`` resolves before the pod call, or for a streamed turn with its first token: the pod refuses a
+        request it cannot serve (a schema it cannot compile, a token id past the vocabulary) before generating,
+        and a streamed client then gets that refusal as the HTTP status, as from vLLM, not a 200 and an error
+        event."""
         events: list[dict] = []
+        push = on_tokens
+        if on_tokens is not None and ready is not None:
+            client_tokens = on_tokens
+
+            def push(ids: list[int], logprobs: list[float]) -> None:
+                resolve_future(ready, value=plan.num_tokens)
+                client_tokens(ids, logprobs)
 
         async def attempt(plan: TurnPlan) -> Generation | None:
             remaining = s.capture.check_room(plan, hard)
@@ -267,7 +282,7 @@ class Gateway(SessionLifecycle):
                 return None
             sp = self._sampling(s, overrides, remaining)
             try:
-                gen, more = await self._generate(s, plan.prompt_ids, sp, on_tokens, plan.image_files)
+                gen, more = await self._generate(s, plan.prompt_ids, sp, push, plan.image_files)
             except GatewayError as exc:
                 length = expanded_prompt_length(str(exc)) if exc.code == "context_length_exceeded" else None
                 if not plan.images or length is None:
@@ -294,12 +309,14 @@ class Gateway(SessionLifecycle):
             assert replan is not None
             plan, droppable = replan(), False
             remaining = s.capture.check_room(plan, hard)
-        resolve_future(ready, value=plan.num_tokens)
+        if on_tokens is None:
+            resolve_future(ready, value=plan.num_tokens)
         fitted = await attempt(plan) if remaining > 0 else None
         if fitted is None and droppable:
             assert replan is not None
             plan = replan()
             fitted = await attempt(plan)
+        resolve_future(ready, value=plan.num_tokens)
         return plan, fitted, events
 
     def _context_full(self, s: Session, plan: TurnPlan) -> TurnResult:

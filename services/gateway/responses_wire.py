@@ -5,7 +5,9 @@ items are messages, a ``function_call`` item is a tool call of the assistant mes
 one reply follow its text), a ``function_call_output`` item is a tool result. The turn then goes through the
 same captured chat turn as ``/chat/completions``, so a client that sends back the previous output items (as
 openai-agents does) extends the session's segment token-exactly. State lives in the session, not in the
-response: ``previous_response_id`` is refused (send the items).
+response: ``previous_response_id`` is refused (send the items). With a template that thinks, the reply's think
+block is a ``reasoning`` item before the message (vLLM's and OpenAI's shape); one sent back is not rendered (the
+template decides what earlier turns show), as the chat wire drops ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway import openai_wire as oa
 from services.gateway import sampling, tool_choice
-from services.gateway.chat import bad_request, canonical_messages, canonical_tools, new_id
+from services.gateway.chat import ChatModel, bad_request, canonical_messages, canonical_tools, new_id
 from services.gateway.errors import GatewayError
-from services.gateway.openai_wire import response_format
 from services.gateway.session import TurnResult
 from services.gateway.streaming import TextFeed
 
@@ -36,6 +38,7 @@ HONOURED = frozenset(
         "tool_choice",
         "parallel_tool_calls",
         "text",
+        "reasoning",
     }
 )
 INFORMATIONAL = frozenset(
@@ -44,9 +47,17 @@ INFORMATIONAL = frozenset(
 PARTLY = {
     "top_logprobs": (0, None),
     "include": ([], None),
-    "reasoning": ({"effort": "none"}, {}, None),
 }
 """Parameters honoured for these values only (anything else is refused by name)."""
+REASONING = {
+    "effort": None,
+    "summary": (None,),
+    "generate_summary": (None,),
+    "context": (None, "auto"),
+    "mode": (None,),
+}
+"""``reasoning``'s fields: ``effort`` as chat's ``reasoning_effort``; the others for these values only (a summary
+would need a second generation; ``context`` "auto" is the template's own way)."""
 
 
 @dataclass
@@ -66,10 +77,13 @@ def _items(raw: Any) -> tuple[list[dict], list[tuple[str, str]]]:
         raise bad_request("'input' must be a string or a non-empty list of items", "input")
     out: list[dict] = []
     wheres: list[tuple[str, str]] = []
+    turn = 0  # a reasoning item opens an assistant turn: its function calls are not the message's before it
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
+        if kind == "reasoning":
+            turn = len(out)
+        elif kind == "message":
             out.append({"role": item.get("role"), "content": item.get("content")})
             wheres.append((where, where + ".content"))
         elif kind == "function_call":
@@ -78,7 +92,7 @@ def _items(raw: Any) -> tuple[list[dict], list[tuple[str, str]]]:
                 "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
             }
-            last = out[-1] if out else None
+            last = out[-1] if len(out) > turn else None
             if last is not None and last.get("role") == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -89,11 +103,49 @@ def _items(raw: Any) -> tuple[list[dict], list[tuple[str, str]]]:
             wheres.append((where, where + ".output"))
         else:
             raise bad_request(
-                f"{where}: unsupported item type {kind!r} (message, function_call and "
+                f"{where}: unsupported item type {kind!r} (message, reasoning, function_call and "
                 "function_call_output are supported)",
                 where,
             )
+    if not out:
+        raise bad_request("'input' holds no message, function_call or function_call_output item", "input")
     return out, wheres
+
+
+def _fields(value: Any, name: str, allowed: dict) -> dict:
+    """An object parameter whose fields are honoured for some values only: the others refused by name."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{name}' must be an object", name)
+    for key, v in value.items():
+        param = f"{name}.{str(key)[:40]}"
+        if key not in allowed:
+            raise GatewayError(
+                400,
+                f"'{param}' is not supported on /v1/responses by this gateway: remove it",
+                code="unsupported_parameter",
+                param=param,
+            )
+        if allowed[key] is not None and v not in allowed[key]:
+            raise GatewayError(
+                400,
+                f"'{param}' is not supported by this gateway (it would be ignored), got {str(v)[:80]!a}: remove it",
+                code="unsupported_parameter",
+                param=param,
+            )
+    return value
+
+
+def reasoning_model(model: ChatModel, overrides: dict) -> ChatModel:
+    """``reasoning.effort`` rendered as chat's ``reasoning_effort`` is (openai_wire.reasoning_model), its
+    errors naming the Responses parameter."""
+    try:
+        return oa.reasoning_model(model, overrides)
+    except GatewayError as exc:
+        if exc.param != "reasoning_effort":
+            raise
+        raise bad_request(exc.message.replace("reasoning_effort", "reasoning.effort", 1), "reasoning.effort") from None
 
 
 def parse_responses(body: dict) -> ResponsesRequest:
@@ -139,6 +191,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
         raise bad_request("'text' must be an object {format: ...}", "text")
+    _fields(text, "text", {"format": None, "verbosity": (None,)})  # verbosity: no template reads it
+    reasoning = _fields(body.get("reasoning"), "reasoning", REASONING)
     fmt = (text or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat here too
         fmt = {"type": "json_schema", "json_schema": fmt}
@@ -146,8 +200,9 @@ def parse_responses(body: dict) -> ResponsesRequest:
         "max_tokens": sampling.number(body, "max_output_tokens", "max_tokens"),
         "temperature": sampling.number(body, "temperature"),
         "top_p": sampling.number(body, "top_p"),
-        "structured_outputs": response_format(fmt, "text.format"),
+        "structured_outputs": oa.response_format(fmt, "text.format"),
         "tool_choice": tool_choice.from_openai(choice, body.get("parallel_tool_calls")),
+        "reasoning_effort": reasoning.get("effort"),  # reasoning_model resolves it against the template
     }
     echo = {
         k: body.get(k)
@@ -158,6 +213,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
         if body.get(k) is not None:
             echo[k] = body[k]
     echo["tools"] = body.get("tools") or []
+    if reasoning.get("effort") is not None:
+        echo["reasoning"] = {"effort": reasoning["effort"], "summary": None}
     return ResponsesRequest(
         canonical_messages(messages, wheres),
         tools,
@@ -167,8 +224,18 @@ def parse_responses(body: dict) -> ResponsesRequest:
     )
 
 
+def _reasoning_item(text: str, rid: str | None = None, status: str = "completed") -> dict:
+    return {
+        "type": "reasoning",
+        "id": rid or "rs_" + new_id(),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
 def _output(r: TurnResult, text: str | None = None) -> list[dict]:
-    items: list[dict] = []
+    items: list[dict] = [_reasoning_item(r.reasoning)] if r.reasoning else []
     content = r.content if text is None else text
     if content or not r.tool_calls:
         items.append(
@@ -194,7 +261,24 @@ def _output(r: TurnResult, text: str | None = None) -> list[dict]:
     return items
 
 
-def response_body(rid: str, req: ResponsesRequest, model_name: str, r: TurnResult | None) -> dict:
+def reasoning_tokens(model: ChatModel, r: TurnResult) -> int:
+    """The reply's tokens up to its think block's end tag (all of them for a block a length stop left open)."""
+    if not r.reasoning:
+        return 0
+    ids = r.token_ids
+    if "</think>" not in r.raw_text:
+        return len(ids)
+    end = model.encode("</think>")
+    if len(end) == 1 and end[0] in ids:
+        return ids.index(end[0]) + 1
+    lo, hi = 1, len(ids)  # the tag spans tokens: the shortest prefix whose text holds it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if "</think>" in model.decode(ids[:mid], skip_special=False) else (mid + 1, hi)
+    return lo
+
+
+def response_body(rid: str, req: ResponsesRequest, model: ChatModel, model_name: str, r: TurnResult | None) -> dict:
     """The response object; ``r`` None: still in progress (the first streamed event)."""
     out: dict[str, Any] = {
         "id": rid,
@@ -220,7 +304,7 @@ def response_body(rid: str, req: ResponsesRequest, model_name: str, r: TurnResul
             "output_tokens": len(r.token_ids),
             "total_tokens": r.prompt_tokens + len(r.token_ids),
             "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(model, r)},
         }
         out["policy_version"] = r.policy_version
     return out
@@ -232,28 +316,56 @@ def _event(seq: list[int], name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _reasoning_events(seq: list[int], index: int, item: dict) -> list[bytes]:
+    """A whole reasoning item's events (the feed holds its text until the think block closes)."""
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    text = item["content"][0]["text"]
+    return [
+        _event(
+            seq,
+            "response.output_item.added",
+            {"output_index": index, "item": {**item, "content": [], "status": "in_progress"}},
+        ),
+        _event(seq, "response.content_part.added", {**where, "part": {"type": "reasoning_text", "text": ""}}),
+        _event(seq, "response.reasoning_text.delta", {**where, "delta": text}),
+        _event(seq, "response.reasoning_text.done", {**where, "text": text}),
+        _event(seq, "response.content_part.done", {**where, "part": item["content"][0]}),
+        _event(seq, "response.output_item.done", {"output_index": index, "item": item}),
+    ]
+
+
 async def responses_stream(
-    task: asyncio.Future, req: ResponsesRequest, model_name: str, state: Any, feed: TextFeed | None
+    task: asyncio.Future,
+    req: ResponsesRequest,
+    model: ChatModel,
+    model_name: str,
+    state: Any,
+    feed: TextFeed | None,
 ) -> AsyncIterator[bytes]:
-    """response.created at once; the text as the pod generates it (``feed``); function calls and
-    response.completed (the whole response, usage included) when the turn is done."""
+    """response.created at once; the reasoning item once its think block closes, then the text as the pod
+    generates it (``feed``); function calls and response.completed (the whole response, usage included) when
+    the turn is done."""
     seq = [-1]
     rid = "resp_" + new_id()
-    head = response_body(rid, req, model_name, None)
+    head = response_body(rid, req, model, model_name, None)
     yield _event(seq, "response.created", {"response": head})
     yield _event(seq, "response.in_progress", {"response": head})
-    msg_id, sent, started = "msg_" + new_id(), "", False
+    sent_items: list[dict] = []  # the items whose events are out, in output_index order
+    msg_id, sent, at = "msg_" + new_id(), "", -1  # at: the message's output index once its item is open
 
     def start() -> list[bytes]:
+        nonlocal at
+        at = len(sent_items)
         item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        sent_items.append(item)
         return [
-            _event(seq, "response.output_item.added", {"output_index": 0, "item": item}),
+            _event(seq, "response.output_item.added", {"output_index": at, "item": item}),
             _event(
                 seq,
                 "response.content_part.added",
                 {
                     "item_id": msg_id,
-                    "output_index": 0,
+                    "output_index": at,
                     "content_index": 0,
                     "part": {"type": "output_text", "text": "", "annotations": []},
                 },
@@ -264,15 +376,18 @@ async def responses_stream(
         return _event(
             seq,
             "response.output_text.delta",
-            {"item_id": msg_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []},
+            {"item_id": msg_id, "output_index": at, "content_index": 0, "delta": text, "logprobs": []},
         )
 
     if feed is not None:
         async for piece in feed.pieces():
-            if not started:
+            if at < 0:
+                if feed.reasoning:
+                    sent_items.append(_reasoning_item(feed.reasoning))
+                    for ev in _reasoning_events(seq, 0, sent_items[0]):
+                        yield ev
                 for ev in start():
                     yield ev
-                started = True
             sent += piece
             yield delta(piece)
     try:
@@ -282,43 +397,30 @@ async def responses_stream(
         yield _event(seq, "error", {"code": err.code, "message": err.message, "param": err.param})
         return
     state.pod_wait_s = r.pod_wait_s
-    final = response_body(rid, req, model_name, r)
-    items = _output(r, r.content if not started else sent + (feed.rest(r.content) if feed is not None else ""))
-    index = 0
-    if items and items[0]["type"] == "message" or started:
-        if items and items[0]["type"] == "message":
-            text = items[0]["content"][0]["text"]
-        else:
-            text = sent
-            items.insert(
-                0,
-                {
-                    "type": "message",
-                    "id": msg_id,
-                    "status": "completed",
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}],
-                },
-            )
-        items[0]["id"] = msg_id
-        if not started:
+    final = response_body(rid, req, model, model_name, r)
+    items = _output(r, r.content if at < 0 else sent + (feed.rest(r.content) if feed is not None else ""))
+    reasoning = [i for i in items if i["type"] == "reasoning"]
+    message = [i for i in items if i["type"] == "message"]
+    if reasoning and not any(i["type"] == "reasoning" for i in sent_items):
+        sent_items.append(reasoning[0])
+        for ev in _reasoning_events(seq, len(sent_items) - 1, reasoning[0]):
+            yield ev
+    if message or at >= 0:
+        text = message[0]["content"][0]["text"] if message else sent
+        if at < 0:
             for ev in start():
                 yield ev
         if text[len(sent) :]:
             yield delta(text[len(sent) :])
-        yield _event(
-            seq,
-            "response.output_text.done",
-            {"item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []},
-        )
-        yield _event(
-            seq,
-            "response.content_part.done",
-            {"item_id": msg_id, "output_index": 0, "content_index": 0, "part": items[0]["content"][0]},
-        )
-        yield _event(seq, "response.output_item.done", {"output_index": 0, "item": items[0]})
-        index = 1
-    for i, item in enumerate(items[index:], start=index):
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        where = {"item_id": msg_id, "output_index": at, "content_index": 0}
+        yield _event(seq, "response.output_text.done", {**where, "text": text, "logprobs": []})
+        yield _event(seq, "response.content_part.done", {**where, "part": part})
+        sent_items[at] = {**sent_items[at], "status": "completed", "content": [part]}
+        yield _event(seq, "response.output_item.done", {"output_index": at, "item": sent_items[at]})
+    for item in (i for i in items if i["type"] == "function_call"):
+        i = len(sent_items)
+        sent_items.append(item)
         yield _event(
             seq,
             "response.output_item.added",
@@ -335,7 +437,7 @@ async def responses_stream(
             {"item_id": item["id"], "output_index": i, "arguments": item["arguments"]},
         )
         yield _event(seq, "response.output_item.done", {"output_index": i, "item": item})
-    final["output"] = items
+    final["output"] = sent_items
     yield _event(
         seq, "response.completed" if final["status"] == "completed" else "response.incomplete", {"response": final}
     )

@@ -250,6 +250,14 @@ class Handlers:
         self.owner(request)
         return self.json(oa.models_response(self.model_name))
 
+    async def model(self, request: Request) -> Response:
+        """OpenAI's retrieve-a-model: the served model by its name; any other name is a 404 in OpenAI's shape."""
+        self.owner(request)
+        name = request.path_params["model"]
+        if name != self.model_name:
+            raise GatewayError(404, f"The model '{name[:80]}' does not exist", code="model_not_found", param="model")
+        return self.json(oa.models_response(self.model_name)["data"][0])
+
     async def open_session(self, request: Request) -> Response:
         owner = self.owner(request)
         s = await self.gw.open_session(owner, await self.body(request))
@@ -463,12 +471,13 @@ class Handlers:
         """OpenAI Responses API: a chat turn written as items (responses_wire.py)."""
         owner = self.owner(request)
         req = rw.parse_responses(await self.body(request))
-        tool_choice.apply(self.gw.model, req.messages, req.tools, req.overrides)
+        model = rw.reasoning_model(self.gw.model, req.overrides)
+        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
         feed = None
         loop = asyncio.get_running_loop()
         if sid is None:
-            r = (await self.gw.plain_chat(self.gw.model, req.messages, req.tools, req.overrides))[0]
+            r = (await self.gw.plain_chat(model, req.messages, req.tools, req.overrides))[0]
             done = loop.create_future()
             done.set_result(r)
         else:
@@ -476,18 +485,19 @@ class Handlers:
             if not req.stream:
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s
-                return TurnJSON(rw.response_body("resp_" + new_id(), req, self.model_name, r), r.policy_version)
+                body = rw.response_body("resp_" + new_id(), req, model, self.model_name, r)
+                return TurnJSON(body, r.policy_version)
             feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
             await ready
         if req.stream:
             return StreamingResponse(
-                rw.responses_stream(done, req, self.model_name, request.state, feed),
+                rw.responses_stream(done, req, model, self.model_name, request.state, feed),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
         r = await done
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
-        return TurnJSON(rw.response_body("resp_" + new_id(), req, self.model_name, r), r.policy_version)
+        return TurnJSON(rw.response_body("resp_" + new_id(), req, model, self.model_name, r), r.policy_version)
 
     # ---- Anthropic wire
 
@@ -551,6 +561,8 @@ def routes(h: Handlers) -> list[Route]:
         Route("/v1/messages/count_tokens", h.count_tokens, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/s/{sid}/v1/models", h.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", h.model, methods=["GET"]),
+        Route("/s/{sid}/v1/models/{model:path}", h.model, methods=["GET"]),
         Route("/healthz", h.healthz, methods=["GET"]),
         Route("/readyz", h.readyz, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),

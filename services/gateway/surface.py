@@ -109,7 +109,8 @@ def check(body: dict, wire: str) -> None:
         if what is None:
             raise GatewayError(
                 400,
-                f"unknown parameter '{str(key)[:80]}' for this endpoint; this gateway takes {sorted(table)}",
+                f"unknown parameter '{str(key)[:80]}' for this endpoint; this gateway takes "
+                f"{sorted(k for k, v in table.items() if v != REFUSED)}",
                 code="unknown_parameter",
                 param=str(key)[:80],
             )

@@ -92,3 +92,41 @@ def test_anthropic_stream_arrives_while_generating_and_records_what_the_plain_ca
     assert "".join(pieces) == a.content[0].text == final.content[0].text
     assert final.stop_reason == a.stop_reason == "max_tokens" and final.usage.output_tokens == LONG
     assert _segments(stack, streamed["session_id"]) == _segments(stack, plain["session_id"])
+
+
+def test_a_streamed_turn_the_pod_refuses_is_an_http_400_and_the_session_goes_on(stack):
+    """The pod refuses what it cannot serve (a token id past the vocabulary, a schema its grammar backend cannot
+    compile) before generating: a streamed call gets the 400 as its status on every wire (as from vLLM), not a
+    200 and an error event, and nothing is recorded."""
+    s = _open(stack)
+    client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="policy", messages=MESSAGES, max_tokens=4, stream=True, logit_bias={"99999999": 5}
+        )
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["x"]}
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(
+            model="policy",
+            input="hi",
+            max_output_tokens=4,
+            stream=True,
+            text={"format": {"type": "json_schema", "name": "x", "schema": schema}},
+        )
+    an = anthropic.Anthropic(base_url=s["anthropic_base_url"], api_key="EMPTY", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError):
+        an.messages.create(
+            model="policy",
+            max_tokens=4,
+            messages=MESSAGES,
+            stream=True,
+            tools=[{"name": "f", "input_schema": schema}],
+            tool_choice={"type": "tool", "name": "f"},
+        )
+    assert _turns(stack, s["session_id"]) == 0
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, stream=True)
+        if c.choices
+    )
+    assert text and _turns(stack, s["session_id"]) == 1

@@ -119,6 +119,15 @@ async def test_identical_retry_returns_cached_answer(env):
     assert a.choices[0].message.content == b.choices[0].message.content and len(_calls(pods)) == 1
     summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
     assert summary["turns"] == 1 and summary["segments"] == 1
+    # the same messages with other parameters are a new request, as OpenAI and vLLM take it: generated anew
+    replies.queue = ['{"a": 1}<|im_end|>']
+    c = await client.chat.completions.create(
+        model="policy", messages=msgs, response_format={"type": "json_object"}, max_tokens=40
+    )
+    assert c.choices[0].message.content == '{"a": 1}' and len(_calls(pods)) == 2
+    assert _calls(pods)[1][1].get("structured_outputs") == {"json_object": True}
+    summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
+    assert summary["turns"] == 2 and summary["segments"] == 2  # the re-asked turn is a rewritten history
 
 
 async def test_openai_stream_and_anthropic_wire(env, model):
@@ -179,17 +188,16 @@ async def test_pod_failure_moves_session_and_records_switch(env):
     await http.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.5})
     [traj] = await _written(app)
     assert [e["kind"] for e in traj.events] == ["pod", "pod_switch"]
-    # all pods down: a clean 503 on the JSON path and an SSE error event on a started stream
+    # all pods down: a clean 503, streamed or not (a stream's headers wait for its first token)
     pods.pods[other].down = True
     s2 = await _open(http)
     c2 = openai.AsyncOpenAI(base_url=s2["openai_base_url"], api_key="EMPTY", http_client=http, max_retries=0)
-    with pytest.raises(openai.APIStatusError) as err:
-        await c2.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
-    assert err.value.status_code == 503
-    stream = await c2.chat.completions.create(model="policy", messages=[{"role": "user", "content": "y"}], stream=True)
-    with pytest.raises(openai.APIError, match="no healthy rollout pod"):
-        async for _ in stream:
-            pass
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError, match="no healthy rollout pod") as err:
+            await c2.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "x"}], stream=stream
+            )
+        assert err.value.status_code == 503
     an = anthropic.AsyncAnthropic(
         base_url=s2["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic, max_retries=0
     )
@@ -476,6 +484,12 @@ async def test_sessionless_wires_and_models(env):
     c = await oa.completions.create(model="policy", prompt="Once", max_tokens=3)
     assert c.choices[0].finish_reason == "length"
     assert [m.id for m in (await oa.models.list()).data] == ["policy"]
+    assert (await oa.models.retrieve("policy")).id == "policy"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await oa.models.retrieve("other/model")
+    s = await _open(http)
+    on_session = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
+    assert (await on_session.models.retrieve("policy")).id == "policy"
     assert (await http.get("/readyz")).status_code == 200
 
 

@@ -100,11 +100,16 @@ async def test_what_the_responses_wire_does_not_honour_is_refused_by_name(gw):
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # this template never thinks
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             await client.responses.create(model="policy", input="hi", **kwargs)
         assert err.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as err:
-        await client.responses.create(model="policy", input=[{"type": "reasoning", "summary": []}])
-    assert "reasoning" in err.value.body["message"]
+        await client.responses.create(model="policy", input=[{"type": "web_search_call", "id": "ws_1"}])
+    assert "web_search_call" in err.value.body["message"] and err.value.body["param"] == "input[0]"
+    with pytest.raises(openai.BadRequestError) as err:  # a reasoning item is taken (not rendered): nothing left
+        await client.responses.create(model="policy", input=[{"type": "reasoning", "id": "rs_1", "summary": []}])
+    assert err.value.body["param"] == "input"

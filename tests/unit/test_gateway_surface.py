@@ -162,3 +162,6 @@ async def test_an_unknown_parameter_is_refused_by_name(app):
         for endpoint, path in PATHS.items():
             r = await http.post(path, json={**BASE[endpoint], "guided_json": {"type": "object"}})
             assert r.status_code == 400 and "guided_json" in r.text, r.text
+            # the list of what it takes names only what it honours or reads, never what it refuses
+            refused = [k for k, v in surface.TABLES[WIRES[endpoint]].items() if v == surface.REFUSED]
+            assert refused and not [k for k in refused if f"'{k}'" in r.text], r.text
