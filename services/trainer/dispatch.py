@@ -88,6 +88,7 @@ class PromptDataset:
         from molt.data import read_mixed_rows
 
         rows = []
+        unread = 0  # rows whose images --data.max_images_per_prompt 0 leaves unread
         for n, row in enumerate(read_mixed_rows(path, probs, split, max_samples, seed, flag)):
             if input_key not in row:
                 raise ValueError(
@@ -110,6 +111,7 @@ class PromptDataset:
             if isinstance(tools, str):  # Molt's datasets may store the tool schemas as a JSON string
                 tools = json.loads(tools) if tools.strip() else None
             images = row.get(image_key) if max_images else None
+            unread += bool(not max_images and row.get(image_key))
             if images is not None and not isinstance(images, list | tuple):
                 images = [images]
             if images and len(images) > max_images:
@@ -129,6 +131,17 @@ class PromptDataset:
             )
         if not rows:
             raise ValueError(f"{flag} {path} holds no prompts")
+        if unread:
+            # As Molt, 0 is text-only; said once, since a vision-language run would otherwise train blind.
+            log.warning(
+                "%s %s: %d of %d rows hold images in %r that are not read: --data.max_images_per_prompt is 0 "
+                "(text-only); set it to the most images a row holds for a vision-language model",
+                flag,
+                path,
+                unread,
+                len(rows),
+                image_key,
+            )
         labelled = sorted(LABEL_LIKE & set(row)) if not label_key else []
         if labelled:
             # Every label would be "" and a label-checking reward would score nothing, silently.

@@ -76,7 +76,7 @@ def test_each_marker_of_a_user_string_takes_the_next_image_and_the_rest_stay_as_
     assert inline_images([{"role": "user", "content": "no marker"}], [a]) == [{"role": "user", "content": "no marker"}]
 
 
-def test_prompt_dataset_sends_a_rows_images_as_data_urls_and_refuses_rows_over_the_cap(tmp_path):
+def test_prompt_dataset_sends_a_rows_images_as_data_urls_and_refuses_rows_over_the_cap(tmp_path, caplog):
     from services.trainer.dispatch import PromptDataset
 
     rows = [{"problem": "<image>Find x.", "images": [{"bytes": _png(), "path": None}]}, {"problem": "q", "images": []}]
@@ -86,8 +86,10 @@ def test_prompt_dataset_sends_a_rows_images_as_data_urls_and_refuses_rows_over_t
     fields = {p.prompt[0]["content"]: p.episode_fields() for p in ds.rows}
     assert fields["<image>Find x."] == {"images": [_url(_png())]}
     assert fields["q"] == {}
-    text_only = PromptDataset(str(tmp_path / "hf"), "problem", None, chat=True, max_samples=9, seed=0)
-    assert all(p.images is None for p in text_only.rows)  # --data.max_images_per_prompt 0: not read
+    with caplog.at_level("WARNING", logger="molt.trainer"):
+        text_only = PromptDataset(str(tmp_path / "hf"), "problem", None, chat=True, max_samples=9, seed=0)
+    assert all(p.images is None for p in text_only.rows)  # --data.max_images_per_prompt 0: not read, and said
+    assert "1 of 2 rows hold images in 'images' that are not read: --data.max_images_per_prompt is 0" in caplog.text
     (tmp_path / "two.jsonl").write_text(json.dumps({"problem": "q", "pics": [_url(_png())] * 2}) + "\n")
     with pytest.raises(ValueError, match="row 0 has 2 images in 'pics'; --data.max_images_per_prompt is 1"):
         PromptDataset(
