@@ -12,7 +12,7 @@ from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import ChatModel, bad_request, canonical_tools, image_part, joined_parts, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
-from services.gateway.openai_wire import CHUNK_CHARS
+from services.gateway.openai_wire import CHUNK_CHARS, check_prefill
 from services.gateway.streaming import TextFeed
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -196,7 +196,7 @@ def parse_messages(body: dict) -> MessagesRequest:
         tools = canonical_tools(conv)
     if body.get("stop_sequences") is not None and not isinstance(body["stop_sequences"], list):
         raise bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
-    overrides = {
+    overrides: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": sampling.number(body, "temperature"),
         "top_p": sampling.number(body, "top_p"),
@@ -205,6 +205,17 @@ def parse_messages(body: dict) -> MessagesRequest:
         "tool_choice": tool_choice.from_anthropic(body.get("tool_choice")),
         "thinking": body.get("thinking"),
     }
+    if isinstance(raw[-1], dict) and raw[-1].get("role") == "assistant":
+        # Anthropic's prefill: the reply continues the final assistant message (its content is the continuation).
+        check_prefill(messages, tools, overrides, "messages")
+        spec = overrides["thinking"]
+        if isinstance(spec, dict) and spec.get("type") in ("enabled", "adaptive"):
+            raise bad_request(
+                "thinking cannot be enabled when the final message is the assistant's (a prefill): the reply "
+                "continues that text instead of opening with a think block",
+                "thinking",
+            )
+        overrides["continue_final_message"] = True
     return MessagesRequest(
         messages, tools, {k: v for k, v in overrides.items() if v is not None}, sampling.flag(body, "stream")
     )

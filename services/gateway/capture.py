@@ -77,7 +77,9 @@ def _fit_rows(rows: np.ndarray, tokens: int) -> np.ndarray:
 
 @dataclass
 class ChatState:
-    """What the prefix test of the next chat turn compares against."""
+    """What the prefix test of the next chat turn compares against. After a prefill turn, ``messages`` is the
+    conversation before the prefill, ``full_render`` ends with the prefill (the open render) and ``reply`` is
+    prefill + continuation as one message, as the client sends it back."""
 
     messages: list[dict]
     tools: list[dict] | None
@@ -197,22 +199,31 @@ class Capture:
         tools: list[dict] | None,
         key: str | None = None,
         drop_new_images: bool = False,
+        prefill: bool = False,
     ) -> TurnPlan:
         """``key``: the request's ``request_key``; a first turn's render and tokens are cached by it.
+        ``prefill``: the final (assistant) message is rendered open and its text is prompt, which the reply
+        continues (``full_render`` ends with it).
         ``drop_new_images``: a turn that extends the segment leaves out the images of its new messages (their
         image parts are not rendered); the record of what the client sent (``full_render``) keeps them, so the
         client's next turn, which repeats them in its history, still extends the segment."""
-        return self._count_images(model, self._plan_chat(model, messages, tools, key, drop_new_images))
+        return self._count_images(model, self._plan_chat(model, messages, tools, key, drop_new_images, prefill))
 
     def _plan_chat(
-        self, model: ChatModel, messages: list[dict], tools: list[dict] | None, key: str | None, drop_new: bool
+        self,
+        model: ChatModel,
+        messages: list[dict],
+        tools: list[dict] | None,
+        key: str | None,
+        drop_new: bool,
+        prefill: bool,
     ) -> TurnPlan:
         cur, st = self.current, self.chat
         images = _images_for(model, messages)
         if cur is None and key is not None:
-            full, ids = model.prompt(key, messages, tools)
+            full, ids = model.prompt(key, messages, tools, prefill)
             return TurnPlan(ids, ids, True, "first", full, messages, tools, images, len(images))
-        full = model.render(messages, tools, generation_prompt=True)
+        full = model.render(messages, tools, generation_prompt=True, prefill=prefill)
         reason = "first" if cur is None else "history_rewrite"
         if cur is not None and st is not None and tools == st.tools:
             k = len(st.messages)
@@ -229,7 +240,7 @@ class Capture:
                         shown = full
                         if drop_new and new:
                             rest = [_without_images(m) for m in messages[k + 1 :]]
-                            stripped = model.render(messages[: k + 1] + rest, tools, generation_prompt=True)
+                            stripped = model.render(messages[: k + 1] + rest, tools, True, prefill)
                             if stripped.startswith(through):  # else the template rewrote history: keep them
                                 shown, new = stripped, []
                         delta = model.encode(tail + shown[len(through) :])

@@ -107,13 +107,18 @@ class ChatModel:
         view.template_kwargs = {**self.template_kwargs, **kwargs}
         return view
 
-    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, prefill: bool = False
+    ) -> str:
+        """``prefill``: the final (assistant) message is left open, its text the start of the reply (HF's
+        ``continue_final_message``; no generation prompt)."""
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=list(tools) if tools else None,
                 tokenize=False,
-                add_generation_prompt=generation_prompt,
+                add_generation_prompt=generation_prompt and not prefill,
+                continue_final_message=prefill,
                 **self.template_kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ... on messages it cannot render
@@ -135,13 +140,17 @@ class ChatModel:
     PROMPT_CACHE_ENTRIES = 512
     """First-turn prompts kept: the samples of a group (GRPO's n) open with the same messages."""
 
-    def prompt(self, key: str, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
-        """Render (generation prompt on) and tokenize a conversation, cached by its ``request_key``."""
+    def prompt(
+        self, key: str, messages: list[dict], tools: list[dict] | None, prefill: bool = False
+    ) -> tuple[str, list[int]]:
+        """Render (generation prompt on, or the final message open: ``prefill``) and tokenize a conversation,
+        cached by its ``request_key``."""
+        key = "prefill:" + key if prefill else key
         hit = self._prompts.get(key)
         if hit is not None:
             self._prompts.move_to_end(key)
             return hit[0], list(hit[1])
-        text = self.render(messages, tools, generation_prompt=True)
+        text = self.render(messages, tools, generation_prompt=True, prefill=prefill)
         ids = self.encode(text)
         self._prompts[key] = (text, tuple(ids))
         if len(self._prompts) > self.PROMPT_CACHE_ENTRIES:

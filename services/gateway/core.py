@@ -212,6 +212,15 @@ class Gateway(SessionLifecycle):
                     raise GatewayError(409, f"session {s.id} is {s.state}", code="session_closed")
                 if int(overrides.get("n") or 1) != 1:
                     raise bad_request("n must be 1 on a session (each sample is its own session)", "n")
+                if overrides.get("add_generation_prompt") is False and not overrides.get("continue_final_message"):
+                    raise bad_request(
+                        "'add_generation_prompt': false without 'continue_final_message' leaves no assistant turn "
+                        "open, so the model would write the turn's header itself: a captured turn's reply is the "
+                        "assistant's message (send continue_final_message: true to continue a final assistant "
+                        "message, or drop add_generation_prompt)",
+                        "add_generation_prompt",
+                    )
+                prefill = bool(overrides.get("continue_final_message"))
                 model = self.model.with_kwargs(overrides.get("chat_template_kwargs"))
                 key = request_key(messages, tools, model.template_kwargs or None)
                 # A retry repeats the whole request: the same messages asked with other sampling, stops or
@@ -220,11 +229,11 @@ class Gateway(SessionLifecycle):
                 if retry == s.last_key and s.last_result is not None:
                     resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
-                plan = s.capture.plan_chat(model, messages, tools, key)
+                plan = s.capture.plan_chat(model, messages, tools, key, prefill=prefill)
                 hard = s.context_full == "error"
 
                 def replan() -> TurnPlan:
-                    return s.capture.plan_chat(model, messages, tools, key, drop_new_images=True)
+                    return s.capture.plan_chat(model, messages, tools, key, drop_new_images=True, prefill=prefill)
 
                 stop = overrides.get("stop") or s.sampling_params.get("stop")
                 plan, fitted, events = await self._generate_fitting(
@@ -238,7 +247,10 @@ class Gateway(SessionLifecycle):
                 result = self._result(
                     fitted, plan.num_tokens, n, s.capture.remaining(n), stop, tools=bool(tools), as_generated=raw
                 )
-                s.capture.chat = ChatState(messages, tools, plan.full_render, result.reply, result.raw_text)
+                history, reply = messages, result.reply
+                if prefill:  # what the client sends back: prefill + continuation, one assistant message
+                    history, reply = messages[:-1], {**reply, "content": messages[-1]["content"] + result.content}
+                s.capture.chat = ChatState(history, tools, plan.full_render, reply, result.raw_text)
                 self._after_turn(s, plan, retry, result)
                 return result
         except BaseException as exc:
@@ -486,7 +498,7 @@ class Gateway(SessionLifecycle):
         text-only model (its template cannot render them)."""
         images = message_images(messages)
         self._refuse_images(images)
-        ids = model.encode(model.render(messages, tools, generation_prompt=True))
+        ids = model.encode(render_request(model, messages, tools, overrides))
         return await self.plain_generate(ids, overrides, images, tools=bool(tools))
 
     def _refuse_images(self, images: list[dict] | None) -> None:
@@ -526,6 +538,13 @@ class Gateway(SessionLifecycle):
         gens = [self._apply_stop(g, stop) for g in gens]
         n = len(prompt_ids)
         return [self._result(g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools) for g in gens]
+
+
+def render_request(model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict) -> str:
+    """A session-less request's prompt, as vLLM renders it: ``add_generation_prompt`` (default on) or the final
+    message continued (``continue_final_message``, the wires' prefill)."""
+    prefill = bool(overrides.get("continue_final_message"))
+    return model.render(messages, tools, overrides.get("add_generation_prompt") is not False, prefill)
 
 
 def resolve_future(fut: asyncio.Future | None, exc: BaseException | None = None, value: Any = None) -> None:

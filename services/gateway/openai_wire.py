@@ -81,15 +81,61 @@ def parse_chat(body: dict) -> ChatRequest:
     stream = sampling.flag(body, "stream")
     if stream and overrides.get("n", 1) > 1:
         raise bad_request("'n' > 1 is not streamed: drop 'stream', or ask for one choice per request", "n")
+    messages, tools = canonical_messages(body.get("messages")), canonical_tools(body.get("tools"))
+    continued = sampling.flag(body, "continue_final_message")
+    generation_prompt = body.get("add_generation_prompt") is None or sampling.flag(body, "add_generation_prompt")
+    if continued:
+        if generation_prompt:  # as vLLM (and HF's template call) refuse both; add_generation_prompt defaults on
+            raise bad_request(
+                "'continue_final_message' continues the final message and 'add_generation_prompt' opens a new "
+                'one: send "add_generation_prompt": false with it (it defaults to true)',
+                "continue_final_message",
+            )
+        check_prefill(messages, tools, overrides, "continue_final_message")
+        overrides["continue_final_message"] = True
+    if not generation_prompt:
+        overrides["add_generation_prompt"] = False
     return ChatRequest(
-        messages=canonical_messages(body.get("messages")),
-        tools=canonical_tools(body.get("tools")),
+        messages=messages,
+        tools=tools,
         overrides=overrides,
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top,
     )
+
+
+def check_prefill(messages: list[dict], tools: list[dict] | None, overrides: dict, param: str) -> None:
+    """A request that continues its final message (a prefill; ``param`` names the request's field for it): that
+    message must be the assistant's text. A grammar (a JSON response format, a tool choice that constrains the
+    reply) would constrain the continuation alone, not prefill + continuation: a 400 naming it."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise bad_request(
+            f"'{param}': the final message is continued, so it must be the assistant's; it is the {last['role']}'s",
+            param,
+        )
+    if last.get("tool_calls") or not isinstance(last["content"], str):
+        raise bad_request(
+            f"'{param}': the final assistant message is continued (a prefill), so it must be text only, without "
+            "tool calls",
+            param,
+        )
+    choice = overrides.get("tool_choice")
+    if choice is not None and choice.constrains(tools):
+        raise bad_request(
+            "a 'tool_choice' that constrains the reply (required, a named tool, none, or auto without parallel "
+            "calls) cannot continue a final assistant message (a prefill): it would constrain the continuation "
+            "alone",
+            "tool_choice",
+        )
+    if overrides.get("structured_outputs") is not None:
+        raise bad_request(
+            "a structured 'response_format' cannot continue a final assistant message (a prefill): it would "
+            "constrain the continuation alone",
+            "response_format",
+        )
 
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

@@ -18,7 +18,7 @@ from services.gateway import openai_wire as oa
 from services.gateway import responses_wire as rw
 from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import bad_request, new_id
-from services.gateway.core import Gateway, TurnResult, resolve_future
+from services.gateway.core import Gateway, TurnResult, render_request, resolve_future
 from services.gateway.errors import GatewayError
 from services.gateway.image_fetch import ImageFetcher
 from services.gateway.replicas import FORWARDED, Replicas, session_of
@@ -535,7 +535,7 @@ class Handlers:
         self.owner(request)
         req = an.parse_messages({"max_tokens": 1, **(await self.body(request))})
         model = an.thinking_model(self.gw.model, req.overrides)
-        ids = model.encode(model.render(req.messages, req.tools, generation_prompt=True))
+        ids = model.encode(render_request(model, req.messages, req.tools, req.overrides))
         return self.json({"input_tokens": len(ids)})
 
 

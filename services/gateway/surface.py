@@ -50,6 +50,8 @@ CHAT: dict[str, str] = {
             "logit_bias",
             "chat_template_kwargs",
             "reasoning_effort",
+            "add_generation_prompt",
+            "continue_final_message",
         ),
         HONOURED,
     ),

@@ -36,6 +36,10 @@ class ToolChoice:
     name: str | None = None
     parallel: bool = True
 
+    def constrains(self, tools: list[dict] | None) -> bool:
+        """Whether this choice becomes a constraint on what the pod samples (``constraint``)."""
+        return not (self.mode == "auto" and self.parallel or (self.mode in ("auto", "none") and not tools))
+
 
 def from_openai(tool_choice: Any, parallel: Any) -> ToolChoice:
     if parallel is not None and not isinstance(parallel, bool):
@@ -114,7 +118,7 @@ def call_format(model: ChatModel, messages: list[dict], tools: list[dict]) -> Ca
 
 def constraint(model: ChatModel, messages: list[dict], tools: list[dict] | None, choice: ToolChoice) -> dict | None:
     """The pod's ``structured_outputs`` for ``choice`` (None: nothing to constrain)."""
-    if choice.mode == "auto" and choice.parallel or (choice.mode in ("auto", "none") and not tools):
+    if not choice.constrains(tools):
         return None
     if not tools:
         raise bad_request(f"tool_choice {choice.mode!r} needs 'tools'", "tool_choice")

@@ -64,6 +64,8 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "logit_bias": ({"5": 1}, {"5": 101}),
         "chat_template_kwargs": ({}, {"enable_thinking": False}),  # the tiny template reads no extra variable
         "reasoning_effort": ("none", "low"),  # the tiny template never thinks
+        "add_generation_prompt": (False, "yes"),  # session-less: rendered without it, as vLLM does
+        "continue_final_message": (False, True),  # the base request's final message is the user's
         "audio": (None, {"voice": "x", "format": "wav"}),
         "modalities": (None, ["text"]),
         "prediction": (None, {"type": "content", "content": "x"}),
