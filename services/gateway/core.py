@@ -203,9 +203,11 @@ class Gateway(SessionLifecycle):
         overrides: dict,
         ready: asyncio.Future | None = None,
         on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        fresh: bool = False,
     ) -> TurnResult:
         """One captured chat turn; ``ready`` resolves once the request is accepted (before generation);
-        ``on_tokens`` gets the tokens as the pod generates them (a streamed turn)."""
+        ``on_tokens`` gets the tokens as the pod generates them (a streamed turn). ``fresh``: the client says
+        this is its first attempt, so a request identical to the last one is a new sample, not a retry."""
         try:
             async with s.lock:
                 if s.state != "open":
@@ -226,7 +228,7 @@ class Gateway(SessionLifecycle):
                 # A retry repeats the whole request: the same messages asked with other sampling, stops or
                 # constraints are a new turn, not the last answer again (that would ignore what they ask).
                 retry = f"{key}:{request_key([], None, overrides)}"
-                if retry == s.last_key and s.last_result is not None:
+                if not fresh and retry == s.last_key and s.last_result is not None:
                     resolve_future(ready, value=s.last_result.prompt_tokens)
                     return _cached(s.last_result)
                 plan = s.capture.plan_chat(model, messages, tools, key, prefill=prefill)

@@ -349,9 +349,11 @@ async def chat_stream(
                 ],
             }
         )
-    if r.tool_calls:
-        calls = [{"index": j, **c} for j, c in enumerate(r.tool_calls)]
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}]})
+    # One call per chunk, as OpenAI and vLLM stream them: some clients (llama-index) read only the first entry
+    # of a chunk's tool_calls.
+    for j, c in enumerate(r.tool_calls):
+        delta = {"tool_calls": [{"index": j, **c}]}
+        yield _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
     yield _sse(
         {
             **base,

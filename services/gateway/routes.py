@@ -56,6 +56,13 @@ class TurnJSON(Response):
         ]
 
 
+def first_attempt(request: Request) -> bool:
+    """Whether the client numbers this request as its first attempt: the OpenAI and Anthropic SDKs send
+    ``x-stainless-retry-count`` (0, then 1, 2, ... on their retries). An identical request on a first attempt is
+    a new sample (dspy resamples so); a retry, or a client that does not say, gets the last answer again."""
+    return request.headers.get("x-stainless-retry-count") == "0"
+
+
 def _lone_surrogate(value: Any, where: str = "body") -> str | None:
     """Where in a parsed body a string holds a lone surrogate (a valid pair decodes to one character), or None."""
     if isinstance(value, str):
@@ -175,12 +182,14 @@ class Handlers:
         return ready, done
 
     def start_streamed(
-        self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict
+        self, s: Session, messages: list[dict], tools: list[dict] | None, overrides: dict, fresh: bool = False
     ) -> tuple[TextFeed, asyncio.Future, asyncio.Future]:
         """A streamed chat turn (``start``) whose tokens reach its ``TextFeed`` as the pod generates them."""
         stop = overrides.get("stop") or s.sampling_params.get("stop")
         feed = TextFeed(self.gw.model, stop, tools=bool(tools), raw=s.replies == "raw")
-        ready, done = self.start(lambda rd: self.gw.chat_turn(s, messages, tools, overrides, rd, feed.push))
+        ready, done = self.start(
+            lambda rd: self.gw.chat_turn(s, messages, tools, overrides, rd, feed.push, fresh=fresh)
+        )
         done.add_done_callback(feed.close)
         return feed, ready, done
 
@@ -416,7 +425,7 @@ class Handlers:
             return TurnJSON(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
         s = await self.gw.session(sid, owner)
         if req.stream:
-            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides, first_attempt(request))
             await ready
             return StreamingResponse(
                 oa.chat_stream(done, req, self.gw.model, self.model_name, request.state, feed),
@@ -427,7 +436,7 @@ class Handlers:
         # a cancellation could only land while waiting for the pod, before anything is committed). A separate
         # task cost a hop back here per turn, queued behind every other ready callback: when a pod answers a
         # batch of 64 at once, the last reply left only after all 64 turns had been committed.
-        r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
+        r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
         return TurnJSON(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
 
@@ -483,11 +492,11 @@ class Handlers:
         else:
             s = await self.gw.session(sid, owner)
             if not req.stream:
-                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
+                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s
                 body = rw.response_body("resp_" + new_id(), req, model, self.model_name, r)
                 return TurnJSON(body, r.policy_version)
-            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides, first_attempt(request))
             await ready
         if req.stream:
             return StreamingResponse(
@@ -516,10 +525,10 @@ class Handlers:
         else:
             s = await self.gw.session(sid, owner)
             if not req.stream:  # in this task, as in chat()
-                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides)
+                r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s
                 return TurnJSON(an.messages_response(r, self.model_name), r.policy_version)
-            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides)
+            feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides, first_attempt(request))
         if req.stream:
             input_tokens = await ready
             return StreamingResponse(

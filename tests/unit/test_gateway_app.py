@@ -114,20 +114,28 @@ async def test_identical_retry_returns_cached_answer(env):
     s = await _open(http)
     client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key="EMPTY", http_client=http)
     msgs = [{"role": "user", "content": "hi"}]
+    replies.queue = ["First.<|im_end|>", "Second.<|im_end|>"]
     a = await client.chat.completions.create(model="policy", messages=msgs)
-    b = await client.chat.completions.create(model="policy", messages=msgs)
-    assert a.choices[0].message.content == b.choices[0].message.content and len(_calls(pods)) == 1
+    url, body = f"/s/{s['session_id']}/v1/chat/completions", {"model": "policy", "messages": msgs}
+    # an SDK's own retry (it numbers its attempts) and a client that does not number them: the last answer again
+    for headers in ({"x-stainless-retry-count": "1"}, {}):
+        b = (await http.post(url, json=body, headers=headers)).json()
+        assert b["choices"][0]["message"]["content"] == a.choices[0].message.content == "First."
+    assert len(_calls(pods)) == 1
     summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
     assert summary["turns"] == 1 and summary["segments"] == 1
-    # the same messages with other parameters are a new request, as OpenAI and vLLM take it: generated anew
+    # the same request as a first attempt is a new sample (dspy resamples so): generated, as a new segment
+    again = await client.chat.completions.create(model="policy", messages=msgs)
+    assert again.choices[0].message.content == "Second." and len(_calls(pods)) == 2
+    # the same messages with other parameters are a new request even on a retry: generated anew
     replies.queue = ['{"a": 1}<|im_end|>']
-    c = await client.chat.completions.create(
-        model="policy", messages=msgs, response_format={"type": "json_object"}, max_tokens=40
-    )
-    assert c.choices[0].message.content == '{"a": 1}' and len(_calls(pods)) == 2
-    assert _calls(pods)[1][1].get("structured_outputs") == {"json_object": True}
+    retry = {"x-stainless-retry-count": "1"}
+    body = {**body, "response_format": {"type": "json_object"}, "max_tokens": 40}
+    c = (await http.post(url, json=body, headers=retry)).json()
+    assert c["choices"][0]["message"]["content"] == '{"a": 1}' and len(_calls(pods)) == 3
+    assert _calls(pods)[2][1].get("structured_outputs") == {"json_object": True}
     summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
-    assert summary["turns"] == 2 and summary["segments"] == 2  # the re-asked turn is a rewritten history
+    assert summary["turns"] == 3 and summary["segments"] == 3  # each re-asked turn is a rewritten history
 
 
 async def test_openai_stream_and_anthropic_wire(env, model):

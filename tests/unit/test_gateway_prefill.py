@@ -81,7 +81,9 @@ async def test_openai_continue_final_message_and_its_retry(gw, model):
     msgs = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": PREFILL}]
     r1 = await client.chat.completions.create(model="policy", messages=msgs, extra_body=OPEN)
     assert r1.choices[0].message.content == CONT and r1.choices[0].finish_reason == "stop"
-    again = await client.chat.completions.create(model="policy", messages=msgs, extra_body=OPEN)
+    again = await client.chat.completions.create(
+        model="policy", messages=msgs, extra_body=OPEN, extra_headers={"x-stainless-retry-count": "1"}
+    )
     assert again.choices[0].message.content == CONT and len(pod.calls) == 1  # the identical retry: cached
     msgs = [msgs[0], {"role": "assistant", "content": PREFILL + CONT}, {"role": "user", "content": "ok"}]
     r2 = await client.chat.completions.create(model="policy", messages=msgs)

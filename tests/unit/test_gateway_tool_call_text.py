@@ -77,6 +77,17 @@ async def test_a_call_whose_argument_holds_the_closer_is_one_call_streamed_or_no
         assert call.function.name == "write" and json.loads(call.function.arguments) == TRICKY
 
 
+async def test_streamed_calls_come_one_per_chunk(model):
+    """As OpenAI and vLLM stream them: llama-index reads only a chunk's first tool_calls entry."""
+    two = CALL + "\n" + CALL.replace("write", "read") + "<|im_end|>"
+    _app, _pods, http = scripted_gateway(model, lambda prompt, sp: model.encode(two), PODS)
+    body = {"model": "policy", "messages": ASK, "tools": TOOLS, "stream": True}
+    r = await http.post("/v1/chat/completions", json=body)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert [[(d["index"], d["function"]["name"]) for d in x] for x in deltas] == [[(0, "write")], [(1, "read")]]
+
+
 def test_assistant_refusals_render_as_its_text():
     parts = {
         "role": "assistant",
