@@ -111,6 +111,34 @@ def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -
     return app, fake, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
+def queued_gateway(model, pods: list[str]) -> tuple:
+    """``scripted_gateway`` whose pod answers the next text a test puts in the queue (then "Done."):
+    (app, the FakePods, the queue, an httpx client over ASGI)."""
+    queue: list[str] = []
+    app, fake, http = scripted_gateway(
+        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), pods
+    )
+    return app, fake, queue, http
+
+
+def thinking_switch_model(src: Path, dest: Path):
+    """A copy of the tiny model (``src``) whose generation prompt holds an empty think block when
+    ``enable_thinking`` is false, as Qwen3's does; its ChatModel."""
+    import shutil
+
+    from services.gateway.chat import ChatModel
+
+    shutil.copytree(src, dest)
+    tpl = (dest / "chat_template.jinja").read_text()
+    assert tpl.endswith("{{ '<|im_start|>assistant' + nl }}{%- endif -%}")
+    switch = (
+        "{%- if enable_thinking is defined and enable_thinking is false -%}"
+        "{{ '<think>' + nl + nl + '</think>' + nl + nl }}{%- endif -%}"
+    )
+    (dest / "chat_template.jinja").write_text(tpl[: -len("{%- endif -%}")] + switch + "{%- endif -%}")
+    return ChatModel(dest)
+
+
 def read_trajectories(redis_url: str, stream: str) -> list:
     """Every trajectory entry on ``stream`` (repeats included), read through a consumer group of its own."""
     import asyncio

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import scripted_gateway
+from tests.gateway_testlib import queued_gateway
 
 PODS = ["http://pod-a:1"]
 PREFILL = '{"a": '
@@ -27,10 +27,7 @@ def model(tiny_qwen3) -> ChatModel:
 
 @pytest.fixture
 def gw(model):
-    queue: list[str] = []
-    app, pods, http = scripted_gateway(
-        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
-    )
+    app, pods, queue, http = queued_gateway(model, PODS)
     http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
     return app, pods.pods[PODS[0]], queue, http
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import scripted_gateway
+from tests.gateway_testlib import queued_gateway
 
 PODS = ["http://pod-a:1"]
 THINK = "<think>\nThe user wants a number.\n</think>\n\nFour.<|im_end|>"
@@ -43,11 +43,7 @@ def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
 
 @pytest.fixture
 def gw(model):
-    queue: list[str] = []
-    app, pods, http = scripted_gateway(
-        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
-    )
-    return app, pods, queue, http
+    return queued_gateway(model, PODS)
 
 
 async def _exact(app, http, pods, model, sid: str) -> None:

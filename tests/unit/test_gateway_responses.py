@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import scripted_gateway
+from tests.gateway_testlib import queued_gateway
 
 PODS = ["http://pod-a:1"]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
@@ -27,11 +27,7 @@ def model(tiny_qwen3) -> ChatModel:
 
 @pytest.fixture
 def gw(model):
-    queue: list[str] = []
-    app, pods, http = scripted_gateway(
-        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
-    )
-    return app, pods, queue, http
+    return queued_gateway(model, PODS)
 
 
 async def _client(http) -> tuple[str, openai.AsyncOpenAI]:

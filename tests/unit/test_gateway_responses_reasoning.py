@@ -5,14 +5,12 @@ streamed or not, counted in ``reasoning_tokens``; ``reasoning.effort`` goes thro
 
 from __future__ import annotations
 
-import shutil
-
 import openai
 import pytest
 from openai.types.responses import ResponseReasoningItem, ResponseReasoningTextDeltaEvent
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import scripted_gateway
+from tests.gateway_testlib import queued_gateway, thinking_switch_model
 
 PODS = ["http://pod-a:1"]
 THINK = "<think>\nThe user wants a number.\n</think>\n\nFour.<|im_end|>"
@@ -30,28 +28,14 @@ TOOL = {
 @pytest.fixture(scope="module")
 def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
     """tiny_qwen3 whose generation prompt holds an empty think block when enable_thinking is false (Qwen3's)."""
-    path = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(tiny_qwen3, path)
-    tpl = (path / "chat_template.jinja").read_text()
-    old = "{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
-    assert tpl.endswith(old)
-    switch = (
-        "{%- if enable_thinking is defined and enable_thinking is false -%}"
-        "{{ '<think>' + nl + nl + '</think>' + nl + nl }}{%- endif -%}"
-    )
-    (path / "chat_template.jinja").write_text(tpl[: -len("{%- endif -%}")] + switch + "{%- endif -%}")
-    m = ChatModel(path)
+    m = thinking_switch_model(tiny_qwen3, tmp_path_factory.mktemp("thinking") / "model")
     assert m.thinks and m.template_variables == {"enable_thinking"}
     return m
 
 
 @pytest.fixture
 def gw(model):
-    queue: list[str] = []
-    app, pods, http = scripted_gateway(
-        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), PODS
-    )
-    return app, pods, queue, http
+    return queued_gateway(model, PODS)
 
 
 async def _client(http, session: bool) -> openai.AsyncOpenAI:

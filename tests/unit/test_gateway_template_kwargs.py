@@ -12,7 +12,7 @@ import pytest
 from services.gateway.app import build_app
 from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
-from tests.gateway_testlib import FakePods
+from tests.gateway_testlib import FakePods, thinking_switch_model
 
 PODS = ["http://pod-a:1"]
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -22,17 +22,7 @@ ASK = [{"role": "user", "content": "2 + 2?"}]
 @pytest.fixture(scope="module")
 def model(tiny_qwen3, tmp_path_factory) -> ChatModel:
     """tiny_qwen3 whose generation prompt holds an empty think block when enable_thinking is false (Qwen3's)."""
-    path = tmp_path_factory.mktemp("switch") / "model"
-    shutil.copytree(tiny_qwen3, path)
-    tpl = (path / "chat_template.jinja").read_text()
-    old = "{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
-    assert tpl.endswith(old)
-    switch = (
-        "{%- if enable_thinking is defined and enable_thinking is false -%}"
-        "{{ '<think>' + nl + nl + '</think>' + nl + nl }}{%- endif -%}"
-    )
-    (path / "chat_template.jinja").write_text(tpl[: -len("{%- endif -%}")] + switch + "{%- endif -%}")
-    m = ChatModel(path)
+    m = thinking_switch_model(tiny_qwen3, tmp_path_factory.mktemp("switch") / "model")
     assert m.template_variables == {"enable_thinking"}
     return m
 
