@@ -300,11 +300,8 @@ def test_checkpoint_roundtrip_is_exact(world, tiny_qwen3, tmp_path, optim):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-async def _put(queue, trajs):
-    await queue.put_many(trajs)
-
-
-def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwen3, tmp_path):
+def _one_step(world, model, tmp_path, trajs, *flags) -> tuple[dict, object, object]:
+    """Train one step of the in-memory queue holding ``trajs``: (its step-log line, the trainer, the queue)."""
     import asyncio
     import json
 
@@ -312,6 +309,25 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
     from services.trainer.trainer import Trainer
 
     queue = MemoryTrajectoryQueue()
+    asyncio.run(queue.put_many(trajs))
+    log = tmp_path / "steps.jsonl"
+    s = _settings(
+        model,
+        *("--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--train.num_steps", "1"),
+        # its final model goes next to the checkpoints, not into the working directory
+        *("--logger.steps_jsonl", str(log), "--ckpt.path", str(tmp_path / "ckpt" / "checkpoints")),
+        *flags,
+    )
+    trainer = Trainer(s, world, queue=queue)
+    try:
+        assert trainer.run()["steps"] == 1
+    finally:
+        trainer.close()
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    return line, trainer, queue
+
+
+def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwen3, tmp_path):
     good = [
         Trajectory(f"ok{i}", "g", i, [Segment([5, 6, 7, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
         for i in range(2)
@@ -320,29 +336,7 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
         Trajectory(f"bad{i}", "h", i, [Segment([5, 6, 99999, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], float(i))
         for i in range(2)
     ]
-    asyncio.run(_put(queue, bad + good))
-    log = tmp_path / "steps.jsonl"
-    s = _settings(
-        tiny_qwen3,
-        "--algo.advantage.estimator",
-        "grpo",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.batch_size",
-        "1",
-        "--train.num_steps",
-        "1",
-        "--logger.steps_jsonl",
-        str(log),
-        "--ckpt.path",  # its final model goes next to it, not into the working directory
-        str(tmp_path / "ckpt" / "checkpoints"),
-    )
-    trainer = Trainer(s, world, queue=queue)
-    try:
-        assert trainer.run()["steps"] == 1
-    finally:
-        trainer.close()
-    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    line, trainer, queue = _one_step(world, tiny_qwen3, tmp_path, bad + good, "--rollout.batch_size", "1")
     assert sorted(line["trajectory_ids"]) == ["ok0", "ok1"]
     assert queue.consumed_ids == {"ok0", "ok1", "bad0", "bad1"}
     text = trainer.metrics.render()[0].decode()
@@ -352,29 +346,10 @@ def test_trajectories_outside_the_vocabulary_are_acked_untrained(world, tiny_qwe
 def test_a_segment_without_actions_in_max_len_is_logged_as_molt_drops_it(world, tiny_qwen3, tmp_path):
     """Molt's ``rollout/dropped/no_action_tokens``: a rollout whose actions all lie past --data.max_len trains
     nothing and is counted in the step log, with dynamic filtering off."""
-    import asyncio
-    import json
-
-    from molt.bus.memory import MemoryTrajectoryQueue
-    from services.trainer.trainer import Trainer
-
-    queue = MemoryTrajectoryQueue()
     ok = Trajectory("ok", "g", 0, [Segment([5, 6, 7, 8], [[2, 4]], [-1.0, -1.0], [0, 0])], 1.0)
     late = Trajectory("late", "g", 1, [Segment(list(range(5, 25)), [[16, 20]], [-1.0] * 4, [0] * 4)], 0.0)
-    asyncio.run(_put(queue, [ok, late]))
-    log = tmp_path / "steps.jsonl"
-    s = _settings(
-        tiny_qwen3,
-        *("--algo.advantage.estimator", "grpo", "--algo.kl.init_coef", "0", "--data.max_len", "12"),
-        *("--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "2", "--train.num_steps", "1"),
-        *("--logger.steps_jsonl", str(log), "--ckpt.path", str(tmp_path / "ckpt" / "checkpoints")),
-    )
-    trainer = Trainer(s, world, queue=queue)
-    try:
-        assert trainer.run()["steps"] == 1
-    finally:
-        trainer.close()
-    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    flags = ("--data.max_len", "12", "--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "2")
+    line, _, _ = _one_step(world, tiny_qwen3, tmp_path, [ok, late], *flags)
     assert sorted(line["trajectory_ids"]) == ["late", "ok"]
     assert line["rollout/dropped/no_action_tokens"] == 1 and line["rollout/dropped/total"] == 1
 
