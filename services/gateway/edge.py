@@ -79,7 +79,14 @@ def error_response(exc: BaseException, path: str) -> JSONResponse:
         err, headers = exc, error_headers(exc)
     elif isinstance(exc, HTTPException):
         code = "not_found" if exc.status_code == 404 else "http_error"
-        err, headers = GatewayError(exc.status_code, str(exc.detail), code=code), dict(exc.headers or {})
+        detail = str(exc.detail)
+        if exc.status_code == 404 and path.startswith("/s/"):
+            # Clients join paths to a base URL their own way (dspy posts to {base}/messages): say which bases.
+            detail += (
+                f": nothing is served at {path[:200]}; a session's OpenAI base URL is /s/{{id}}/v1 (chat/completions, "
+                "completions, responses, models) and its Anthropic base URL /s/{id} (the SDK adds /v1/messages)"
+            )
+        err, headers = GatewayError(exc.status_code, detail, code=code), dict(exc.headers or {})
     else:
         log.error("unhandled error on %s", path, exc_info=exc)
         err, headers = (

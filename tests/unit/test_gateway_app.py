@@ -246,6 +246,9 @@ async def test_errors_have_each_wires_shape(env):
     assert r.status_code == 409
     r = await http.get("/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    # a base URL joined the wrong way (dspy posts to {anthropic base}/messages): the 404 names the bases
+    r = await http.post(f"/s/{sid}/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and "its Anthropic base URL /s/{id} (the SDK adds /v1/messages)" in r.text
     r = await http.get(f"/s/{sid}/v1/messages")  # routing errors too come in the path's wire shape
     assert (
         r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"] == "invalid_request_error"
