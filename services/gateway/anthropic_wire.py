@@ -118,7 +118,7 @@ def _message(msg: Any, i: int) -> list[dict]:
                 {
                     "id": str(b.get("id") or ""),
                     "type": "function",
-                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)},
+                    "function": {"name": b["name"], "arguments": _arguments(b.get("input", {}))},
                 }
             )
         elif kind == "tool_result" and role == "user":
@@ -221,17 +221,33 @@ def parse_messages(body: dict) -> MessagesRequest:
     )
 
 
+# Anthropic's tool input is an object: arguments the model wrote as something else are wrapped in one under
+# these keys, and unwrapped when the client sends the call back, so the next turn still extends the segment.
+RAW_ARGS, VALUE_ARGS = "_raw", "_value"
+
+
+def _input(arguments: str) -> dict:
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return {RAW_ARGS: arguments}
+    return args if isinstance(args, dict) else {VALUE_ARGS: args}
+
+
+def _arguments(value: dict) -> str:
+    if len(value) == 1 and isinstance(value.get(RAW_ARGS), str):
+        return value[RAW_ARGS]
+    if len(value) == 1 and VALUE_ARGS in value:
+        return json.dumps(value[VALUE_ARGS], ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _blocks(r: TurnResult) -> list[dict]:
     blocks: list[dict] = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
     if r.content or not r.tool_calls:
         blocks.append({"type": "text", "text": r.content})
     for c in r.tool_calls:
-        try:
-            args = json.loads(c["function"]["arguments"])
-        except ValueError:
-            args = {"_raw": c["function"]["arguments"]}
-        if not isinstance(args, dict):
-            args = {"value": args}
+        args = _input(c["function"]["arguments"])
         blocks.append({"type": "tool_use", "id": tool_use_id(c["id"]), "name": c["function"]["name"], "input": args})
     return blocks
 

@@ -138,6 +138,29 @@ async def test_identical_retry_returns_cached_answer(env):
     assert summary["turns"] == 3 and summary["segments"] == 3  # each re-asked turn is a rewritten history
 
 
+@pytest.mark.parametrize(("written", "shown"), [('"plain"', {"_raw": "plain"}), ("[1, 2]", {"_value": [1, 2]})])
+async def test_anthropic_tool_input_that_is_not_an_object_comes_back_as_written(env, written, shown):
+    """Anthropic's tool input is an object: arguments the model wrote as a string or a list are wrapped, and
+    unwrapped when the client echoes the call, so the next turn extends the segment."""
+    app, pods, replies, http = env()
+    s = await _open(http)
+    an = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key="EMPTY", http_client=http.anthropic)
+    tools = [{"name": "get_weather", "input_schema": CITY}]
+    replies.queue = [f'<tool_call>{{"name": "get_weather", "arguments": {written}}}</tool_call><|im_end|>']
+    msgs = [{"role": "user", "content": "Weather?"}]
+    m1 = await an.messages.create(model="policy", max_tokens=30, messages=msgs, tools=tools)
+    [use] = [b for b in m1.content if b.type == "tool_use"]
+    assert use.input == shown
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+    msgs += [
+        {"role": "assistant", "content": [b.model_dump() for b in m1.content]},
+        {"role": "user", "content": [result]},
+    ]
+    await an.messages.create(model="policy", max_tokens=10, messages=msgs, tools=tools)
+    summary = (await http.get(f"/v1/sessions/{s['session_id']}")).json()
+    assert summary["turns"] == 2 and summary["segments"] == 1
+
+
 async def test_openai_stream_and_anthropic_wire(env, model):
     app, pods, replies, http = env()
     s = await _open(http)
