@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -97,11 +98,12 @@ def compose_schema() -> dict:
     return json.loads(target.read_text())
 
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+# "$$" is compose's escape for a literal "$" (shell variables in a command).
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
 def interpolate(value, env: dict[str, str] | None = None):
-    """Compose-style ${VAR}, ${VAR:-default}, ${VAR:?error} substitution over a parsed document."""
+    """Compose-style ${VAR}, ${VAR:-default}, ${VAR:?error} substitution (and $$ -> $) over a parsed document."""
     env = env or {}
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
@@ -111,6 +113,8 @@ def interpolate(value, env: dict[str, str] | None = None):
         return value
 
     def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
         name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
         if name in env and (env[name] or ":" not in op):
             return env[name]
@@ -137,7 +141,17 @@ def settings_model(service: str):
 
 
 def service_argv(command: list[str]) -> tuple[str, list[str]]:
-    """(service name, its flags) of a container command: python -m services.X ... or torchrun ... -m services.X."""
+    """(service name, its flags) of a container command: python -m services.X ... or torchrun ... -m services.X,
+    or ``sh -c SCRIPT NAME FLAGS...`` whose script ends ``exec python -m services.X ... "$@"`` (shell
+    variables in its own flags stay as written, e.g. ``--model.path=$pick``)."""
+    if command[:2] == ["sh", "-c"] and len(command) >= 3:
+        exec_lines = [ln.strip() for ln in command[2].splitlines() if ln.strip().startswith("exec ")]
+        if not exec_lines:
+            raise ValueError(f"not a Molt service command: {command}")
+        words = shlex.split(exec_lines[-1])[1:]
+        flags = command[4:]  # command[3] is the script's $0
+        words = [w for word in words for w in (flags if word == "$@" else [word])]
+        return service_argv(words)
     for i, tok in enumerate(command):
         if tok == "-m" and i + 1 < len(command) and command[i + 1].startswith("services."):
             return command[i + 1].split(".", 1)[1], list(command[i + 2 :])

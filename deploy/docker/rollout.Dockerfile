@@ -25,8 +25,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && (userdel -r ubuntu 2>/dev/null || true) \
  && useradd --create-home --uid 1000 molt \
- && uv venv --python 3.11 /opt/venv \
- && mkdir -p /run/molt && chown molt /run/molt
+ && uv venv --python 3.11 /opt/venv
 
 # The locked engine stack first (the big, rarely changing layer), then the project on top.
 COPY requirements/gpu.lock ./requirements/gpu.lock

@@ -26,8 +26,11 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 1000 molt
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
-# Agent modules the env workers load by path (--agent NAME=examples/agents/NAME.py).
+# Agent modules the env workers load by path, relative to this WORKDIR (--agent NAME=examples/agents/NAME.py;
+# molt/agents/distill_agent.py, which `molt train-rl --emit helm-values` names for distillation). Only
+# molt/agents: no /app/molt/__init__.py, so `import molt` still resolves to the installed package.
 COPY examples ./examples
+COPY molt/agents ./molt/agents
 # molt_build_info{revision}: docker build --build-arg MOLT_BUILD_REVISION=$(git rev-parse HEAD) ...
 ARG MOLT_BUILD_REVISION=unknown
 ENV MOLT_BUILD_REVISION=${MOLT_BUILD_REVISION}

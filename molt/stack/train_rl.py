@@ -261,7 +261,7 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
         # As Molt: pure distillation needs no task agent, only one sampled completion per prompt.
         from molt.agents import distill_agent
 
-        # (in the images the package sits at /app/molt, the env workers' working directory)
+        # (the env-worker image holds molt/agents under /app, its working directory)
         r.agent_path = "molt/agents/distill_agent.py" if target == "helm" else distill_agent.__file__
         r.notes.append("--train.agent_path unset with on_policy_distill: the built-in molt.agents.distill_agent")
     if not r.agent_path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -81,37 +82,64 @@ def test_trainer_saves_on_schedule_and_at_the_end_to_a_pvc_and_resumes(rendered)
             assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # survives uninstall
 
 
+def _run_pick(script: str, flags: list[str], ckpt: Path) -> list[str]:
+    """Run a rollout container's start script against checkpoint layout ``ckpt`` with the service replaced by
+    ``echo``: the argv it would exec, with /checkpoints paths as the container sees them."""
+    assert script.count("exec python -m services.rollout ") == 1
+    local = script.replace("/checkpoints", str(ckpt)).replace("exec python -m services.rollout ", "echo ")
+    out = subprocess.run(
+        ["sh", "-c", local, "rollout", *flags], check=True, capture_output=True, text=True, timeout=30
+    )
+    return out.stdout.strip().splitlines()[-1].replace(str(ckpt), "/checkpoints").split(" ")
+
+
 def test_rollout_pods_start_from_the_newest_hf_export(rendered, tmp_path):
+    """The pick runs in the main container at every start (an OOM or liveness restart too), never once per
+    pod: the trainer prunes old exports, so a choice made when the pod was created can vanish."""
     docs = rendered["default"]
     spec = pod_spec(docs, "molt-rollout")
     c = spec["containers"][0]
-    assert "--model.path=/run/molt/model" in c["args"]
-    [init] = spec["initContainers"]
-    mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert "initContainers" not in spec
+    assert c["command"] == ["sh", "-c"] and c["args"][1] == "rollout"  # $0, then the flags as "$@"
+    script, flags = c["args"][0], c["args"][2:]
+    assert "--server.port=8000" in flags and not any(a.startswith("--model.path") for a in flags)
+    assert not any("/run/molt" in str(x) for x in (c["volumeMounts"], spec["volumes"], script))
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["checkpoints"]["readOnly"] is True
     ckpt = next(v for v in spec["volumes"] if v["name"] == "checkpoints")["persistentVolumeClaim"]
     assert ckpt == {"claimName": "molt-checkpoints", "readOnly": True}
-    script = init["args"][0]
 
     def pick(layout: dict[str, bool]) -> str:
-        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}" / "ckpt"
         for i, (rel, complete) in enumerate(layout.items()):
-            d = root / "ckpt" / rel
+            d = root / rel
             d.mkdir(parents=True)
             if complete:
                 (d / "config.json").write_text("{}")
             t = 1_700_000_000 + i * 100  # later entries are newer
             os.utime(d, (t, t))
-        (root / "run").mkdir(parents=True)
-        local = script.replace("/checkpoints", str(root / "ckpt")).replace("/run/molt", str(root / "run"))
-        subprocess.run(["sh", "-c", local], check=True, capture_output=True, timeout=30)
-        return str((root / "run" / "model").readlink()).replace(str(root / "ckpt"), "/checkpoints")
+        root.mkdir(parents=True, exist_ok=True)
+        argv = _run_pick(script, flags, root)
+        assert argv[1:] == flags  # the chart's flags reach the service unchanged
+        return argv[0].removeprefix("--model.path=")
 
     assert pick({}) == "/models/model"  # nothing exported yet: the base model
     assert pick({"_hf/global_step50": True, "_hf/global_step100": True}) == "/checkpoints/_hf/global_step100"
     assert pick({"_hf/global_step50": True, "_hf/global_step100": False}) == "/checkpoints/_hf/global_step50"
     assert pick({"_hf/global_step50": True, "final-hf": True}) == "/checkpoints/final-hf"
+    # a restart after the trainer pruned the export the pod first started from picks again
+    root = tmp_path / "restart" / "ckpt"
+    for step in (50, 100):
+        (root / f"_hf/global_step{step}").mkdir(parents=True)
+        (root / f"_hf/global_step{step}/config.json").write_text("{}")
+        os.utime(root / f"_hf/global_step{step}", (1_700_000_000 + step, 1_700_000_000 + step))
+    assert _run_pick(script, flags, root)[0] == "--model.path=/checkpoints/_hf/global_step100"
+    shutil.rmtree(root / "_hf/global_step50")
+    (root / "_hf/global_step150").mkdir()
+    (root / "_hf/global_step150/config.json").write_text("{}")
+    assert _run_pick(script, flags, root)[0] == "--model.path=/checkpoints/_hf/global_step150"
     off = tools.render(sets=("rollout.startFromCheckpoint=false",))
+    assert main_container(off, "molt-rollout")["command"] == ["python", "-m", "services.rollout"]
     assert "--model.path=/models/model" in main_container(off, "molt-rollout")["args"]
     out = tools.helm(
         "template", "molt", str(tools.CHART), "--set", "trainer.checkpoints.accessModes={ReadWriteOnce}", check=False
@@ -262,13 +290,21 @@ def test_network_policies_let_only_the_trainer_change_weights_and_data_writers_r
     assert reach("trainer", "rollout", "grpc", 50051) and reach("trainer", "rollout", "http", 8000)
     assert reach("gateway", "rollout", "http", 8000)
     assert not reach("envs", "rollout", "http", 8000)
-    for src in ("gateway", "trainer", "envs"):
+    for src in ("gateway", "trainer"):
         assert reach(src, "redis", "redis", 6379), src
     assert not reach("rollout", "redis", "redis", 6379)
-    # env workers (and their tool sandboxes) reach the gateway and Redis, nothing else
+    # env workers (and the untrusted tool code they run) reach the gateway only: never the trajectory store,
+    # which they do not use (no redis setting, no MOLT_REDIS__URL)
     assert reach("envs", "gateway", "http", 8080)
-    for dst, port, num in (("rollout", "http", 8000), ("trainer", "metrics", 9400), ("trainer", "torchrun", 29500)):
+    for dst, port, num in (
+        ("rollout", "http", 8000),
+        ("trainer", "metrics", 9400),
+        ("trainer", "torchrun", 29500),
+        ("redis", "redis", 6379),
+    ):
         assert not reach("envs", dst, port, num), dst
+    envs_env = {e["name"] for e in main_container(docs, "molt-envs")["env"]}
+    assert not any("REDIS" in name for name in envs_env), envs_env
     envs_policy = by_kind(docs, "NetworkPolicy")["molt-envs"]["spec"]
     assert "Egress" in envs_policy["policyTypes"]
     assert all("to" in r for r in envs_policy["egress"])  # no rule opens egress to everything
@@ -361,7 +397,8 @@ def test_optional_mutual_tls_on_the_weight_port(tmp_path):
         "--grpc.tls_key": "/etc/molt/weights-tls/tls.key",
         "--grpc.tls_client_ca": "/etc/molt/weights-tls/ca.crt",
     }  # client certificates required
-    settings = tools.parse_service("rollout", args, {})
+    service, argv = tools.service_argv(pod["containers"][0]["command"] + args)
+    settings = tools.parse_service(service, argv, {})
     assert settings.grpc.tls_client_ca == "/etc/molt/weights-tls/ca.crt"
     env = {e["name"]: e.get("value") for e in trainer["containers"][0]["env"]}
     assert env["MOLT_WEIGHTS_TLS_CA"] == "/etc/molt/weights-tls/ca.crt"

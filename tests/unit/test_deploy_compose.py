@@ -8,6 +8,7 @@ No Docker engine runs here: these are static checks plus the services' own argum
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -32,7 +33,6 @@ HTTP_PORTS = {"rollout": 8000, "gateway": 8080, "envs": 8090}
 MOLT_SERVICES = ("rollout", "envs", "gateway", "trainer")
 DOCKERFILES = {
     "rollout": "rollout.Dockerfile",
-    "rollout-model": "rollout.Dockerfile",
     "trainer": "trainer.Dockerfile",
     "gateway": "service.Dockerfile",
     "envs": "service.Dockerfile",
@@ -70,7 +70,6 @@ def test_services_start_in_order_without_waiting_for_the_first_push(compose):
     services = compose["services"]
     assert set(services) == {
         "redis",
-        "rollout-model",
         "rollout",
         "gateway",
         "envs",
@@ -80,9 +79,6 @@ def test_services_start_in_order_without_waiting_for_the_first_push(compose):
     }
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
-            if dep == "rollout-model":  # a one-shot: it picks the model and exits
-                assert cond["condition"] == "service_completed_successfully", name
-                continue
             assert cond["condition"] in ("service_healthy", "service_started"), (name, dep)
             if cond["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{name} waits on {dep}, which has no healthcheck"
@@ -230,9 +226,42 @@ def test_model_is_kept_and_rollout_starts_from_the_newest_export(compose):
     assert "checkpoints:/checkpoints" in services["trainer"]["volumes"]
     assert "checkpoints" in compose["volumes"]  # a named volume: survives container restarts and rebuilds
     assert services["trainer"]["restart"] == "on-failure"  # and resumes from it
-    assert "--model.path=/run/molt/model" in services["rollout"]["command"]
-    assert {"checkpoints:/checkpoints:ro", "rollout-model:/run/molt:ro"} <= set(services["rollout"]["volumes"])
-    assert "/checkpoints/_hf/*/" in services["rollout-model"]["command"][-1]
+    assert "checkpoints:/checkpoints:ro" in services["rollout"]["volumes"]
+
+
+def test_rollout_picks_the_newest_export_at_every_start(compose, tmp_path):
+    """The pick runs in the rollout service's own command, so a restart (restart: unless-stopped) picks again:
+    a one-shot before it would leave a restarted engine on an export the trainer has since pruned."""
+    rollout = compose["services"]["rollout"]
+    assert "rollout-model" not in compose["services"] and "rollout-model" not in compose["volumes"]
+    assert "depends_on" not in rollout and rollout["restart"] == "unless-stopped"
+    assert rollout["command"][:2] == ["sh", "-c"] and rollout["command"][3] == "rollout"  # $0
+    script, flags = rollout["command"][2], rollout["command"][4:]
+    assert not any("/run/molt" in v for v in rollout["volumes"])
+    # compose would fill in a shell's bare $name itself (with nothing): every $ in the file is $$ or ${MOLT_...}
+    raw = yaml.safe_load(tools.COMPOSE.read_text())["services"]["rollout"]["command"][2]
+    assert re.findall(r"\$(?!\{MOLT_)", raw.replace("$$", "")) == []
+    ckpt = tmp_path / "checkpoints"
+
+    def pick() -> str:
+        local = script.replace("/checkpoints", str(ckpt)).replace("exec python -m services.rollout ", "echo ")
+        out = subprocess.run(["sh", "-c", local, "rollout", *flags], capture_output=True, text=True, timeout=30)
+        argv = out.stdout.strip().splitlines()[-1].replace(str(ckpt), "/checkpoints").split(" ")
+        assert out.returncode == 0 and argv[1:] == flags, out
+        return argv[0].removeprefix("--model.path=")
+
+    ckpt.mkdir()
+    assert pick() == "/models/model"  # nothing exported yet: the base model (MOLT_MODEL unset)
+    for step in (50, 100):
+        (ckpt / f"_hf/global_step{step}").mkdir(parents=True)
+        (ckpt / f"_hf/global_step{step}/config.json").write_text("{}")
+        os.utime(ckpt / f"_hf/global_step{step}", (1_700_000_000 + step,) * 2)
+    assert pick() == "/checkpoints/_hf/global_step100"
+    (ckpt / "_hf/global_step150").mkdir()  # being written: no config.json yet
+    assert pick() == "/checkpoints/_hf/global_step100"
+    (ckpt / "final-hf").mkdir()
+    (ckpt / "final-hf/config.json").write_text("{}")
+    assert pick() == "/checkpoints/final-hf"
 
 
 def test_redis_password_and_weight_token_come_from_the_environment(compose):
@@ -253,3 +282,47 @@ def test_redis_password_and_weight_token_come_from_the_environment(compose):
     for name in ("rollout", "envs", "gateway", "trainer"):
         assert services[name]["environment"]["MOLT_INTERNAL_TOKEN"] == ENV["MOLT_INTERNAL_TOKEN"], name
     assert all("MOLT_INTERNAL_TOKEN" not in str(services[n]) for n in services if n not in MOLT_SERVICES)
+
+
+def _final_stage_files(dockerfile: Path) -> tuple[str, list[tuple[str, str]]]:
+    """(WORKDIR, [(image path, checkout path)]) of a Dockerfile's last stage: what its plain COPYs put where."""
+    steps = _instructions(dockerfile)
+    last = max(i for i, (op, _) in enumerate(steps) if op == "FROM")
+    workdir, copies = "/", []
+    for op, arg in steps[last:]:
+        if op == "WORKDIR":
+            workdir = str(Path(workdir, arg))
+        elif op == "COPY" and not arg.startswith("--"):
+            *srcs, dst = arg.split()
+            copies += [(str(Path(workdir, dst)), src) for src in srcs if "*" not in src]
+    return workdir, copies
+
+
+def test_env_worker_image_holds_every_agent_the_deployments_name():
+    """Env workers resolve --agent paths against the image's WORKDIR (no workingDir in the chart, none in compose):
+    the agents the chart, compose and `molt train-rl --emit helm-values` name must be there. Only molt/agents
+    is copied, never molt/__init__.py, so `import molt` is still the installed package, stubs and all."""
+    from molt.stack import train_rl as tr
+
+    dockerfile = ROOT / "deploy" / "docker" / "service.Dockerfile"
+    workdir, copies = _final_stage_files(dockerfile)
+    agents = set(yaml.safe_load((tools.CHART / "values.yaml").read_text())["envs"]["agents"].values())
+    for ci in (tools.CHART / "ci").glob("*.yaml"):
+        agents |= set(((yaml.safe_load(ci.read_text()).get("envs") or {}).get("agents") or {}).values())
+    agents.add(re.search(r"MOLT_AGENT_PATH:-([^}]+)\}", tools.COMPOSE.read_text())[1])
+    distill = tr.route(
+        ["--actor.model_name_or_path", "/m", "--algo.advantage.estimator", "on_policy_distill"]
+        + ["--ref.model_name_or_path", "/t"],
+        "helm",
+    )
+    agents |= set(tr.helm_values(distill)["envs"]["agents"].values())
+    assert "molt/agents/distill_agent.py" in agents
+    ignore = (dockerfile.parent / "service.Dockerfile.dockerignore").read_text().splitlines()
+    for agent in sorted(agents):
+        image_path = Path(workdir, agent)
+        hits = [(dst, src) for dst, src in copies if image_path.is_relative_to(dst)]
+        assert hits, f"{agent}: not in the env-worker image ({workdir} holds {[d for d, _ in copies]})"
+        dst, src = hits[-1]
+        assert (ROOT / src / image_path.relative_to(dst)).is_file(), agent
+        assert f"!{agent.split('/')[0]}/" in ignore, f"{agent}: left out of the build context"
+    assert not any(Path(workdir, "molt/__init__.py").is_relative_to(dst) for dst, _ in copies)

@@ -189,15 +189,28 @@ def test_secret_refs_resolve(rendered):
                 for c in w["spec"]["template"]["spec"]["containers"]:
                     for e in c.get("env", []):
                         ref = e.get("valueFrom", {}).get("secretKeyRef")
-                        if not ref or ref["name"] in outside:
+                        if not ref:
+                            continue
+                        # a missing key must stop the pod, not start it without the credential
+                        assert not ref.get("optional"), f"{name}: {w['metadata']['name']} {e['name']} is optional"
+                        if ref["name"] in outside:
                             continue
                         assert ref["name"] in secrets, f"{name}: {w['metadata']['name']} needs Secret {ref['name']}"
-                        assert ref["key"] in secrets[ref["name"]]["stringData"] or ref.get("optional")
+                        assert ref["key"] in secrets[ref["name"]]["stringData"]
     keys = by_kind(rendered["multinode-trainer"], "Secret")["molt-api-keys"]["stringData"]
     assert keys == {
         "MOLT_AUTH__API_KEYS": "sk-molt-ci-0123456789abcdef,sk-molt-ci-fedcba9876543210",
         "MOLT_GATEWAY__API_KEY": "sk-molt-ci-0123456789abcdef",
     }
+    # env workers open sessions with MOLT_GATEWAY__API_KEY, from the generated Secret or the user's
+    for name, secret in (("default", "molt-api-keys"), ("external-redis", "molt-gateway-keys")):
+        env = {e["name"]: e for e in container(rendered[name], "molt-envs")["env"]}
+        assert env["MOLT_GATEWAY__API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": secret,
+            "key": "MOLT_GATEWAY__API_KEY",
+        }, name
+    generated = by_kind(rendered["default"], "Secret")["molt-api-keys"]["stringData"]
+    assert generated["MOLT_GATEWAY__API_KEY"] in generated["MOLT_AUTH__API_KEYS"].split(",")
 
 
 def test_selectors_ports_and_scale_targets_match(rendered):
@@ -482,3 +495,59 @@ def test_the_service_token_reaches_who_checks_and_who_sends_it_from_one_secret(r
     for w in users:
         env = {e["name"]: e for e in container(ext, w)["env"]}
         assert env["MOLT_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-service-token", w
+
+
+def test_every_workload_pulls_through_the_registry_and_secrets_it_is_given():
+    """imageRegistry and imagePullSecrets reach every pod, the in-chart Redis too (an air-gapped cluster has no
+    Docker Hub); without a registry Redis stays the official redis:7.4-alpine."""
+    docs = tools.render(sets=("imageRegistry=registry.internal:5000/mirror", "imagePullSecrets[0].name=pull"))
+    pods = {n: w["spec"]["template"]["spec"] for kind in WORKLOADS for n, w in by_kind(docs, kind).items()}
+    assert {"molt-redis", "molt-rollout", "molt-gateway", "molt-envs", "molt-trainer"} <= set(pods)
+    for name, spec in pods.items():
+        assert spec.get("imagePullSecrets") == [{"name": "pull"}], name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["image"].startswith("registry.internal:5000/mirror/"), (name, c["image"])
+    assert pods["molt-redis"]["containers"][0]["image"] == "registry.internal:5000/mirror/redis:7.4-alpine"
+    assert container(tools.render(), "molt-redis")["image"] == "redis:7.4-alpine"
+
+
+def test_without_the_charts_rollout_pods_the_gateway_is_told_where_they_are(tmp_path):
+    """rollout.enabled=false: the chart's pod URLs would name pods that do not exist (the gateway never turns
+    Ready), so it refuses to render until gateway.rolloutUrls names the pods; those reach --rollout.urls."""
+    out = tools.helm("template", "molt", str(tools.CHART), "--set", "rollout.enabled=false", check=False)
+    assert out.returncode != 0 and "gateway.rolloutUrls" in out.stderr
+    urls = ["http://vllm-0.vllm.rl.svc:8000", "http://vllm-1.vllm.rl.svc:8000"]
+    docs = tools.render(sets=("rollout.enabled=false", f"gateway.rolloutUrls={{{','.join(urls)}}}"))
+    assert "molt-rollout" not in by_kind(docs, "StatefulSet")
+    gateway = container(docs, "molt-gateway")
+    assert list_flag(gateway, "--rollout.urls") == urls
+    service, argv = tools.service_argv(gateway["command"] + gateway["args"])
+    env = {e["name"]: e.get("value", _stand_in(e)) for e in gateway["env"]}
+    assert [str(u) for u in tools.parse_service(service, argv, env).rollout.urls] == urls
+    assert tools.render(sets=("rollout.enabled=false", "gateway.enabled=false"))  # no gateway: nothing to name
+    both = tools.helm("template", "molt", str(tools.CHART), "--set", f"gateway.rolloutUrls={{{urls[0]}}}", check=False)
+    assert both.returncode != 0 and "gateway.rolloutUrls" in both.stderr  # never silently ignored
+
+
+@pytest.mark.parametrize("form", ["equals", "next-item"])
+def test_tensor_parallel_size_must_match_the_gpus_per_pod(form, tmp_path):
+    """vLLM needs exactly tensor_parallel_size GPUs per engine: a mismatch would render and fail only at engine
+    start, so the chart refuses it, naming both values; a match renders and the pod's settings read it."""
+    import yaml
+
+    def values(gpus: int, tp: int) -> str:
+        args = [f"--vllm.tensor_parallel_size={tp}"] if form == "equals" else ["--vllm.tensor_parallel_size", str(tp)]
+        path = tmp_path / f"tp-{gpus}-{tp}.yaml"
+        rollout = {"gpusPerPod": gpus, "extraArgs": ["--vllm.enforce_eager", *args]}
+        path.write_text(yaml.safe_dump({"rollout": rollout}))
+        return str(path)
+
+    for gpus, tp in ((1, 2), (4, 2)):
+        out = tools.helm("template", "molt", str(tools.CHART), "-f", values(gpus, tp), check=False)
+        assert out.returncode != 0, (gpus, tp)
+        assert "--vllm.tensor_parallel_size" in out.stderr and "rollout.gpusPerPod" in out.stderr
+        assert f"={tp} " in out.stderr and f"is {gpus}:" in out.stderr
+    c = container(tools.render(values(2, 2)), "molt-rollout")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    service, argv = tools.service_argv(c["command"] + c["args"])
+    assert tools.parse_service(service, argv, {}).vllm.tensor_parallel_size == 2

@@ -316,7 +316,9 @@ def test_molts_distillation_script_runs_without_an_agent_as_molt_supplies_one():
     assert type(runner).__name__ == AgentRunner.__name__ and runner.env_cls.__name__ == "DistillationEnv"
     helm = tr.route(base, "helm")
     assert tr.helm_values(helm)["envs"]["agents"] == {"agent": "molt/agents/distill_agent.py"}
-    assert (SCRIPTS.parents[3] / helm.agent_path).exists()  # the images copy the package from the checkout
+    # relative to the env-worker image's WORKDIR (/app), where service.Dockerfile copies molt/agents from the
+    # checkout (test_deploy_compose.py::test_env_worker_image_holds_every_agent_the_deployments_name)
+    assert (SCRIPTS.parents[3] / helm.agent_path).exists()
     assert asyncio.run(DistillationEnv().step({})).reward == 0.0
     with pytest.raises(ValueError, match="--train.agent_path is required"):
         tr.route(["--actor.model_name_or_path", "/m"], "local", gpus=0)  # other estimators still need one

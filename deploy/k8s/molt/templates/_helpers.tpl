@@ -47,6 +47,20 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- join "," $urls -}}
 {{- end -}}
 
+{{/* The rollout URLs the gateway routes to: the chart's pods, or gateway.rolloutUrls when it has none. */}}
+{{- define "molt.gatewayRolloutUrls" -}}
+{{- if .Values.rollout.enabled -}}
+{{- if .Values.gateway.rolloutUrls -}}
+{{- fail "gateway.rolloutUrls is only for rollout.enabled=false: the gateway routes to the chart's rollout pods" -}}
+{{- end -}}
+{{- include "molt.rolloutUrls" . -}}
+{{- else if .Values.gateway.rolloutUrls -}}
+{{- join "," .Values.gateway.rolloutUrls -}}
+{{- else -}}
+{{- fail "rollout.enabled=false: set gateway.rolloutUrls to the base URL of every rollout pod the gateway routes to (e.g. {http://vllm-0.vllm.rl.svc:8000,http://vllm-1.vllm.rl.svc:8000}), or gateway.enabled=false" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "molt.gatewayUrl" -}}
 {{- printf "http://%s.%s:%d" (include "molt.name" (dict "root" . "component" "gateway")) (include "molt.svcDomain" .) (int .Values.gateway.port) -}}
 {{- end -}}
