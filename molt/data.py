@@ -16,6 +16,7 @@ split names is one ``train`` split, and any ``split`` asked of it reads all of i
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -48,12 +49,8 @@ def read_rows(
     path: str | Path, *, max_samples: int | None = None, split: str = "train", flag: str = "--data.prompt_dataset"
 ) -> list[dict[str, Any]]:
     """Every row of the dataset at ``path`` (at most ``max_samples``); ``flag`` names the option in errors."""
-    rows: list[dict[str, Any]] = []
-    for row in iter_rows(path, split=split, flag=flag):
-        if max_samples is not None and len(rows) >= max_samples:
-            break
-        rows.append(row)
-    return rows
+    rows = iter_rows(path, split=split, flag=flag)
+    return list(rows if max_samples is None else itertools.islice(rows, max_samples))
 
 
 def iter_rows(path: str | Path, *, split: str = "train", flag: str = "--data.prompt_dataset") -> Iterator[dict]:
@@ -227,6 +224,9 @@ def _parquet_errors(f: Path, flag: str) -> Iterator[None]:
 
 
 def _file_rows(f: Path, flag: str) -> Iterator[dict]:
+    if f.suffix in (".csv", ".arrow"):
+        yield from _datasets_file_rows(f, flag)
+        return
     if f.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -263,6 +263,24 @@ def _file_rows(f: Path, flag: str) -> Iterator[dict]:
         raise ValueError(f"{flag} {f}: cannot read it ({e.strerror or e})") from None
 
 
+def _datasets_file_rows(f: Path, flag: str) -> Iterator[dict]:
+    """A .csv or a single .arrow file named directly, read by ``datasets`` as Molt's load_dataset reads them (CSV
+    types as pandas infers them; .arrow as ``save_to_disk`` writes its shards). Folders still take only the
+    JSON/parquet files they hold, as before."""
+    import datasets
+
+    try:
+        if f.suffix == ".csv":
+            loaded = datasets.Dataset.from_csv(str(f), keep_in_memory=True)
+        else:
+            loaded = datasets.Dataset.from_file(str(f))
+    except Exception as e:  # noqa: BLE001  # pandas / pyarrow errors: one line naming the flag and the file
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{flag} {f}: cannot read it as {f.suffix[1:]} ({why})") from None
+    assert isinstance(loaded, datasets.Dataset)  # from_csv of one file is one Dataset
+    yield from loaded
+
+
 def _first_char(fh) -> str:
     """The first character of ``fh`` that is not whitespace ("" for an empty file); rewinds it."""
     while (ch := fh.read(1)) and ch.isspace():
@@ -295,9 +313,19 @@ def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, 
     mixed by weight: each dataset gives its share of ``max_samples`` drawn at random with ``seed`` (Molt's
     blending, --data.prompt_probs / --data.dataset_probs)."""
     weights = mix_weights(spec, probs, flag)
-    parts = [read_rows(p.strip(), split=split, flag=flag) for p in spec.split(",") if p.strip()]
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
     if weights is None:
-        return [r for part in parts for r in part][:max_samples]
+        # Concatenated in order, so only the first max_samples rows count: each dataset is read up to what is
+        # still wanted (Molt caps each with select(range(...))), never all of a large one. A missing path
+        # past the cap is still refused, as when every row was read.
+        out: list[dict] = []
+        for p in paths:
+            if len(out) < max_samples:
+                out += read_rows(p, max_samples=max_samples - len(out), split=split, flag=flag)
+            elif not Path(p).exists():
+                _no_path(Path(p), flag)
+        return out
+    parts = [read_rows(p, split=split, flag=flag) for p in paths]
     total = sum(weights)
     rng = random.Random(seed)
     out = []

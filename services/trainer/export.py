@@ -117,7 +117,8 @@ def _write_files(tmp: Path, out: Path, tensors, config, source_dir, tokenizer, u
     (tokenizer or AutoTokenizer.from_pretrained(source_dir)).save_pretrained(tmp)
     _copy_processor_files(source_dir, tmp)
     if lora_scale is not None:
-        lora.write_peft_adapter(unmerged, lora_scale, tmp / lora.ADAPTER_DIR, str(source_dir))
+        # Absolute: PEFT loads the base from wherever the adapter is used, not from this run's directory.
+        lora.write_peft_adapter(unmerged, lora_scale, tmp / lora.ADAPTER_DIR, os.path.abspath(source_dir))
     _give_open_mode(tmp)
     if not out.exists():
         os.replace(tmp, out)

@@ -129,6 +129,7 @@ def write_peft_adapter(state: dict[str, torch.Tensor], scale: float, out: Path, 
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",  # AutoPeftModelForCausalLM reads it to pick the class the base loads as
         "r": rank,
         "lora_alpha": scale * rank,
         "lora_dropout": 0.0,

@@ -22,8 +22,9 @@ keeps the vision tower out of the optimizer.
 ``--model.lora.rank N`` trains low-rank adapters on the ``--model.lora.target_modules`` linears and
 nothing else (services/trainer/lora.py); exports fold them into the base weights.
 
-A checkpoint's client state is the number of optimizer steps taken: the order is a pure function of
-seed and epoch, so a resumed run continues with exactly the windows the killed run had not finished.
+A checkpoint's client state is the number of optimizer steps taken and of samples consumed: the order is a
+pure function of seed and epoch, so a resumed run continues with exactly the samples the killed run had not
+trained, also under another ``--train.batch_size`` (its step count is then samples // batch size, as in Molt).
 
 SIGTERM/SIGINT (a preemption, Ctrl-C) on any rank: every rank finishes the step in progress, a checkpoint of
 it is saved (with ``--ckpt.save_steps`` set) and the process exits 0 without the final export, which the
@@ -61,7 +62,7 @@ from services.trainer.model import (
     load_causal_lm,
 )
 from services.trainer.packing import no_4d_mask, select_hidden
-from services.trainer.sft_config import SftSettings, validate_sft
+from services.trainer.sft_config import SftSettings, check_batch, validate_sft
 from services.trainer.sft_data import Example, Tokenized, collate
 from services.trainer.steplog import open_jsonl
 
@@ -88,10 +89,33 @@ def check(s: SftSettings, on_gpu: bool) -> None:
     if problem or path is None:
         raise ValueError(problem)
     check_datasets(s)
+    if s.model.lora.rank > 0 and not on_gpu:
+        check_lora_targets(s, path)
     flags = {"--data.image_key": s.data.image_key, "--model.freeze_visual_encoder": s.model.freeze_visual_encoder}
     for flag, on in flags.items():
         if on and not is_vision_language(path):
             raise ValueError(f"{flag}: {path} takes no images (its config has no vision_config); drop the flag")
+
+
+def check_lora_targets(s: SftSettings, path: str) -> None:
+    """--model.lora.target_modules against the CPU path's linears (``lora.apply``'s match), on a model built from
+    config.json on the meta device: no weights load. NeMo's GPU path matches its own way, so it is not checked."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from services.trainer.lora import matches
+
+    try:
+        auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001  # an architecture that will not build here: the real load reports it
+        return
+    patterns = s.model.lora.target_modules
+    if not any(type(m) is torch.nn.Linear and matches(n, patterns) for n, m in model.named_modules()):
+        raise ValueError(
+            f"--model.lora.target_modules {' '.join(patterns)}: no linear layer of the model matches "
+            "(patterns take * wildcards over dotted module names, e.g. '*_proj')"
+        )
 
 
 def check_datasets(s: SftSettings) -> None:
@@ -289,6 +313,16 @@ def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng(seed + epoch).permutation(num)
 
 
+def position(consumed: int, num: int, batch_size: int) -> tuple[int, int]:
+    """(epoch, offset in its order) of the next window after ``consumed`` samples, as Molt resumes: an epoch is
+    its whole batches, so a window that would run past them starts the next epoch (the tail is dropped)."""
+    epoch_len = num // batch_size * batch_size
+    epoch, pos = divmod(consumed, epoch_len)
+    if pos + batch_size > epoch_len:
+        epoch, pos = epoch + 1, 0
+    return epoch, pos
+
+
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -314,16 +348,23 @@ class Sinks:
                 raise ValueError(
                     "--logger.wandb.key: the wandb package is not installed (pip install wandb), or drop the flag"
                 ) from exc
-            if not wandb.api.api_key:
-                wandb.login(key=lg.wandb.key)
-            wandb.init(
-                entity=lg.wandb.org,
-                project=lg.wandb.project,
-                group=lg.wandb.group,
-                name=lg.wandb.run_name,
-                config=s.model_dump(mode="json"),
-                reinit=True,
-            )
+            try:
+                if not wandb.api.api_key:
+                    wandb.login(key=lg.wandb.key)
+                wandb.init(
+                    entity=lg.wandb.org,
+                    project=lg.wandb.project,
+                    group=lg.wandb.group,
+                    name=lg.wandb.run_name,
+                    config=s.model_dump(mode="json"),
+                    reinit=True,
+                )
+            except Exception as exc:  # noqa: BLE001  # wandb's errors (AuthenticationError, CommError, ...) share no base
+                why = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise ValueError(
+                    f"--logger.wandb.key: W&B refused the run ({type(exc).__name__}: {why}); check the key, "
+                    "--logger.wandb.org/project, or drop the flag"
+                ) from None
             # Molt's step axes: train/* against train/global_step, eval/* against eval/global_step.
             for kind in ("train", "eval"):
                 wandb.define_metric(f"{kind}/global_step")
@@ -352,12 +393,14 @@ class Sinks:
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
 
     def close(self) -> None:
+        """Idempotent: main() closes the sinks it opened, after train() has closed them on its way out."""
         if self.jsonl:
             self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
         if self.tb:
             self.tb.close()
+        self.jsonl = self.wandb = self.tb = None
 
 
 class StopFlag:
@@ -377,10 +420,9 @@ class StopFlag:
         return bool(flag.item())
 
 
-def _save(s: SftSettings, learner, tok, info: DistInfo, step: int) -> None:
-    checkpoint.save(
-        s.ckpt.path, learner, {"global_step": step}, max_num=s.ckpt.resumable_max(), max_mem=s.ckpt.max_mem
-    )
+def _save(s: SftSettings, learner, tok, info: DistInfo, step: int, consumed: int) -> None:
+    state = {"global_step": step, "consumed_samples": consumed}
+    checkpoint.save(s.ckpt.path, learner, state, max_num=s.ckpt.resumable_max(), max_mem=s.ckpt.max_mem)
     if s.ckpt.save_hf:
         hf_root = Path(s.ckpt.path) / "_hf"
         save_hf(learner.actor, learner.hf_source, hf_root / f"global_step{step}", tok)
@@ -388,7 +430,7 @@ def _save(s: SftSettings, learner, tok, info: DistInfo, step: int) -> None:
             checkpoint.prune(hf_root, s.ckpt.max_num, keep=f"global_step{step}")
 
 
-def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
+def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None, sinks: Sinks | None = None) -> dict:
     if s.train.full_determinism_enable:
         torch.use_deterministic_algorithms(True, warn_only=True)
     tok = load_tokenizer(s)
@@ -405,11 +447,7 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
     )
     t = s.train
     dp = info.world_size // s.fsdp.tp_size
-    if t.batch_size % (t.micro_batch_size * dp):
-        raise ValueError(
-            f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size "
-            f"{t.micro_batch_size} x {dp} data-parallel ranks"
-        )
+    check_batch(s, dp)  # check() did with WORLD_SIZE; this is the process group's real size
     per_epoch = len(data) // t.batch_size
     if per_epoch == 0:
         raise ValueError(
@@ -422,8 +460,24 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
     learner = SftLearner(s, info, total, vision)
     packed = learner.packs()
     layout = {"packed": packed, "pad_to": pad_to, "share_prefix": packed and learner.shares_prefix()}
+    consumed = 0
     if s.ckpt.load_enable:
-        checkpoint.load(s.ckpt.path, learner)
+        state = checkpoint.load(s.ckpt.path, learner) or {}
+        # The samples consumed, not the step, place the data: a resume under another --train.batch_size
+        # continues where the saved run stopped (Molt's consumed_samples). Older checkpoints lack it.
+        consumed = int(state.get("consumed_samples", learner.global_step * t.batch_size))
+        if consumed != learner.global_step * t.batch_size:
+            learner.global_step = consumed // t.batch_size
+        if state and info.is_main:
+            epoch, pos = position(consumed, len(data), t.batch_size)
+            log.info(
+                "resuming after %d samples: epoch %d, sample %d of its order, step %d at --train.batch_size %d",
+                consumed,
+                epoch,
+                pos,
+                learner.global_step,
+                t.batch_size,
+            )
     eval_every = s.eval.steps if s.eval.steps > 0 else per_epoch
     eval_batches: list[tuple[dict, bool]] | None = None
     if evals:
@@ -431,14 +485,16 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
         count = math.ceil(math.ceil(len(evals) / dp) / t.micro_batch_size)
         eval_batches = [(learner.batch(c, pad_id, **layout), True) for c in chunks(mine, t.micro_batch_size)]
         eval_batches += [(learner.batch(None, pad_id), False)] * (count - len(eval_batches))
-    sinks = Sinks(s, info.is_main)
+    sinks = sinks or Sinks(s, info.is_main)
     rank_dp = info.rank // s.fsdp.tp_size
     last: dict = {}
     try:
         while learner.global_step < total:
-            step = learner.global_step
-            epoch, k = divmod(step, per_epoch)
-            window = epoch_order(len(data), t.seed, epoch)[k * t.batch_size : (k + 1) * t.batch_size]
+            epoch, pos = position(consumed, len(data), t.batch_size)
+            if epoch >= t.max_epochs:
+                break
+            window = epoch_order(len(data), t.seed, epoch)[pos : pos + t.batch_size]
+            consumed = epoch * per_epoch * t.batch_size + pos + t.batch_size
             n_window = sum(int(data[i].loss_mask[1:].sum()) for i in window)
             start = time.monotonic()
             # Length order inside the window: micro-batches of like lengths pad less, ranks stay balanced by the
@@ -477,10 +533,10 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None) -> dict:
                         log.info("step %d eval_loss %.4f", step, eval_loss)
             saved = s.ckpt.save_steps > 0 and step % s.ckpt.save_steps == 0
             if saved:
-                _save(s, learner, tok, info, step)
+                _save(s, learner, tok, info, step, consumed)
             if stop is not None and step < total and stop.agreed(info):
                 if s.ckpt.save_steps > 0 and not saved:
-                    _save(s, learner, tok, info, step)
+                    _save(s, learner, tok, info, step, consumed)
                 if info.is_main:
                     log.warning(
                         "stopped by a signal after step %d of %d: %s",
@@ -511,14 +567,23 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     configure_logging(s.log_level, rank=rank)
     if not s.logger.wandb.run_name:
         s.logger.wandb.run_name = time.strftime("sft_%m%dT%H:%M")
+    # The loggers open before the data and the model load: a refused W&B key is a start-up error, not a
+    # traceback after minutes of loading. RANK decides, as init_distributed's rank will.
+    try:
+        sinks = Sinks(s, rank == 0)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     info = init_distributed()
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop.request)
     signal.signal(signal.SIGINT, stop.request)
     try:
-        summary = train(s, info, stop)
+        summary = train(s, info, stop, sinks)
     except (ValueError, CheckpointWriteError) as exc:
         sys.exit(f"{prog}: error: {exc}")
+    finally:
+        sinks.close()
     if info.is_main:
         log.info("done: %s", summary)
     dist.barrier()

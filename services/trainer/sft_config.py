@@ -41,7 +41,8 @@ class SftModelConfig(Section):
 class SftDataConfig(Section):
     dataset: str | None = None
     """Training data (required): a datasets.save_to_disk directory, a parquet/JSONL/JSON file or a folder of
-    them; several comma-separated are concatenated (or mixed by --data.dataset_probs)."""
+    them, or a .csv / single .arrow file; several comma-separated are concatenated (or mixed by
+    --data.dataset_probs)."""
     dataset_probs: str | None = None
     """Comma-separated sampling weights, one per dataset (rows are drawn per dataset in proportion)."""
     dataset_split: str = "train"
@@ -220,7 +221,19 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
     if len(s.adam.betas) != 2:
         raise ValueError(f"--adam.betas takes two values B1 B2, got {s.adam.betas}")
     mix_weights(s.data.dataset, s.data.dataset_probs, "--data.dataset")
+    check_batch(s, max(int(os.environ.get("WORLD_SIZE", "1")) // f.tp_size, 1))
     if s.eval.steps == 0 or s.eval.steps < -1:
         raise ValueError(f"--eval.steps {s.eval.steps}: give N > 0 (every N steps) or -1 (once per epoch)")
     if s.ckpt.save_steps == 0 or s.ckpt.save_steps < -1:
         raise ValueError(f"--ckpt.save_steps {s.ckpt.save_steps}: give N > 0 (every N steps) or -1 (never)")
+
+
+def check_batch(s: SftSettings, dp: int) -> None:
+    """--train.batch_size splits into whole micro-batches on each of the ``dp`` data-parallel ranks (torchrun's
+    WORLD_SIZE over --fsdp.tp_size): a flag-only check, so --dry-run refuses what the run would."""
+    t = s.train
+    if t.batch_size % (t.micro_batch_size * dp):
+        raise ValueError(
+            f"--train.batch_size {t.batch_size} must be a multiple of --train.micro_batch_size "
+            f"{t.micro_batch_size} x {dp} data-parallel ranks"
+        )

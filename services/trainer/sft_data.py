@@ -292,10 +292,12 @@ class Tokenized:
             out.append(ex)
         report.used = len(out)
         if not out:
-            raise ValueError(
-                f"{report.summary(flag)}: no usable row (check --data.input_key/--data.output_key "
-                "against the dataset's columns)"
-            )
+            # The hint follows the cause: rows that all lost their response to the cut need a longer
+            # --data.max_len, not other keys.
+            fix = "check --data.input_key/--data.output_key against the dataset's columns"
+            if set(report.dropped) == {"response past --data.max_len"}:
+                fix = f"raise --data.max_len ({self.max_len}): every response starts past it"
+            raise ValueError(f"{report.summary(flag)}: no usable row ({fix})")
         return out, report
 
 

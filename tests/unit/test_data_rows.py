@@ -160,3 +160,35 @@ def test_a_label_column_without_label_key_is_warned_about(tmp_path, caplog):
     caplog.clear()
     PromptDataset(str(path), "question", "answer", chat=False, max_samples=9, seed=0)
     assert "label_key" not in caplog.text
+
+
+def test_max_samples_caps_each_dataset_while_reading(tmp_path):
+    """Without weights the datasets concatenate and only the first max_samples rows count: each is read only up
+    to what is still wanted (a bad row past them is never reached), and the rows are those of reading it all."""
+    from molt.data import read_mixed_rows
+
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "not json\n")
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({**r, "prompt": "b" + r["prompt"]}) + "\n" for r in ROWS) + "not json\n")
+    assert read_mixed_rows(str(a), None, "train", 3, 0, "--data.dataset") == ROWS[:3]
+    both = read_mixed_rows(f"{a},{b}", None, "train", 5, 0, "--data.dataset")
+    assert both == ROWS
+    datasets.Dataset.from_list(ROWS * 20).save_to_disk(str(tmp_path / "hf"))
+    assert read_mixed_rows(f"{tmp_path / 'hf'},{b}", None, "train", 7, 0, "--data.dataset") == (ROWS * 2)[:7]
+    with pytest.raises(ValueError, match="not a JSON line"):  # past the cap of the first, the second is read
+        read_mixed_rows(f"{a},{b}", None, "train", 20, 0, "--data.dataset")
+
+
+def test_a_csv_or_an_arrow_file_is_read_by_datasets(tmp_path):
+    """As Molt's load_dataset: a .csv (types as pandas infers) and a single .arrow file of save_to_disk."""
+    rows = [{"prompt": f"q{i}", "n": i} for i in range(3)]
+    (tmp_path / "p.csv").write_text("prompt,n\n" + "".join(f"q{i},{i}\n" for i in range(3)))
+    assert read_rows(tmp_path / "p.csv") == rows
+    assert read_rows(tmp_path / "p.csv", max_samples=2) == rows[:2]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    (arrow,) = (tmp_path / "hf").glob("*.arrow")
+    assert read_rows(arrow) == rows
+    (tmp_path / "bad.arrow").write_text("not arrow")
+    with pytest.raises(ValueError, match=r"^--data.dataset .*bad.arrow: cannot read it as arrow \("):
+        read_rows(tmp_path / "bad.arrow", flag="--data.dataset")

@@ -232,3 +232,58 @@ def test_sft_logs_losses_under_molts_names_and_step_axes(tmp_path, monkeypatch):
         {"eval/eval sft_loss": 3.0, "eval/global_step": 4},
     ]
     assert ("train/*", "train/global_step") in defined and ("eval/*", "eval/global_step") in defined
+
+
+def test_dry_run_refuses_a_batch_that_splits_unevenly_and_lora_targets_that_match_nothing(
+    capsys, tmp_path, monkeypatch, tiny_qwen3
+):
+    """Flag-only checks the run would fail after loading: the batch's micro-batches over WORLD_SIZE ranks, and
+    LoRA patterns against the model's linears (built from config.json on the meta device, no weights)."""
+    from services.trainer.sft import main
+
+    monkeypatch.setenv("MOLT_TRAINER_DEVICE", "cpu")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input": "q", "output": "a"}\n')
+    base = ["--model.model_name_or_path", str(tiny_qwen3), "--data.dataset", str(data), "--data.output_key", "output"]
+    for flags, env, needle in (
+        (["--train.batch_size", "6", "--train.micro_batch_size", "4"], "1", "--train.batch_size 6 must be a multiple"),
+        (["--train.batch_size", "8", "--train.micro_batch_size", "4"], "4", "x 4 data-parallel ranks"),
+        (["--model.lora.rank", "4", "--model.lora.target_modules", "q_proj"], "1", "target_modules q_proj: no linear"),
+    ):
+        monkeypatch.setenv("WORLD_SIZE", env)
+        with pytest.raises(SystemExit) as exc:
+            main([*base, *flags, "--dry-run"])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ok = ["--train.batch_size", "8", "--train.micro_batch_size", "4", "--model.lora.rank", "4"]
+    with pytest.raises(SystemExit) as exc:
+        main([*base, *ok, "--model.lora.target_modules", "*.q_proj", "--dry-run"])
+    assert exc.value.code in (0, None), capsys.readouterr().err
+
+
+def test_a_refused_wandb_key_is_a_start_up_error_before_anything_loads(capsys, tmp_path, monkeypatch, tiny_qwen3):
+    import sys
+    import types
+
+    from services.trainer import sft
+
+    class AuthenticationError(Exception):
+        pass
+
+    def login(key):
+        raise AuthenticationError("API key must be 40 characters long, yours was 3\nmore")
+
+    fake = types.SimpleNamespace(api=types.SimpleNamespace(api_key=None), login=login)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("MOLT_TRAINER_DEVICE", "cpu")
+    monkeypatch.setattr(sft, "load_tokenizer", lambda s: pytest.fail("loaded before the W&B login"))
+    monkeypatch.setattr(sft, "init_distributed", lambda: pytest.fail("started before the W&B login"))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input": "q", "output": "a"}\n')
+    flags = ["--model.model_name_or_path", str(tiny_qwen3), "--data.dataset", str(data), "--data.output_key", "output"]
+    with pytest.raises(SystemExit) as exc:
+        sft.main([*flags, "--logger.wandb.key", "abc"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert err[-1].startswith("python -m services.trainer.sft: error: --logger.wandb.key: W&B refused the run ")
+    assert "(AuthenticationError: API key must be 40 characters long, yours was 3)" in err[-1]

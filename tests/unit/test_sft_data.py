@@ -131,3 +131,29 @@ def test_several_datasets_are_concatenated_or_mixed_by_weight(tmp_path):
     mixed = read_mixed_rows(spec, "0.75,0.25", "train", 40, 0, "--data.dataset")
     # 40 rows at 3:1 -> 30 from a (all of it), 10 from b
     assert len(mixed) == 40 and sum(r["src"] == "a" for r in mixed) == 30
+
+
+def test_resume_position_follows_the_consumed_samples():
+    from services.trainer.sft import position
+
+    assert position(12, 48, 4) == (0, 12)
+    assert position(12, 48, 8) == (0, 12)  # another batch size: the same next sample
+    assert position(44, 48, 8) == (1, 0)  # a window past the epoch's whole batches starts the next epoch
+    assert position(48, 50, 8) == (1, 0)  # the tail beyond whole batches is dropped
+    assert position(3 * 8, 48, 8) == (0, 24)
+
+
+def test_every_row_cut_before_its_response_names_max_len(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    from services.trainer.sft_data import Tokenized
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    rows = [{"input": "a long prompt " * 20, "output": "yes"}] * 2
+    with pytest.raises(ValueError) as exc:
+        Tokenized(tok, 8, "input", "output", False).build(rows, "--data.dataset")
+    msg = str(exc.value)
+    assert "2 response past --data.max_len" in msg and "no usable row (raise --data.max_len (8)" in msg
+    assert "--data.input_key" not in msg
+    with pytest.raises(ValueError, match=r"no usable row \(check --data.input_key/--data.output_key"):
+        Tokenized(tok, 8, "input", "answer", False).build(rows, "--data.dataset")
