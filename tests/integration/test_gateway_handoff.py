@@ -57,8 +57,12 @@ def _client(http: httpx.AsyncClient, sid: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"http://gw/s/{sid}/v1", api_key=KEY, http_client=http, max_retries=0)
 
 
-async def _turn(http: httpx.AsyncClient, sid: str, messages: list) -> dict:
-    r = await _client(http, sid).chat.completions.create(model="policy", messages=messages, tools=TOOLS, seed=1)
+async def _turn(http: httpx.AsyncClient, sid: str, messages: list, retry: bool = False) -> dict:
+    """One turn; ``retry``: sent as the SDK sends its own retry of a request whose answer it did not get."""
+    headers = {"x-stainless-retry-count": "1"} if retry else None
+    r = await _client(http, sid).chat.completions.create(
+        model="policy", messages=messages, tools=TOOLS, seed=1, extra_headers=headers
+    )
     return r.choices[0].message.model_dump(exclude_none=True)
 
 
@@ -148,9 +152,9 @@ async def test_an_episode_goes_on_token_exact_on_the_replica_that_adopts_it(repl
         assert c.gateway.num_open == 0 and c.gateway.sessions[sid].state == "handed_off"
         assert await rds.zscore(counted, sid) is not None  # still open: its key's slot stays taken
         assert await rds.exists(f"{stream_name}:gateway:handoff:{sid}")
-        # An agent that never got the second answer (its replica went mid-response) sends that request again:
+        # An agent whose SDK never got the second answer (its replica went mid-response) retries that request:
         # the replica that adopts the session answers it from the cache and generates nothing twice.
-        assert await _turn(http_d, sid, messages) == replies[1]
+        assert await _turn(http_d, sid, messages, retry=True) == replies[1]
         assert not d_pods.pods[POD].calls
 
     moved, moved_replies = await _episode(http_c, http_d, replica_exits)
