@@ -93,8 +93,10 @@ class FakePods(PodTransport):
 def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -> tuple:
     """The gateway app in this process on ``model`` (a ChatModel), its ``pods`` a FakePods answering from
     ``script``, trajectories in memory; ``sections`` are settings sections over those (e.g. ``session={...}``).
-    (app, the FakePods, an httpx client over ASGI; no lifespan runs)."""
+    (app, the FakePods, an httpx client over ASGI, no lifespan run; its ``anthropic`` attribute is an httpx2
+    client of the same app, as the anthropic SDK takes)."""
     import httpx
+    import httpx2
 
     from services.gateway.app import build_app
     from services.gateway.config import GatewaySettings
@@ -108,7 +110,9 @@ def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -
         cfg[name] = {**cfg.get(name, {}), **values}
     fake = FakePods(pods, script)
     app = build_app(GatewaySettings.model_validate(cfg), transport=fake, model=model)
-    return app, fake, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
+    return app, fake, http
 
 
 def queued_gateway(model, pods: list[str]) -> tuple:

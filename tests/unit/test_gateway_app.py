@@ -6,7 +6,6 @@ import json
 
 import anthropic
 import httpx
-import httpx2
 import openai
 import pytest
 
@@ -44,7 +43,6 @@ def env(model):
     def make(**overrides):
         replies = Replies(model)
         app, pods, http = scripted_gateway(model, replies, PODS, **overrides)
-        http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
         return app, pods, replies, http
 
     return make

@@ -7,7 +7,6 @@ pods, the real SDKs)."""
 from __future__ import annotations
 
 import anthropic
-import httpx2
 import openai
 import pytest
 
@@ -28,7 +27,6 @@ def model(tiny_qwen3) -> ChatModel:
 @pytest.fixture
 def gw(model):
     app, pods, queue, http = queued_gateway(model, PODS)
-    http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
     return app, pods.pods[PODS[0]], queue, http
 
 

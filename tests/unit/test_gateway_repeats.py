@@ -4,7 +4,6 @@ sample), and Anthropic tool inputs that round-trip to what the model wrote. In-p
 from __future__ import annotations
 
 import anthropic
-import httpx2
 import openai
 import pytest
 
@@ -23,7 +22,6 @@ def model(tiny_qwen3) -> ChatModel:
 @pytest.fixture
 def env(model):
     app, pods, queue, http = queued_gateway(model, PODS)
-    http.anthropic = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gw")
     return app, pods, queue, http
 
 
