@@ -4,17 +4,41 @@ meet in one script, so one node must hold them all) and a Redis older than the c
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from molt.bus.embedded import EmbeddedRedis
+from molt.net import free_port
 from molt.serve import redis_problem, redis_unfit
 from tests.integration.test_startup_errors import error_line, run, valid_flags
+
+
+def cluster_port() -> int:
+    """A free port a cluster node can take: it also binds port + 10000 (its cluster bus), so no higher than
+    55535, whatever the machine's ephemeral range makes ``free_port`` pick."""
+    for _ in range(200):
+        port = free_port()
+        if port <= 55535 and _bus_free(port + 10000):
+            return port
+    raise OSError("no port <= 55535 with its cluster bus port free")
+
+
+def _bus_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @pytest.fixture(scope="module")
 def cluster_node(tmp_path_factory):
     conf = tmp_path_factory.mktemp("cluster") / "nodes.conf"
-    with EmbeddedRedis(args=["--cluster-enabled", "yes", "--cluster-config-file", str(conf)]) as node:
+    with EmbeddedRedis(
+        port=cluster_port(), args=["--cluster-enabled", "yes", "--cluster-config-file", str(conf)]
+    ) as node:
         yield node.url
 
 
