@@ -11,7 +11,10 @@ Model-written code never runs in the worker. Each call starts ``python -I`` unde
   no ``/dev/shm`` either): the project dir is absent;
 - environment: cleared (none of the worker's variables or API keys), a minimal PATH/HOME/locale set;
 - uid 65534 (nobody) without capabilities; rlimits: RLIMIT_AS (soft, hard = 1.5x, as Molt's
-  executor), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (forks and fork bombs are bounded, not banned);
+  executor), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (forks and fork bombs are bounded, not banned),
+  RLIMIT_NOFILE (256); a seccomp filter refuses memfd_create, memfd_secret and shmget (memory that
+  RLIMIT_AS does not count), the kernel keyring (it outlives the call) and new user namespaces (they
+  would hand the code capabilities again);
 - time: a wall-clock limit, after which bwrap is SIGKILLed (``--die-with-parent`` takes the
   namespace's init, and with it the whole tree, down).
 
@@ -35,11 +38,14 @@ positive number raises ``ValueError`` naming the variable.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import math
 import os
+import platform
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -58,6 +64,10 @@ resource.setrlimit(resource.RLIMIT_AS, (soft_as, soft_as * 3 // 2))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# Kernel buffers behind a descriptor (a socketpair's queued bytes: MBs each) are not address space: the fd count
+# bounds what RLIMIT_AS cannot see.
+nofile = min(256, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 if nproc:
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 if uid >= 0 and os.getuid() != uid:
@@ -75,7 +85,7 @@ if audit:
             raise PermissionError(f"blocked in the sandbox: {event} (no network, no new processes)")
     sys.addaudithook(_fence)
     del _fence, _blocked
-del resource, soft_as, cpu_s, fsize, nproc, uid, audit
+del resource, soft_as, cpu_s, fsize, nproc, nofile, uid, audit
 exec(compile(source, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
@@ -99,6 +109,68 @@ _CHILD_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+
+
+# RLIMIT_AS counts mapped memory only: a memfd (or a SysV shm segment) filled and then left unmapped holds
+# memory no rlimit counts, up to RLIMIT_NOFILE x RLIMIT_FSIZE. The kernel keyring of the sandbox's uid outlives
+# the call (a channel from one call to the next). A new user namespace hands the code a full capability set
+# again (netfilter, mounts: the kernel's widest attack surface). A seccomp filter, handed to bwrap, refuses
+# these (EPERM) and any foreign syscall ABI (i386, x32, arm32).
+_SECCOMP_SYSCALLS = {
+    # machine: (AUDIT_ARCH_*, (memfd_create, memfd_secret, shmget, add_key, request_key, keyctl), unshare, clone,
+    # clone3)
+    "x86_64": (0xC000003E, (319, 447, 29, 248, 249, 250), 272, 56, 435),
+    "aarch64": (0xC00000B7, (279, 447, 194, 217, 218, 219), 97, 220, 435),
+}
+_CLONE_NEWUSER = 0x10000000
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """The classic-BPF filter bwrap's ``--seccomp FD`` loads (None on an architecture not listed above)."""
+    found = _SECCOMP_SYSCALLS.get(machine or platform.machine())
+    if found is None:
+        return None
+    audit_arch, denied, unshare, clone, clone3 = found
+    ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    # (code, jump-if-true label, jump-if-false label, k): labels are resolved to relative offsets below.
+    prog: list[tuple[int, str | None, str | None, int]] = [
+        (ld_w, None, None, 4),  # A = seccomp_data.arch
+        (jeq, None, "deny", audit_arch),
+        (ld_w, None, None, 0),  # A = seccomp_data.nr
+        (jge, "deny", None, 0x40000000),  # x32 syscall numbers
+        *((jeq, "deny", None, nr) for nr in denied),
+        (jeq, "nosys", None, clone3),  # its flags sit behind a pointer: ENOSYS, and libc falls back to clone
+        (jeq, "flags", None, unshare),
+        (jeq, "flags", None, clone),
+        (ret, None, None, 0x7FFF0000),  # allow
+        ("flags", ld_w, None, None, 16),  # A = low half of args[0] (little-endian): the clone/unshare flags
+        (jset, "deny", None, _CLONE_NEWUSER),
+        (ret, None, None, 0x7FFF0000),
+        ("deny", ret, None, None, 0x00050000 | errno.EPERM),
+        ("nosys", ret, None, None, 0x00050000 | errno.ENOSYS),
+    ]
+    rows = [row if isinstance(row[0], int) else row[1:] for row in prog]
+    where = {row[0]: i for i, row in enumerate(prog) if isinstance(row[0], str)}
+
+    def jump(i: int, label: str | None) -> int:
+        return 0 if label is None else where[label] - i - 1
+
+    return b"".join(
+        struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k) for i, (code, jt, jf, k) in enumerate(rows)
+    )
+
+
+def _seccomp_fd() -> int | None:
+    """A pipe's read end holding the filter (the caller passes it to bwrap and closes it), or None."""
+    program = seccomp_program()
+    if program is None:
+        return None
+    r, w = os.pipe()
+    try:
+        os.write(w, program)  # a few hundred bytes: fits the pipe's buffer
+    finally:
+        os.close(w)
+    return r
 
 
 class SandboxUnavailable(RuntimeError):
@@ -184,7 +256,9 @@ def _spawn_as() -> dict[str, Any]:
     return {}
 
 
-def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[list[str], int]:
+def _bwrap_argv(
+    bwrap: str, tmp_bytes: int, with_proc: bool = True, seccomp_fd: int | None = None
+) -> tuple[list[str], int]:
     """(bwrap argv up to the command, uid the child must switch to itself: -1 when bwrap sets it)."""
     argv = [
         bwrap,
@@ -233,8 +307,10 @@ def _bwrap_argv(bwrap: str, tmp_bytes: int, with_proc: bool = True) -> tuple[lis
         argv += ["--proc", "/proc"]
     # In a user namespace the sandbox user owns bwrap's /dev tmpfs: read-only, or /dev/shm would be a second,
     # uncapped scratch space beside /tmp.
-    argv += ["--dev", "/dev", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
-    return argv, switch_uid
+    argv += ["--dev", "/dev", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    return [*argv, "--"], switch_uid
 
 
 class SandboxSupport(NamedTuple):
@@ -249,7 +325,16 @@ class SandboxSupport(NamedTuple):
 
 def _probe(bwrap: str, with_proc: bool) -> str:
     """Run a trivial program in the full sandbox: "" when it worked, else what went wrong."""
-    prefix, uid = _bwrap_argv(bwrap, 1 << 20, with_proc)
+    filter_fd = _seccomp_fd()
+    try:
+        return _probe_with(bwrap, with_proc, filter_fd)
+    finally:
+        if filter_fd is not None:
+            os.close(filter_fd)
+
+
+def _probe_with(bwrap: str, with_proc: bool, filter_fd: int | None) -> str:
+    prefix, uid = _bwrap_argv(bwrap, 1 << 20, with_proc, filter_fd)
     probe = f"import os, sys; sys.exit(0 if os.getuid() == {SANDBOX_UID} else 3)"
     cmd = prefix + [sys.executable, "-I", "-c", _BOOTSTRAP, str(1 << 30), "5", str(1 << 20), "0", str(uid), "0"]
     spawn_as = _spawn_as()
@@ -267,7 +352,14 @@ def _probe(bwrap: str, with_proc: bool) -> str:
             )
     try:
         done = subprocess.run(
-            cmd, input=probe.encode(), capture_output=True, timeout=30, env=_CHILD_ENV, check=False, **spawn_as
+            cmd,
+            input=probe.encode(),
+            capture_output=True,
+            timeout=30,
+            env=_CHILD_ENV,
+            check=False,
+            pass_fds=() if filter_fd is None else (filter_fd,),
+            **spawn_as,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         if spawn_as:
@@ -387,7 +479,9 @@ async def run_python(
     if mode == "bwrap":
         binary = bwrap_binary()
         assert binary is not None  # _isolation picks bwrap only when the binary is there
-        prefix, uid = _bwrap_argv(binary, tmp_bytes, bwrap_status().with_proc)
+        with_proc = bwrap_status().with_proc
+        filter_fd = _seccomp_fd()
+        prefix, uid = _bwrap_argv(binary, tmp_bytes, with_proc, filter_fd)
         argv = prefix + [
             sys.executable,
             "-I",
@@ -400,7 +494,11 @@ async def run_python(
             str(uid),
             "0",
         ]
-        return await _run(argv, code, timeout_s, output_chars, cwd=None, spawn_as=_spawn_as())
+        try:
+            return await _run(argv, code, timeout_s, output_chars, cwd=None, spawn_as=_spawn_as(), pass_fd=filter_fd)
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
     import tempfile
 
     argv = [sys.executable, "-I", "-c", _BOOTSTRAP, str(mem_bytes), str(cpu_s), str(fsize), "0", "-1", "1"]
@@ -415,6 +513,7 @@ async def _run(
     output_chars: int,
     cwd: str | None,
     spawn_as: dict[str, Any] | None = None,
+    pass_fd: int | None = None,
 ) -> SandboxResult:
     env = dict(_CHILD_ENV, HOME=cwd or "/tmp")
     proc = await asyncio.create_subprocess_exec(
@@ -425,6 +524,7 @@ async def _run(
         cwd=cwd,
         start_new_session=True,
         env=env,
+        pass_fds=() if pass_fd is None else (pass_fd,),
         **(spawn_as or {}),
     )
     assert proc.stdin and proc.stdout and proc.stderr  # all three are pipes

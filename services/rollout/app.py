@@ -97,7 +97,9 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
     app.include_router(router)
     internal_token = internal_token_from_env()
     if internal_token is not None:
-        # The weight reload checks its own token (the trainer's); everything else a caller uses needs this one.
+        # The weight reload checks its own token (the trainer's) where there is one; everything else a caller
+        # uses needs this one. Without a weights token (--weights.allow_unauthenticated) the reload, which loads
+        # any path the caller names, stays behind this token rather than open to the whole network.
         denial = error_response(
             401,
             denial_message("this pod"),
@@ -105,7 +107,7 @@ def build_app(settings: RolloutSettings, engine: RolloutEngine | None = None) ->
             code="invalid_internal_token",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        open_paths = (*OPEN_PATHS, "/v1/weights/reload")
+        open_paths = (*OPEN_PATHS, "/v1/weights/reload") if weights_token is not None else OPEN_PATHS
         app.add_middleware(BearerGuard, token=internal_token, denial=denial, open_paths=open_paths)
 
     @app.exception_handler(RolloutInputError)

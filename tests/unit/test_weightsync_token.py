@@ -65,6 +65,28 @@ def test_reload_route_needs_the_token(monkeypatch):
         assert r.status_code == 200 and calls == [("/m", 4)]
 
 
+def test_without_a_weights_token_the_reload_needs_the_service_token(monkeypatch):
+    """--weights.allow_unauthenticated opens weight changes to the trainer's path without a token; the reload
+    (any model dir the caller names) still needs MOLT_INTERNAL_TOKEN where the pod has one."""
+    monkeypatch.delenv("MOLT_WEIGHTS_TOKEN", raising=False)
+    monkeypatch.setenv("MOLT_INTERNAL_TOKEN", "svc-t0k")
+    engine = FakeEngine()
+    calls = []
+
+    async def reload_from_path(path, version):
+        calls.append((path, version))
+        return {"policy_version": version}
+
+    engine.reload_from_path = reload_from_path
+    with TestClient(build_app(_settings("0.0.0.0", allow_unauthenticated=True), engine=engine)) as client:
+        r = client.post("/v1/weights/reload", json={"path": "/m", "version": 4})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
+        r = client.post(
+            "/v1/weights/reload", json={"path": "/m", "version": 4}, headers={"Authorization": "Bearer svc-t0k"}
+        )
+        assert r.status_code == 200 and calls == [("/m", 4)]
+
+
 async def test_grpc_calls_without_the_token_are_unauthenticated(monkeypatch):
     monkeypatch.delenv("MOLT_WEIGHTS_TOKEN", raising=False)
     server, port = await start_weightsync_server(FakeEngine(), "127.0.0.1", 0, token="t0k")
