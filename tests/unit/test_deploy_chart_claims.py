@@ -281,7 +281,7 @@ def test_redis_existing_secret_is_read_by_every_consumer_and_no_password_is_rend
     missing = {ref["name"] for ref in _secret_refs(docs).values()} - set(secrets)
     assert missing == {"team-redis"}  # nothing else points at a Secret the chart does not render
     redis = main_container(docs, "redis")
-    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert 'requirepass "$pass"' in redis["args"][0]  # on stdin, not argv
     for component in ("gateway", "trainer"):
         env = main_container(docs, component)["env"]
         names = [e["name"] for e in env]
@@ -368,8 +368,8 @@ def test_compose_and_chart_run_redis_alike(compose, chart):
     assert redis["image"] == c["image"]
     flags = ("--appendonly", "--appendfsync", "--maxmemory-policy")
     assert _flag_values(redis["command"], *flags) == _flag_values(c["args"], *flags)
-    assert redis["command"][redis["command"].index("--requirepass") + 1] == COMPOSE_ENV["MOLT_REDIS_PASSWORD"]
-    assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert redis["command"][2] == c["args"][0]  # the same script: requirepass on stdin, not argv
+    assert redis["environment"]["REDIS_PASSWORD"] == COMPOSE_ENV["MOLT_REDIS_PASSWORD"]
     assert redis["environment"]["REDISCLI_AUTH"] and any(e["name"] == "REDISCLI_AUTH" for e in c["env"])
 
 

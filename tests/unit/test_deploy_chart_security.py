@@ -170,7 +170,7 @@ def test_redis_requires_a_password_and_keeps_an_append_only_file(rendered):
     docs = rendered["default"]
     c = main_container(docs, "molt-redis")
     args = c["args"]
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert 'requirepass "$pass"' in args[0] and "--requirepass" not in args  # stdin, not argv
     assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
     env = env_of(c)
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "molt-redis", "key": "password"}

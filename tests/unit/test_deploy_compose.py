@@ -267,7 +267,8 @@ def test_rollout_picks_the_newest_export_at_every_start(compose, tmp_path):
 def test_redis_password_and_weight_token_come_from_the_environment(compose):
     services = compose["services"]
     redis = services["redis"]["command"]
-    assert redis[redis.index("--requirepass") + 1] == ENV["MOLT_REDIS_PASSWORD"]
+    assert 'requirepass "$pass"' in redis[2] and ENV["MOLT_REDIS_PASSWORD"] not in redis  # stdin
+    assert services["redis"]["environment"]["REDIS_PASSWORD"] == ENV["MOLT_REDIS_PASSWORD"]
     assert redis[redis.index("--appendonly") + 1] == "yes"
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == ENV["MOLT_REDIS_PASSWORD"]
     url = f"redis://:{ENV['MOLT_REDIS_PASSWORD']}@redis:6379/0"

@@ -177,7 +177,11 @@ def test_redis_in_chart_or_external(rendered):
     assert not [d for d in ext if d["metadata"]["name"] == "molt-redis"]
     ref = redis_env(ext, "molt-gateway")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "molt-redis-url", "key": "url"}
-    assert redis_env(rendered["multinode-trainer"], "molt-trainer")["value"].startswith("redis://:secret@")
+    # redis.external.url (with a password) reaches the pods through the chart's Secret, not the pod spec
+    multi = rendered["multinode-trainer"]
+    ref = redis_env(multi, "molt-trainer")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "molt-redis-external", "key": "url"}
+    assert by_kind(multi, "Secret")["molt-redis-external"]["stringData"]["url"].startswith("redis://:secret@")
 
 
 def test_secret_refs_resolve(rendered):

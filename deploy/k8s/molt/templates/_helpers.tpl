@@ -93,8 +93,11 @@ REDIS_PASSWORD comes from the Secret and Kubernetes expands $(REDIS_PASSWORD) in
       name: {{ .Values.redis.external.existingSecret }}
       key: {{ .Values.redis.external.existingSecretKey }}
 {{- else if .Values.redis.external.url }}
+# From the chart's Secret, not a plain value: the URL may carry a password, and pod specs are readable by
+# more people (kubectl get pod -o yaml) than Secrets are.
 - name: MOLT_REDIS__URL
-  value: {{ .Values.redis.external.url | quote }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "molt.name" (dict "root" . "component" "redis-external") }}, key: url}
 {{- else }}
 {{- fail "redis: set redis.enabled=true, or redis.external.url, or redis.external.existingSecret" }}
 {{- end }}
@@ -158,12 +161,18 @@ securityContext:
   {{- end }}
 {{- end -}}
 
-{{/* Container-level: read-only root filesystem, no privilege escalation, no capabilities. */}}
+{{/* Container-level: read-only root filesystem, no privilege escalation, no capabilities but those a
+GPU component lists in addCapabilities (e.g. IPC_LOCK for RDMA memory registration):
+molt.containerSecurity (dict "add" $v.addCapabilities); any other context adds none. */}}
 {{- define "molt.containerSecurity" -}}
 securityContext:
   allowPrivilegeEscalation: false
   readOnlyRootFilesystem: true
+  {{- if and (kindIs "map" .) .add }}
+  capabilities: {drop: [ALL], add: {{ toJson .add }}}
+  {{- else }}
   capabilities: {drop: [ALL]}
+  {{- end }}
 {{- end -}}
 
 {{- define "molt.serviceAccount" -}}
@@ -196,6 +205,8 @@ spec:
 {{- end -}}
 
 {{- define "molt.modelVolume" -}}
+{{- /* Every pod that loads the model fails to start without it: refuse the render instead. */}}
+{{- with include "molt.notMounted" (dict "path" .Values.model.path "key" "model.path" "mounts" (list .Values.model.mountPath) "extra" .Values.extraVolumeMounts) }}{{ fail . }}{{ end -}}
 - name: model
 {{- if .Values.model.existingClaim }}
   persistentVolumeClaim:
@@ -208,6 +219,40 @@ spec:
 {{- else }}
   emptyDir: {}
 {{- end }}
+{{- end -}}
+
+{{/* Volumes and mounts a platform engineer adds (a PVC or hostPath with data files, a reward model,
+the model at the launching machine's path that `molt train-rl --emit helm-values` wrote): the chart-wide
+extraVolumes/extraVolumeMounts go to every Molt pod, a component's own to its pods only.
+molt.extraVolumes / molt.extraVolumeMounts (dict "root" $ "v" $v "indent" N): nothing when there are none. */}}
+{{- define "molt.extraVolumes" -}}
+{{- with concat .root.Values.extraVolumes (.v.extraVolumes | default list) }}
+{{- toYaml . | nindent $.indent }}
+{{- end }}
+{{- end -}}
+
+{{- define "molt.extraVolumeMounts" -}}
+{{- with concat .root.Values.extraVolumeMounts (.v.extraVolumeMounts | default list) }}
+{{- toYaml . | nindent $.indent }}
+{{- end }}
+{{- end -}}
+
+{{/* Why absolute PATH is not under any directory the container mounts (MOUNTS, and EXTRA's mountPaths), or
+"": emitted values carry paths of the machine that ran `molt train-rl`, which pods see only if mounted.
+molt.notMounted (dict "path" P "key" "model.path" "mounts" (list DIR...) "extra" (list MOUNT...)) */}}
+{{- define "molt.notMounted" -}}
+{{- if hasPrefix "/" .path -}}
+{{- $ok := false -}}
+{{- $mounts := .mounts -}}
+{{- range .extra -}}{{- $mounts = append $mounts .mountPath -}}{{- end -}}
+{{- range $mounts -}}
+{{- $m := trimSuffix "/" . -}}
+{{- if or (eq $.path $m) (hasPrefix (printf "%s/" $m) $.path) -}}{{- $ok = true -}}{{- end -}}
+{{- end -}}
+{{- if not $ok -}}
+{{- printf "%s=%s is not under any volume the pods mount (%s): set model.mountPath (with model.existingClaim or model.hostPath) to a directory above it, or mount it with extraVolumes/extraVolumeMounts (docs/deploy.md)" .key .path (join ", " $mounts | default "none") -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* HTTP probes on /healthz (liveness) and /readyz (readiness). */}}
