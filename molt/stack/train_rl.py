@@ -332,7 +332,8 @@ def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
         "envs": {
             "replicas": r.num_envs,
             "agents": {"agent": r.agent_path},
-            "extraEnv": [{"name": "MODEL_PATH", "value": r.model}],
+            # Molt's agents read MODEL_PATH (tokenizers, tool parsers): the chart mounts the model there too.
+            "mountModel": True,
         },
         "trainer": {
             "nodes": trainer_nodes,
@@ -367,9 +368,14 @@ def write_helm_values(r: Routed, path: Path, environ: Mapping[str, str] | None =
         )
         if on
     ]
+    notes = [
+        "model.path, trainer.promptDataset and envs.agents.agent are paths of this machine: pods see them only "
+        "where mounted (model.existingClaim or model.hostPath under model.mountPath, or extraVolumes and "
+        "extraVolumeMounts; docs/deploy.md); the chart refuses a model.path outside every mount"
+    ]
     if not given:
-        return []
-    return [
+        return notes
+    return notes + [
         f"{' and '.join(given)}: not written to the values file (a secret); give the trainer its W&B key from a "
         "Secret: trainer.extraEnv [{name: MOLT_LOGGER__WANDB__KEY, valueFrom: {secretKeyRef: {name: wandb, key: "
         "api-key}}}] (docs/deploy.md)"

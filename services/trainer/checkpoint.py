@@ -221,6 +221,18 @@ def read_metric(ckpt_dir: Path) -> float | None:
     return float(value)
 
 
+def resumed_metric(root: str) -> tuple[str | None, float | None]:
+    """(key, value) of ``metric.json`` in the newest complete checkpoint under ``root``; (None, None) without one."""
+    path = latest_dir(root)
+    if path is None:
+        return None, None
+    try:
+        key = json.loads((path / METRIC_FILE).read_text()).get("metric_key")
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    return (key if isinstance(key, str) and key else None), read_metric(path)
+
+
 def _step(p: Path) -> int:
     name = p.name.removeprefix(BEST_PREFIX)
     return int(name[len(STEP_PREFIX) :])

@@ -469,6 +469,19 @@ class Controller:
             )
             log.error("stopping the run: %s", exc)
             raise exc
+        if any(self.dropped.values()):
+            # Otherwise the run ends as "done" with 0 steps, no step log and no final model, and nothing says why
+            # (a small model on a hard task fails every sample, so every group is uniform).
+            low, high = self.s.algo.dynamic_filtering_range
+            log.warning(
+                "the dataset ran out with no step trained: --algo.dynamic_filtering_enable dropped every group "
+                "(%d with a mean score outside the open interval (%g, %g) of --algo.dynamic_filtering_range, %d "
+                "incomplete); widen the range, use an easier dataset or turn filtering off",
+                self.dropped["dynamic_filter"],
+                low,
+                high,
+                self.dropped["incomplete_group"],
+            )
 
     async def commit(self) -> int:
         """Ack every uncommitted delivery (call only once their step is durable)."""

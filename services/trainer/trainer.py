@@ -206,6 +206,9 @@ class Trainer:
             self.last_saved_step = self.learner.global_step
             best = checkpoint.best_state(self.s.ckpt.path)
             self.best = best.get("best") if best else None
+            # Checkpoints saved before the next evaluation record the latest one, as in a run that never stopped
+            # (a resume does not evaluate again); without it retention would prune them first, as unevaluated.
+            self.last_metric = checkpoint.resumed_metric(self.s.ckpt.path)
         if self.info.is_main and self.publisher is not None:
             # Pods may start after the trainer (any order in Kubernetes, or one restarting): waited for here,
             # with /readyz answering 503 meanwhile; the other ranks wait in the push's collective.
@@ -489,7 +492,13 @@ class Trainer:
         """Rank 0, between steps (the other ranks wait at the next step's broadcast)."""
         ev = self.evaluator
         step = self.learner.global_step
-        if ev is not None and (ev.due(step) or (at_start and step == 0 and self.s.eval.eval_at_start)):
+        if ev is None:
+            return
+        # At start only --eval.eval_at_start of a fresh run, as in Molt: a resumed step was evaluated by the run that
+        # trained it, and a second, noisy evaluation of the same weights would log that step twice and rewrite its
+        # checkpoint's retention metric and the best checkpoint.
+        due = step == 0 and self.s.eval.eval_at_start if at_start else ev.due(step)
+        if due:
             self._evaluate()
 
     def _evaluate(self) -> None:

@@ -144,11 +144,12 @@ def test_emitted_helm_values_render_through_the_chart(tmp_path):
     from deploy import tools
 
     argv = quick_start_argv("quick_start_rl_qwen3_4b.sh")
-    assert tr.write_helm_values(tr.route(argv, "helm"), tmp_path / "keyless.yaml", environ={}) == []
+    [paths] = tr.write_helm_values(tr.route(argv, "helm"), tmp_path / "keyless.yaml", environ={})
+    assert paths.startswith("model.path, trainer.promptDataset and envs.agents.agent are paths of this machine")
     # Molt hands the launching shell's W&B settings to its workers; the key is a secret and stays out of the file
     r = tr.route([*argv, "--logger.wandb.key", "flag-key-456"], "helm")
     wandb = {"WANDB_API_KEY": "secret-key-123", "WANDB_ENTITY": "ent", "WANDB_MODE": "offline", "WANDB_DIR": "/x"}
-    [note] = tr.write_helm_values(r, tmp_path / "values.yaml", environ=wandb)
+    [_, note] = tr.write_helm_values(r, tmp_path / "values.yaml", environ=wandb)
     text = (tmp_path / "values.yaml").read_text()
     assert "secret-key-123" not in text and "flag-key-456" not in text
     assert note.startswith("--logger.wandb.key and WANDB_API_KEY: not written") and "MOLT_LOGGER__WANDB__KEY" in note
