@@ -310,8 +310,9 @@ def mix_weights(spec: str, probs: str | None, flag: str) -> list[float] | None:
 
 def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, seed: int, flag: str) -> list[dict]:
     """Rows of one or several comma-separated datasets; with ``probs`` (comma-separated weights, one per dataset),
-    mixed by weight: each dataset gives its share of ``max_samples`` drawn at random with ``seed`` (Molt's
-    blending, --data.prompt_probs / --data.dataset_probs)."""
+    mixed by weight: each dataset gives its share of ``max_samples``, or of the rows it takes for every dataset to
+    be read whole at those weights when that is fewer, drawn at random with ``seed`` (Molt's blending,
+    --data.prompt_probs / --data.dataset_probs)."""
     weights = mix_weights(spec, probs, flag)
     paths = [p.strip() for p in spec.split(",") if p.strip()]
     if weights is None:
@@ -327,10 +328,21 @@ def read_mixed_rows(spec: str, probs: str | None, split: str, max_samples: int, 
         return out
     parts = [read_rows(p, split=split, flag=flag) for p in paths]
     total = sum(weights)
+    # Molt interleaves by weight until every dataset has been read whole (stopping_strategy="all_exhausted"): a
+    # dataset whose weight outruns its size repeats. Capping each share at the dataset's size instead would let
+    # the sizes, not the weights, set the mix whenever --data.max_samples exceeds the rows.
+    whole = max((math.ceil(len(part) * total / w) for part, w in zip(parts, weights) if w > 0 and part), default=0)
+    n = min(max_samples, whole)
     rng = random.Random(seed)
     out = []
     for part, w in zip(parts, weights):
-        want = min(len(part), round(max_samples * w / total))
-        out += rng.sample(part, want) if want < len(part) else part
+        want = round(n * w / total)
+        if not part:  # an empty dataset gives nothing, whatever its weight
+            continue
+        if want <= len(part):
+            out += rng.sample(part, want) if want < len(part) else part
+        else:
+            laps, rest = divmod(want, len(part))
+            out += part * laps + rng.sample(part, rest)
     rng.shuffle(out)
     return out[:max_samples]

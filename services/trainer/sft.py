@@ -89,12 +89,38 @@ def check(s: SftSettings, on_gpu: bool) -> None:
     if problem or path is None:
         raise ValueError(problem)
     check_datasets(s)
+    check_output_dirs(s)
+    check_fresh_ckpt_path(s)
     if s.model.lora.rank > 0 and not on_gpu:
         check_lora_targets(s, path)
     flags = {"--data.image_key": s.data.image_key, "--model.freeze_visual_encoder": s.model.freeze_visual_encoder}
     for flag, on in flags.items():
         if on and not is_vision_language(path):
             raise ValueError(f"{flag}: {path} takes no images (its config has no vision_config); drop the flag")
+
+
+def check_output_dirs(s: SftSettings) -> None:
+    """A folder flag naming a file fails only where it is first written: the final export after the whole run, the
+    first checkpoint after its step. Refused before anything loads."""
+    dirs = {"--ckpt.path": s.ckpt.path, "--ckpt.output_dir": s.ckpt.output_dir}
+    dirs["--logger.tensorboard_dir"] = s.logger.tensorboard_dir
+    for flag, path in dirs.items():
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: a file, not a directory; name a folder (it is made if missing)")
+
+
+def check_fresh_ckpt_path(s: SftSettings) -> None:
+    """A run that saves checkpoints into a --ckpt.path holding another run's, without --ckpt.load_enable, would
+    restart at step 0 and mix the two runs under one retention (the old run's higher steps outlive the new
+    ones): refused, naming the two ways out."""
+    if s.ckpt.load_enable or s.ckpt.save_steps <= 0:
+        return
+    found = checkpoint.latest_dir(s.ckpt.path)
+    if found is not None:
+        raise ValueError(
+            f"--ckpt.path {s.ckpt.path} holds checkpoints of an earlier run (newest {found.name}): pass "
+            "--ckpt.load_enable to resume it, or remove them or pick another --ckpt.path to start over"
+        )
 
 
 def check_lora_targets(s: SftSettings, path: str) -> None:
@@ -122,11 +148,20 @@ def check_datasets(s: SftSettings) -> None:
     """--data.dataset and --eval.dataset, cheaply (``molt.data.check_dataset``): the path, the split, a row, the
     keys. Rows without a key are dropped and counted (``sft_data``), so only a key no row holds is refused."""
     d = s.data
-    keys = {"--data.input_key": d.input_key, "--data.output_key": d.output_key}
+    keys = {"--data.input_key": d.input_key, "--data.output_key": d.output_key, "--data.tools_key": d.tools_key}
     if d.dataset:
         check_dataset(d.dataset, d.dataset_split, keys, "--data.dataset", every_row=False)
     if s.eval.dataset:
         check_dataset(s.eval.dataset, s.eval.split, keys, "--eval.dataset", every_row=False)
+
+
+def same_rows(s: SftSettings) -> bool:
+    """--eval.dataset and its split are --data.dataset's (the same paths, the same split)."""
+
+    def paths(spec: str | None) -> list[Path]:
+        return [Path(p.strip()).resolve() for p in (spec or "").split(",") if p.strip()]
+
+    return paths(s.eval.dataset) == paths(s.data.dataset) and s.eval.split == s.data.dataset_split
 
 
 def load_vision(s: SftSettings):
@@ -161,6 +196,7 @@ def load_examples(
         vision=vision,
         image_key=d.image_key,
         max_images=d.max_images_per_prompt,
+        tools_key=d.tools_key,
     )
     examples, report = tokenized.build(rows, flag)
     log.info("%s", report.summary(flag))
@@ -336,8 +372,14 @@ class Sinks:
 
     def __init__(self, s: SftSettings, on: bool) -> None:
         lg = s.logger
-        # Open for the whole run (one line per step); close() ends it.
-        self.jsonl = open_jsonl(lg.steps_jsonl) if (on and lg.steps_jsonl) else None
+        # Open for the whole run (one line per step); close() ends it. A path that cannot be opened (a folder, no
+        # permission) is a flag error, reported as main() reports the other start-up ones.
+        try:
+            self.jsonl = open_jsonl(lg.steps_jsonl) if (on and lg.steps_jsonl) else None
+        except OSError as exc:
+            raise ValueError(
+                f"--logger.steps_jsonl {lg.steps_jsonl}: cannot open it ({exc.strerror or exc})"
+            ) from None
         self.wandb = self.tb = None
         if not on:
             return
@@ -445,6 +487,15 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None, sinks: S
         if s.eval.dataset
         else None
     )
+    if s.eval.dataset and info.is_main and same_rows(s):
+        # --eval.split defaults to train, as in Molt: a folder named for both reads its train split twice, and the
+        # eval loss then measures memorisation, not generalisation.
+        log.warning(
+            "--eval.dataset %s split %r is the training data (--data.dataset, --data.dataset_split): eval_loss is a "
+            "training loss; pick the held-out split with --eval.split",
+            s.eval.dataset,
+            s.eval.split,
+        )
     t = s.train
     dp = info.world_size // s.fsdp.tp_size
     check_batch(s, dp)  # check() did with WORLD_SIZE; this is the process group's real size
@@ -478,6 +529,8 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None, sinks: S
                 learner.global_step,
                 t.batch_size,
             )
+        elif not state and info.is_main:  # a mistyped --ckpt.path would otherwise restart a run without a word
+            log.warning("--ckpt.load_enable: no checkpoint under --ckpt.path %s; starting from step 0", s.ckpt.path)
     eval_every = s.eval.steps if s.eval.steps > 0 else per_epoch
     eval_batches: list[tuple[dict, bool]] | None = None
     if evals:
@@ -580,7 +633,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     signal.signal(signal.SIGINT, stop.request)
     try:
         summary = train(s, info, stop, sinks)
-    except (ValueError, CheckpointWriteError) as exc:
+    except ValueError as exc:
+        # What train() refuses is the flags or the data they name (a batch larger than the usable rows, rows no
+        # key fits): status 2, as the start-up checks and every service report a flag error.
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except CheckpointWriteError as exc:  # a failure of the run (disk full), not of its flags
         sys.exit(f"{prog}: error: {exc}")
     finally:
         sinks.close()

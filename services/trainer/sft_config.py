@@ -58,6 +58,9 @@ class SftDataConfig(Section):
     assistant turns, then --data.output_key is not needed)."""
     output_key: str | None = None
     """Column of the response: a string (one assistant turn), a message dict or a list of messages."""
+    tools_key: str | None = None
+    """Column of each row's tool schemas (an OpenAI function list, or its JSON string), rendered by the chat template
+    as apply_chat_template(messages, tools=...) does; the RL trainer's flag of that name. Unset: not rendered."""
     tokenizer_chat_template: str | None = None
     """Chat template to use instead of the tokenizer's: a .jinja file or the template text."""
     train_on_last_turn_only: bool = False
@@ -212,6 +215,10 @@ def validate_sft(s: SftSettings, *, on_gpu: bool = False) -> None:
     if f.offload != "none" and not on_gpu:
         raise ValueError(f"--fsdp.offload {f.offload}: CPU offload is for GPU runs; on CPU use none")
     template = s.data.tokenizer_chat_template
+    if template and os.path.isdir(template):
+        raise ValueError(
+            f"--data.tokenizer_chat_template {template}: a directory; pass a .jinja file or the template text"
+        )
     if template and not os.path.exists(template) and "{{" not in template and "{%" not in template:
         # Molt reads a file of that name, else the text itself as the template: a mistyped path would be it.
         raise ValueError(

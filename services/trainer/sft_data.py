@@ -4,7 +4,8 @@ Rows are read with ``molt.data.read_rows`` (datasets directories, parquet, JSONL
 conversation as in Molt: ``--data.input_key`` holds the prompt (a string = one user turn, or a list
 of messages that may already contain the assistant turns), ``--data.output_key`` the response (a
 string, one message dict or a list of messages). The conversation is rendered with the chat template
-and tokenised once, up front.
+and tokenised once, up front. With ``--data.tools_key`` the row's tool schemas (an OpenAI function list, or its
+JSON string) go to the template as ``tools=``, as ``apply_chat_template(messages, tools=...)`` renders them.
 
 Which tokens are the response is found in the rendered ids, not by per-template rules: probing the
 template with throwaway chats yields the token run that opens an assistant reply (the generation
@@ -19,7 +20,7 @@ the model's image part and the model's processor expands it into the image's tok
 and the cut work on the ids the model sees. A cut never splits a run: an image it would split is dropped
 with its run (``vision.cut_at_whole_image``).
 
-Bad rows are counted by reason and never trained on: a missing key, a malformed message list, no
+Bad rows are counted by reason and never trained on: a missing key, a malformed message list or tool list, no
 assistant turn, an empty response, a sample whose response starts past ``--data.max_len`` (nothing
 left to supervise after the cut), and for images: more than ``--data.max_images_per_prompt``, an
 unreadable image, markers or image parts that do not match the images one to one, image parts without
@@ -28,6 +29,7 @@ unreadable image, markers or image parts that do not match the images one to one
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -137,6 +139,38 @@ def _content(content):
     return parts
 
 
+TOOLS_COLUMN = "tools"
+"""The column tool-calling SFT datasets keep their schemas in: rows holding it without --data.tools_key are logged."""
+
+
+def row_tools(row: dict, tools_key: str | None) -> tuple[list[dict] | None, str]:
+    """The row's tool schemas for the template's ``tools=`` (None: none), or (None, reason) for a bad row."""
+    value = row.get(tools_key) if tools_key else None
+    if isinstance(value, str):  # datasets often store the schemas as one JSON string
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError:
+            return None, "malformed tools"
+    elif value is not None:
+        # A parquet / datasets column merges every row's schemas into one struct type, filling the keys a row
+        # lacks with None: rendered, they would be parameters the tool does not have ("q": null). Calls'
+        # arguments (to_messages) are cleaned the same way.
+        value = _drop_none(value)
+    if value is None or (isinstance(value, list) and not value):
+        return None, ""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        return None, "malformed tools"
+    return value, ""
+
+
+def _drop_none(value):
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value]
+    return value
+
+
 def image_parts(messages: list[dict]) -> int:
     return sum(p["type"] == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"])
 
@@ -165,6 +199,8 @@ def to_messages(row: dict, input_key: str, output_key: str | None) -> tuple[list
             return None, "malformed messages"
         if content is not m.get("content"):
             messages[k] = {**m, "content": content}
+        if isinstance(m.get("tool_calls"), list):  # a merged struct column's null keys, as for the tool schemas
+            messages[k] = {**messages[k], "tool_calls": _drop_none(m["tool_calls"])}
     replies = [m for m in messages if m["role"] == "assistant"]
     if not replies:
         return None, "no assistant turn"
@@ -217,11 +253,15 @@ class Tokenized:
         vision=None,
         image_key: str | None = None,
         max_images: int = 4,
+        tools_key: str | None = None,
     ) -> None:
         self.tok, self.max_len = tokenizer, max_len
         self.input_key, self.output_key, self.last_turn_only = input_key, output_key, last_turn_only
         self.vision, self.image_key, self.max_images = vision, image_key, max_images
+        self.tools_key = tools_key
         self.markers = reply_markers(tokenizer)
+        if tools_key:
+            check_renders_tools(tokenizer, tools_key)
 
     def _images(self, row: dict, messages: list[dict]) -> tuple[list[bytes] | None, str]:
         parts = image_parts(messages)
@@ -256,13 +296,16 @@ class Tokenized:
         messages, why = to_messages(row, self.input_key, self.output_key)
         if messages is None:
             return None, why, False
+        tools, why = row_tools(row, self.tools_key)
+        if why:
+            return None, why, False
         images, why = self._images(row, messages)
         if images is None:
             return None, why, False
         if images:  # {"type": "image"}: the part VLM chat templates render as the model's own placeholder
             messages = inline_parts(messages, [{"type": "image"}] * len(images))
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False)
         except TemplateError as exc:
             return None, f"chat template error ({exc.message})", False
         ids = self._ids(text, images)
@@ -291,6 +334,16 @@ class Tokenized:
             report.truncated += truncated
             out.append(ex)
         report.used = len(out)
+        unrendered = 0 if self.tools_key else sum(bool(row.get(TOOLS_COLUMN)) for row in rows)
+        if unrendered:
+            # The model would learn tool calls without the schemas it is later prompted with (RL, serving).
+            log.warning(
+                "%s: %d rows hold a %r column that is not rendered into the prompt; pass --data.tools_key %s",
+                flag,
+                unrendered,
+                TOOLS_COLUMN,
+                TOOLS_COLUMN,
+            )
         if not out:
             # The hint follows the cause: rows that all lost their response to the cut need a longer
             # --data.max_len, not other keys.
@@ -299,6 +352,18 @@ class Tokenized:
                 fix = f"raise --data.max_len ({self.max_len}): every response starts past it"
             raise ValueError(f"{report.summary(flag)}: no usable row ({fix})")
         return out, report
+
+
+def check_renders_tools(tokenizer, tools_key: str) -> None:
+    """A template that ignores ``tools=`` would drop every row's schemas without a word: refuse it."""
+    chat = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "probe_tool", "description": "d", "parameters": {}}}
+    bare = tokenizer.apply_chat_template(chat, tokenize=False)
+    if tokenizer.apply_chat_template(chat, tools=[tool], tokenize=False) == bare:
+        raise ValueError(
+            f"--data.tools_key {tools_key}: the chat template renders no tools (it ignores tools=); "
+            "pass --data.tokenizer_chat_template with one that does, or drop the flag"
+        )
 
 
 def collate(
