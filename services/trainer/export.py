@@ -128,6 +128,20 @@ def _write_files(tmp: Path, out: Path, tensors, config, source_dir, tokenizer, u
                 shutil.rmtree(out / f.name)
             os.replace(f, out / f.name)
         tmp.rmdir()
+        _drop_stale_model_files(out, lora_scale is not None)
+
+
+# Files a model directory's loaders read first or beside model.safetensors: left from an earlier export into the
+# same folder they would be loaded with the new one (PEFT loads an old adapter/; an index names old shards).
+_STALE_WEIGHTS = ("model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
+
+
+def _drop_stale_model_files(out: Path, with_adapter: bool) -> None:
+    for pattern in _STALE_WEIGHTS:
+        for f in out.glob(pattern):
+            f.unlink()
+    if not with_adapter and (out / lora.ADAPTER_DIR).is_dir():
+        shutil.rmtree(out / lora.ADAPTER_DIR)
 
 
 def _give_open_mode(folder: Path) -> None:

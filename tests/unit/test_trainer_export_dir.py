@@ -51,3 +51,22 @@ def test_every_exported_file_gets_the_mode_open_gives_under_the_umask(tiny_qwen3
     assert {f.relative_to(out).as_posix(): oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
         f.relative_to(out).as_posix(): oct(expected) for f in files
     }
+
+
+def test_an_export_into_a_folder_holding_an_older_model_leaves_none_of_its_weights(tiny_qwen3, tmp_path):
+    # An earlier LoRA run's adapter/ and a sharded export's index would be loaded with the new weights (PEFT
+    # finds the adapter, transformers' index names shards): both go; the folder's other files stay.
+    out = tmp_path / "ckpt"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "notes"):
+        (out / name).write_text("old")
+    write_hf_dir(load_file(str(tiny_qwen3 / "model.safetensors")), tiny_qwen3, out)
+    left = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in left and "notes" in left
+    assert not left & {
+        "adapter",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+    }
