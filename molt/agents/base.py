@@ -24,6 +24,7 @@ import importlib.util
 import math
 import re
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,28 +57,41 @@ class Result:
     A ``SamplingParams``, a vLLM ``SamplingParams`` or a dict of the same names."""
 
 
-def first_scalar(value: Any, what: str = "reward") -> float:
-    """Molt's reduction: a number stays, a tensor / array / list gives its first element."""
+def first_scalar(value: Any, what: str = "reward", where: str = "") -> float:
+    """Molt's reduction: a number stays, a tensor / array / list gives its first element. ``where`` names the user
+    code that returned it (``MyEnv.step``), for the error."""
+    at = f"{where}: " if where else ""
     if value is None:
-        raise ValueError(f"Result.{what} is None: return a number (e.g. Result(reward=0.0))")
-    if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch / numpy, without importing them
-        value = value.reshape(-1).tolist()
-    while isinstance(value, (list, tuple)):
+        raise ValueError(f"{at}Result.{what} is None: return a number (e.g. Result(reward=0.0))")
+    while True:
+        if hasattr(value, "reshape") and hasattr(value, "tolist"):  # torch / numpy, without importing them
+            value = value.reshape(-1).tolist()
+        if not isinstance(value, (list, tuple)):
+            break
         if not value:
-            raise ValueError(f"Result.{what} is empty: return a number")
+            raise ValueError(f"{at}Result.{what} is empty: return a number")
         value = value[0]
+    # float() would parse text: Result(reward=answer_text) would train "42" as a reward of 42. Molt's step runner
+    # fails on text too (it adds the reward to a float).
+    if isinstance(value, (str, bytes, bytearray)):
+        raise ValueError(f"{at}Result.{what} must be a number, got text {type(value).__name__}: {value[:100]!r}")
     try:
         out = float(value)
+    except OverflowError:  # an int past float's range
+        out = math.inf
     except (TypeError, ValueError):
-        raise ValueError(f"Result.{what} must be a number, got {type(value).__name__}: {value!r}") from None
+        raise ValueError(f"{at}Result.{what} must be a number, got {type(value).__name__}: {value!r:.200}") from None
     if not math.isfinite(out):
-        raise ValueError(f"Result.{what} must be finite, got {out}")
+        raise ValueError(f"{at}Result.{what} must be finite, got {out}")
     return out
 
 
-def numeric_info(info: Any) -> dict[str, float]:
+def numeric_info(info: Any, where: str = "") -> dict[str, float]:
     """The numeric scalars of ``Result.info``, as Molt logs them: a tensor / numpy array / list gives its first
     element, booleans count as 0/1, and anything else (text, empty or non-finite values) is skipped."""
+    if info is not None and not isinstance(info, dict):
+        at = f"{where}: " if where else ""
+        raise TypeError(f"{at}Result.info must be a dict of name -> value, got {type(info).__name__}")
     out: dict[str, float] = {}
     for key, value in (info or {}).items():
         while True:
@@ -87,8 +101,13 @@ def numeric_info(info: Any) -> dict[str, float]:
                 value = value[0]
             else:
                 break
-        if isinstance(value, (bool, int, float)) and math.isfinite(value):
-            out[str(key)] = float(value)
+        if isinstance(value, (bool, int, float)):
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range: skipped as a non-finite value is
+                continue
+            if math.isfinite(number):
+                out[str(key)] = number
     return out
 
 
@@ -119,12 +138,17 @@ class Episode:
     """Set by the runner once its session is open (the session id is the trajectory id)."""
     eval: bool = False
     """Evaluation: the runner grades the episode and aborts its session instead of finishing it (no trajectory)."""
+    before_finish: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+    """Awaited by ``finish`` once the reward is decided, before anything is sent (the env worker's episode deadline:
+    it raises if the deadline has passed, else lifts it for the finish)."""
 
     async def finish(
         self, session, reward: float, score: float | None, info: dict[str, float], truncated: bool = False
     ) -> dict[str, Any]:
         """Finish ``session`` with the reward (the gateway writes the trajectory); an eval episode writes nothing:
         leaving the session unfinished makes ``GatewayClient.session`` abort it."""
+        if self.before_finish is not None:
+            await self.before_finish()
         if self.eval:
             return {"written": False}
         return await session.finish(reward, score, info, truncated=truncated)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,10 @@ class ChatAgentRunner(Runner):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
         if agent_cls.REPLIES not in ("raw", "parsed"):
             raise ValueError(f'{agent_cls.__name__}.REPLIES must be "raw" or "parsed", got {agent_cls.REPLIES!r}')
+        # As an Env's reset/step: the runner awaits run, so a plain def would fail every episode with "can't be
+        # used in 'await' expression"; it is refused when the worker loads the module instead.
+        if not inspect.iscoroutinefunction(inspect.unwrap(agent_cls.run)):
+            raise ValueError(f"{agent_cls.__name__}.run must be async def (Molt's ChatAgent API awaits it)")
         self.agent_cls = agent_cls
 
     async def execute(self, episode: Episode, gateway: GatewayClient, *molt_args: Any) -> EpisodeResult:
@@ -128,10 +133,11 @@ class ChatAgentRunner(Runner):
                 gateway_url=gateway.url,
                 api_key=gateway.api_key or "EMPTY",
             )
-            result = check_result(await agent.run(ctx), f"{self.agent_cls.__name__}.run")
-            reward = first_scalar(result.reward)
-            score = reward if result.score is None else first_scalar(result.score, "score")
-            info = numeric_info(result.info)
+            where = f"{self.agent_cls.__name__}.run"
+            result = check_result(await agent.run(ctx), where)
+            reward = first_scalar(result.reward, where=where)
+            score = reward if result.score is None else first_scalar(result.score, "score", where)
+            info = numeric_info(result.info, where)
             summary = await session.summary()
             done = await episode.finish(session, reward, score, info, truncated=bool(result.truncated))
         return EpisodeResult(

@@ -148,7 +148,7 @@ class StepEnvRunner(Runner):
                 self._check_markers(prompt, urls)
                 prompt, rendered = await session.render(inline_images(prompt, urls), episode.tools), True
             first = await env.reset({"observation": prompt, "label": episode.label})
-            obs = first["observation"] if isinstance(first, dict) else first
+            obs = _first_observation(first, f"{self.env_cls.__name__}.reset")
             if isinstance(obs, list):
                 self._check_markers(obs, urls)
                 pending: dict[str, Any] = {"messages": inline_images(obs, urls)}
@@ -182,8 +182,14 @@ class StepEnvRunner(Runner):
                     "label": episode.label,
                     "sampling_params": clamped_params(sp, out),
                 }
-                result = check_result(await env.step(state), f"{self.env_cls.__name__}.step")
-                turn_reward = first_scalar(result.reward)
+                where = f"{self.env_cls.__name__}.step"
+                result = check_result(await env.step(state), where)
+                if result.observation is not None and not isinstance(result.observation, str):
+                    raise TypeError(
+                        f"{where}: Result.observation must be text (the feedback appended after the action), "
+                        f"got {type(result.observation).__name__}"
+                    )
+                turn_reward = first_scalar(result.reward, where=where)
                 reward += turn_reward
                 # As Molt: the score is the last turn's, else that turn's reward (not the summed one).
                 score = turn_reward if result.score is None else result.score
@@ -207,8 +213,9 @@ class StepEnvRunner(Runner):
                         num_tokens = int(appended.get("num_tokens", num_tokens))
                     break
                 pending = {"append_text": result.observation, "images": shown} if result.observation else {}
-            final_score = reward if score is None else first_scalar(score, "score")
-            numeric = numeric_info(info)
+            where = f"{self.env_cls.__name__}.step"
+            final_score = reward if score is None else first_scalar(score, "score", where)
+            numeric = numeric_info(info, where)
             done = await episode.finish(session, reward, final_score, numeric, truncated=truncated)
         return EpisodeResult(
             reward=reward,
@@ -221,6 +228,21 @@ class StepEnvRunner(Runner):
             info=numeric,
             response_tokens=response_tokens,
         )
+
+
+def _first_observation(first: Any, where: str) -> str | list[dict[str, Any]]:
+    """The first observation from what ``Env.reset`` returned: its state dict's "observation" (text or messages),
+    or the observation itself. A reset that returns nothing (a forgotten ``return state``) would otherwise send
+    the text "None" to the model as the prompt, and train on it."""
+    if isinstance(first, dict) and "observation" not in first:
+        raise ValueError(f'{where} must return the state dict with an "observation" key, got keys {list(first)[:10]}')
+    obs = first["observation"] if isinstance(first, dict) else first
+    if not isinstance(obs, (str, list)):
+        raise TypeError(
+            f"{where} must return the state dict (e.g. `return state`) whose observation is text or a message "
+            f"list, got {type(obs).__name__}"
+        )
+    return obs
 
 
 async def _close(env: Env) -> None:

@@ -10,7 +10,9 @@ from vLLM's defaults, so the gateway's own defaults fill only what nobody set.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +45,9 @@ class SamplingParams:
         """A copy of ``value``: this class, an object with vLLM's attribute names, a dict of them, or None."""
         if value is None:
             return cls()
-        names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(value, cls):  # Molt's pattern: the state's copy, edited, handed back (keeps what was given)
+            return copy.deepcopy(value)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(names))
             if unknown:
@@ -55,7 +59,11 @@ class SamplingParams:
                 raise TypeError(
                     f"{where} must be a SamplingParams (vLLM attribute names) or a dict, got {type(value).__name__}"
                 )
-        out = cls(**{k: _plain(v) for k, v in given.items()})
+        given = {k: _plain(v) for k, v in given.items()}
+        for k, v in given.items():
+            if isinstance(v, float) and not math.isfinite(v):  # else an opaque JSON error on the way to the gateway
+                raise ValueError(f"{where}.{k} must be a finite number, got {v}")
+        out = cls(**given)
         out._given = frozenset(k for k, v in given.items() if v is not None)
         return out
 
@@ -75,7 +83,10 @@ _NOT_SENT = {"n", "logprobs", "skip_special_tokens", "_given"}
 
 
 def _plain(value: Any) -> Any:
-    """vLLM keeps some fields as sets or tuples; JSON wants lists."""
+    """vLLM keeps some fields as sets or tuples; JSON wants lists. A numpy / torch scalar (a temperature computed
+    with numpy) becomes its Python number: JSON cannot encode it, and comparing it with [] is ambiguous."""
     if isinstance(value, (set, tuple)):
         return list(value)
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0:
+        return value.item()
     return value

@@ -87,6 +87,10 @@ class EpisodeResponse(BaseModel):
 
 
 OUTAGE_STATUS = (502, 503, 504)
+NOTHING_WRITTEN = (
+    "nothing was written: the episode generated no tokens (the agent made no model call, or the prompt left no "
+    "room to generate)"
+)
 
 
 def is_outage(exc: BaseException | None) -> bool:
@@ -105,6 +109,24 @@ def is_outage(exc: BaseException | None) -> bool:
     return False
 
 
+def outage_status(exc: BaseException | None) -> int | None:
+    """The 502/503/504 that ``exc`` (or what caused it) carries, or None (a connection that failed or broke)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = exc.status if isinstance(exc, GatewayError) else getattr(exc, "status_code", None)
+        if status in OUTAGE_STATUS:
+            return status
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+DROPPED = (
+    "the gateway dropped the connection while it is up: it refuses some requests so, e.g. a body over its "
+    "--session.max_body_bytes (a huge observation or message from the agent)"
+)
+
+
 def error_text(exc: BaseException, secrets: tuple[str, ...] = ()) -> str:
     """``Type: message`` of an episode's exception, as its response carries it. User code may quote this worker's
     credentials (an SDK's auth error echoes the key it sent): they are masked before the text leaves the worker."""
@@ -112,6 +134,23 @@ def error_text(exc: BaseException, secrets: tuple[str, ...] = ()) -> str:
     for secret in secrets:
         text = text.replace(secret, "***")
     return text[:2000]
+
+
+class DeadlinePassed(TimeoutError):
+    """The episode's deadline passed before its finish was sent (user code held the event loop past it)."""
+
+
+async def _lift(deadline: asyncio.Timeout) -> None:
+    """``Episode.before_finish``: the reward is decided, so the finish runs to its end under its own bounds
+    (``--envs.finish_retry_s``, the gateway timeout). A deadline firing mid-finish would report the episode timed
+    out (and the dispatcher would run it again) while the gateway may have written its trajectory already."""
+    if deadline.expired():
+        await asyncio.sleep(0)  # its cancellation, if user code has not swallowed it, is raised here
+        raise DeadlinePassed()
+    when = deadline.when()
+    if when is not None and when <= asyncio.get_running_loop().time():  # due, not fired: the loop was blocked
+        raise DeadlinePassed()
+    deadline.reschedule(None)
 
 
 class Saturated(Exception):
@@ -192,11 +231,12 @@ class EpisodeWorker:
 
     async def _run(self, runner: Runner, episode: Episode) -> EpisodeResponse:
         deadline = asyncio.timeout(self.episode_timeout_s)
+        episode.before_finish = lambda: _lift(deadline)
         try:
             async with deadline:
                 out = await runner.execute(episode, self.gateway)
         except Exception as exc:  # user code: fail this episode only; the runner aborted its session
-            if isinstance(exc, TimeoutError) and deadline.expired():
+            if isinstance(exc, TimeoutError) and (deadline.expired() or isinstance(exc, DeadlinePassed)):
                 log.warning(
                     "episode %s (%s) timed out after %.1f s; session aborted",
                     episode.trajectory_id,
@@ -207,6 +247,22 @@ class EpisodeWorker:
                     status="timeout",
                     trajectory_id=episode.trajectory_id,
                     error=f"episode exceeded --envs.episode_timeout_s={self.episode_timeout_s:g}",
+                )
+            # A broken connection while the gateway answers its health probe was this episode's doing (the gateway
+            # answers an oversized body by closing the connection mid-upload): as an outage it would be run
+            # again, the same way, forever.
+            if is_outage(exc) and outage_status(exc) is None and await self.gateway.healthy():
+                log.error(
+                    "episode %s (%s) failed; session aborted: %s (%s)",
+                    episode.trajectory_id,
+                    episode.env_name,
+                    DROPPED,
+                    error_text(exc, self.secrets)[:300],
+                )
+                return EpisodeResponse(
+                    status="failed",
+                    trajectory_id=episode.trajectory_id,
+                    error=f"{DROPPED}; {error_text(exc, self.secrets)[:1500]}",
                 )
             if is_outage(exc):
                 log.warning(
@@ -229,8 +285,13 @@ class EpisodeWorker:
         except SchemaError as exc:
             log.error("episode %s (%s): %s", episode.trajectory_id, episode.env_name, exc)
             return EpisodeResponse(status="failed", trajectory_id=episode.trajectory_id, error=str(exc))
+        if not out.written and not episode.eval:
+            # The dispatcher retries such an episode and logs this text when it gives up: without it the reason
+            # would read "ok".
+            log.warning("episode %s (%s): %s", episode.trajectory_id, episode.env_name, NOTHING_WRITTEN)
         return EpisodeResponse(
             status="ok",
+            error=None if out.written or episode.eval else NOTHING_WRITTEN,
             reward=out.reward,
             score=out.score,
             turns=out.turns,
