@@ -33,9 +33,29 @@ def main(argv: list[str] | None = None) -> None:
     # The app holds the service token now; agents' children (a tool running model-written code in a plain
     # python3) inherit this process's environment and must not be able to submit episodes with it.
     os.environ.pop(INTERNAL_TOKEN_ENV, None)
+    seal_environment()
     report_sandbox(settings.sandbox.isolation)  # after the agents loaded: a start-up error stays one line
     # SIGTERM: stop accepting, let running episodes finish (up to their timeout), exit.
     serve("envs", app, settings.server, graceful_s=settings.envs.episode_timeout_s + 5)
+
+
+PR_SET_DUMPABLE = 4
+
+
+def seal_environment() -> None:
+    """Popped keys stay in /proc/PID/environ (the environment the process started with), readable by any process
+    of the same uid, such as a tool's plain python3 child. A process that is not dumpable has its /proc files
+    owned by root: the keys stay out of reach (and so do ptrace, core dumps and a same-uid py-spy)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        logging.getLogger("molt.envs").warning(
+            "prctl(PR_SET_DUMPABLE, 0) failed (%s): the start-up environment stays readable in /proc by this uid",
+            os.strerror(ctypes.get_errno()),
+        )
 
 
 def configure_sandbox(isolation: str) -> None:

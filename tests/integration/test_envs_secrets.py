@@ -1,7 +1,8 @@
 """The env worker's gateway key reaches the gateway and the agents' SDK clients (``ctx.api_key``), never the
 environment of what agents start (nor does its service token, MOLT_INTERNAL_TOKEN): Molt's ``python_executor``
-tool runs model-written code in a plain ``python3`` child that inherits the worker's environment. A real worker
-process, the fake gateway on loopback."""
+tool runs model-written code in a plain ``python3`` child that inherits the worker's environment, and could read
+the worker's start-up environment in /proc unless the worker is not dumpable. A real worker process, the fake
+gateway on loopback."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.integration.envs_testlib import Served
 KEY = "sk-molt-worker-secret"
 TOKEN = "molt-internal-service-token"  # MOLT_INTERNAL_TOKEN: what the trainer must send the worker
 AGENT = textwrap.dedent("""
+    import ctypes
     import subprocess
     import sys
 
@@ -30,7 +32,9 @@ AGENT = textwrap.dedent("""
     class Probe(Env):
         async def step(self, state):
             seen = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True).stdout.strip()
-            return Result(reward=1.0 if seen == "absent absent" else 0.0)
+            # The worker's /proc/PID/environ still holds the keys it started with: not dumpable, only root reads it.
+            dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+            return Result(reward=1.0 if seen == "absent absent" and dumpable == 0 else 0.0)
 
     class AgentRunner(StepEnvRunner):
         def __init__(self):
