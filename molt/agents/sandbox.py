@@ -132,31 +132,30 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
         return None
     audit_arch, denied, unshare, clone, clone3 = found
     ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    # (code, jump-if-true label, jump-if-false label, k): labels are resolved to relative offsets below.
-    prog: list[tuple[int, str | None, str | None, int]] = [
-        (ld_w, None, None, 4),  # A = seccomp_data.arch
-        (jeq, None, "deny", audit_arch),
-        (ld_w, None, None, 0),  # A = seccomp_data.nr
-        (jge, "deny", None, 0x40000000),  # x32 syscall numbers
-        *((jeq, "deny", None, nr) for nr in denied),
-        (jeq, "nosys", None, clone3),  # its flags sit behind a pointer: ENOSYS, and libc falls back to clone
-        (jeq, "flags", None, unshare),
-        (jeq, "flags", None, clone),
-        (ret, None, None, 0x7FFF0000),  # allow
+    # (label of this row or "", code, jump-if-true label, jump-if-false label, k): labels become relative offsets.
+    prog: list[tuple[str, int, str | None, str | None, int]] = [
+        ("", ld_w, None, None, 4),  # A = seccomp_data.arch
+        ("", jeq, None, "deny", audit_arch),
+        ("", ld_w, None, None, 0),  # A = seccomp_data.nr
+        ("", jge, "deny", None, 0x40000000),  # x32 syscall numbers
+        *(("", jeq, "deny", None, nr) for nr in denied),
+        ("", jeq, "nosys", None, clone3),  # its flags sit behind a pointer: ENOSYS, and libc falls back to clone
+        ("", jeq, "flags", None, unshare),
+        ("", jeq, "flags", None, clone),
+        ("", ret, None, None, 0x7FFF0000),  # allow
         ("flags", ld_w, None, None, 16),  # A = low half of args[0] (little-endian): the clone/unshare flags
-        (jset, "deny", None, _CLONE_NEWUSER),
-        (ret, None, None, 0x7FFF0000),
+        ("", jset, "deny", None, _CLONE_NEWUSER),
+        ("", ret, None, None, 0x7FFF0000),
         ("deny", ret, None, None, 0x00050000 | errno.EPERM),
         ("nosys", ret, None, None, 0x00050000 | errno.ENOSYS),
     ]
-    rows = [row if isinstance(row[0], int) else row[1:] for row in prog]
-    where = {row[0]: i for i, row in enumerate(prog) if isinstance(row[0], str)}
+    where = {row[0]: i for i, row in enumerate(prog) if row[0]}
 
     def jump(i: int, label: str | None) -> int:
         return 0 if label is None else where[label] - i - 1
 
     return b"".join(
-        struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k) for i, (code, jt, jf, k) in enumerate(rows)
+        struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k) for i, (_, code, jt, jf, k) in enumerate(prog)
     )
 
 

@@ -1,6 +1,7 @@
 """The model's own chat template and tokenizer, canonical messages, and tool-call parsing.
 
-Canonical message (both wires decode to it; the template sees exactly this):
+Canonical message (both wires decode to it; the template sees this with tool-call arguments as objects,
+``template_messages``):
 ``{"role", "content": str, "tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}],
 "tool_call_id"?, "name"?}``; with images, ``content`` is a list of ``{"type": "text", "text"}`` and
 ``{"type": "image", "sha256", "data": base64 str}`` parts (see ``image_part``). Two messages are "the same"
@@ -111,20 +112,31 @@ class ChatModel:
         self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, prefill: bool = False
     ) -> str:
         """``prefill``: the final (assistant) message is left open, its text the start of the reply (HF's
-        ``continue_final_message``; no generation prompt)."""
+        ``continue_final_message``; no generation prompt). Tool-call arguments reach the template as objects
+        (``template_messages``), as vLLM's server gives them to it."""
+        shown = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=list(tools) if tools else None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt and not prefill,
-                continue_final_message=prefill,
-                **self.template_kwargs,
-            )
+            text = self._apply(shown, tools, generation_prompt, prefill)
         except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ... on messages it cannot render
-            raise bad_request(f"the model's chat template cannot render these messages: {exc}") from None
+            error = bad_request(f"the model's chat template cannot render these messages: {exc}")
+            if shown is messages:
+                raise error from None
+            try:  # a template that takes only the JSON text (DeepSeek's concatenate it) renders it as before
+                text = self._apply(messages, tools, generation_prompt, prefill)
+            except Exception:  # noqa: BLE001 - as above
+                raise error from None
         assert isinstance(text, str)  # tokenize=False renders text
         return text
+
+    def _apply(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, prefill: bool) -> Any:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt and not prefill,
+            continue_final_message=prefill,
+            **self.template_kwargs,
+        )
 
     _SENTINEL = "\x1fmolt-reply\x1f"
 
@@ -341,14 +353,54 @@ def canonical_tool_call(call: Any, where: str) -> dict:
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.function.name: must be a non-empty string", where)
-    args = fn.get("arguments", "{}")
-    if not isinstance(args, str):
+    args = fn.get("arguments")
+    if args is None:  # absent or null: no arguments, as vLLM reads them
+        args = "{}"
+    elif not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
     return {
         "id": str(call.get("id") or new_call_id()),
         "type": "function",
         "function": {"name": name, "arguments": args},
     }
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` as the template sees them: each tool call's JSON-object ``arguments`` parsed into a dict.
+
+    vLLM's server does the same (``_postprocess_messages``), and tool-use templates expect it: Qwen2.5's and
+    Llama 3's ``tojson`` the arguments (a string renders double-encoded), LFM2's and Nemotron's iterate them.
+    Qwen3's prints a string verbatim, but ``tojson`` writes what ``parse_tool_calls`` returned (``json.dumps``), so
+    a reply echoed as is renders as before, and one a client re-serialised renders as the gateway returned it.
+    Empty arguments are ``{}``, as there; other text (not JSON, a JSON non-object) stays as sent, where vLLM would
+    render ``{}`` and lose it."""
+    if not any("tool_calls" in m for m in messages):
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            calls = [_template_call(c) for c in calls]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    args = fn["arguments"]
+    if not args.strip():
+        value: Any = {}
+    else:
+        try:
+            value = json.loads(args)
+        except ValueError:
+            return call
+        if not isinstance(value, dict):
+            return call
+    return {**call, "function": {**fn, "arguments": value}}
 
 
 def canonical_message(msg: Any, i: int, where: str | None = None, content_where: str | None = None) -> dict:

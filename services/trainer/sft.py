@@ -102,7 +102,7 @@ def check(s: SftSettings, on_gpu: bool) -> None:
 def check_output_dirs(s: SftSettings) -> None:
     """A folder flag naming a file fails only where it is first written: the final export after the whole run, the
     first checkpoint after its step. Refused before anything loads."""
-    dirs = {"--ckpt.path": s.ckpt.path, "--ckpt.output_dir": s.ckpt.output_dir}
+    dirs: dict[str, str | None] = {"--ckpt.path": s.ckpt.path, "--ckpt.output_dir": s.ckpt.output_dir}
     dirs["--logger.tensorboard_dir"] = s.logger.tensorboard_dir
     for flag, path in dirs.items():
         if path and os.path.exists(path) and not os.path.isdir(path):
