@@ -163,6 +163,12 @@ CATALOG: dict[str, MetricSpec] = {
         _m("molt_envs_reward", "histogram", "Episode rewards.", ("agent",), REWARD_BUCKETS),
         _m("molt_envs_inflight_episodes", "gauge", "Episodes running now."),
         _m("molt_envs_rejected_total", "counter", "Episodes refused with 429 (worker saturated)."),
+        _m(
+            "molt_envs_event_loop_stalls_total",
+            "counter",
+            "Times synchronous agent code held the event loop past --envs.stall_warn_s, by the agent that held it.",
+            ("agent",),
+        ),
         # ---- trainer
         _m("molt_trainer_step", "gauge", "Optimizer steps completed."),
         _m("molt_trainer_policy_version", "gauge", "Policy version of the trainer's weights."),

@@ -11,8 +11,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from molt.agents.gateway import GatewayClient
 from molt.auth import BearerGuard, denial_message, internal_token_from_env
 from services.envs.config import EnvsSettings, validate_settings
-from services.envs.metrics import envs_metrics
+from services.envs.metrics import envs_metrics, stall_counter
 from services.envs.routes import http_error, router, unauthorized
+from services.envs.watchdog import LoopWatchdog
 from services.envs.worker import EpisodeWorker
 
 
@@ -43,10 +44,20 @@ def build_app(settings: EnvsSettings, gateway_transport: httpx.AsyncBaseTranspor
         secrets=(settings.gateway.api_key, token),
     )
 
+    stalls = stall_counter(worker.metrics)
+    stall_s = settings.envs.stall_warn_s
+    watchdog = LoopWatchdog(worker, stall_s, stalls) if stall_s > 0 else None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        await gateway.aclose()
+        if watchdog is not None:
+            watchdog.start()
+        try:
+            yield
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+            await gateway.aclose()
 
     app = FastAPI(title="molt env worker", lifespan=lifespan)
     app.state.settings = settings

@@ -33,6 +33,10 @@ class WorkerConfig(Section):
     finish_retry_s: float = Field(300.0, ge=0)
     """How long an episode's finish is retried (with backoff) while the gateway answers 503 (its Redis is down)
     or cannot be reached; the gateway writes each trajectory once however often it is retried."""
+    stall_warn_s: float = Field(10.0, ge=0)
+    """Seconds the event loop may go without running (an agent's blocking call in an async method) before the
+    worker logs where the code holding it is, the episodes in flight and the fix, and counts a stall in
+    molt_envs_event_loop_stalls_total; then again every 6x that while it stays stuck. 0: no watchdog."""
 
 
 class RolloutConfig(Section):

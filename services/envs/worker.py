@@ -187,6 +187,8 @@ class EpisodeWorker:
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
         self.inflight = 0
+        self.running: dict[asyncio.Task[Any], tuple[Episode, float]] = {}
+        """The episodes in flight by the task that runs them, and when each started (the loop watchdog names them)."""
         self.secrets = tuple(v for v in secrets if v)
 
     def _episode(self, req: EpisodeRequest) -> tuple[Runner, Episode]:
@@ -218,9 +220,14 @@ class EpisodeWorker:
         self.inflight += 1
         self.metrics["molt_envs_inflight_episodes"].set(self.inflight)
         start = time.monotonic()
+        task = asyncio.current_task()
+        if task is not None:
+            self.running[task] = (episode, start)
         try:
             resp = await self._run(runner, episode)
         finally:
+            if task is not None:
+                self.running.pop(task, None)
             self.inflight -= 1
             self.metrics["molt_envs_inflight_episodes"].set(self.inflight)
         self.metrics["molt_envs_episodes_total"].labels(req.agent, resp.status).inc()
