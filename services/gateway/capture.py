@@ -32,7 +32,7 @@ import numpy as np
 
 from molt.schema import Segment
 from services.gateway.chat import ChatModel, bad_request, message_images, same_message
-from services.gateway.errors import GatewayError
+from services.gateway.errors import ContextLengthExceeded, GatewayError
 from services.gateway.pods import Generation
 
 
@@ -460,13 +460,11 @@ class Capture:
         if remaining <= 0 and hard:
             if self.current is not None and not plan.new_segment:
                 self.current.truncated = True
-            raise GatewayError(
-                400,
-                f"this turn needs {plan.num_tokens} tokens of context, the session allows "
-                f"{self.max_length}: compact the history or open the session with a larger "
-                "max_length",
-                code="context_length_exceeded",
-                param="messages",
+            raise ContextLengthExceeded(
+                plan.num_tokens,
+                self.max_length,
+                "this session's max_length",
+                "compact the history or open the session with a larger max_length",
             )
         return remaining
 

@@ -25,7 +25,7 @@ from services.gateway.chat import (
     request_key,
     split_reasoning,
 )
-from services.gateway.errors import GatewayError
+from services.gateway.errors import ContextLengthExceeded, GatewayError
 from services.gateway.lifecycle import SessionLifecycle
 from services.gateway.pods import Generation, Pod, PodFailed
 from services.gateway.session import Session, TurnResult
@@ -521,11 +521,8 @@ class Gateway(SessionLifecycle):
         files = [p["data"] for p in images or []]
         limit = self.default_max_length - len(prompt_ids)
         if limit <= 0:
-            raise GatewayError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens, the limit is {self.default_max_length}",
-                code="context_length_exceeded",
-                param="messages",
+            raise ContextLengthExceeded(
+                len(prompt_ids), self.default_max_length, "the gateway's --session.max_length", "shorten the prompt"
             )
         sp = self._sampling(None, overrides, limit)
         tried: set[str] = set()

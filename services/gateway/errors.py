@@ -40,6 +40,25 @@ class GatewayError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class ContextLengthExceeded(GatewayError):
+    """A 400 ``context_length_exceeded``: the prompt of ``needed`` tokens leaves no room under ``limit``. Its message
+    is worded as each wire's own server words it (OpenAI and vLLM: "This model's maximum context length is ...";
+    Anthropic: "prompt is too long: N tokens > M maximum"), since that wording is what clients match to tell an
+    overflow, which they answer by compacting the history, from any other 400: LiteLLM's
+    ContextWindowExceededError, pydantic-ai's ModelContextWindowExceededError, CrewAI's context-window handling,
+    Claude Code's compaction."""
+
+    def __init__(self, needed: int, limit: int, what: str, fix: str) -> None:
+        super().__init__(
+            400,
+            f"This model's maximum context length is {limit} tokens ({what}). However, this turn needs {needed} "
+            f"tokens: {fix}",
+            code="context_length_exceeded",
+            param="messages",
+        )
+        self.anthropic_message = f"prompt is too long: {needed} tokens > {limit} maximum ({what}): {fix}"
+
+
 class PodUnavailable(GatewayError):
     """No healthy rollout pod could serve the request (all failed or none configured)."""
 
@@ -58,7 +77,8 @@ def error_body(err: GatewayError, wire: Wire) -> dict:
     default = ("invalid_request_error", "invalid_request_error") if err.status < 500 else ("server_error", "api_error")
     oa_type, an_type = _TYPES.get(err.status, default)
     if wire == "anthropic":
-        return {"type": "error", "error": {"type": an_type, "message": _utf8(err.message)}}
+        message = err.anthropic_message if isinstance(err, ContextLengthExceeded) else err.message
+        return {"type": "error", "error": {"type": an_type, "message": _utf8(message)}}
     return {"error": {"message": _utf8(err.message), "type": oa_type, "param": _utf8(err.param), "code": err.code}}
 
 

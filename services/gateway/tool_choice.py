@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.chat import ChatModel, bad_request
+from services.gateway.errors import GatewayError
 
 _NAME = "molt_sentinel_tool"
 _ARGS = '{"molt_sentinel_arg": 0}'
@@ -130,6 +131,16 @@ def constraint(model: ChatModel, messages: list[dict], tools: list[dict] | None,
     fmt = call_format(model, messages, tools)
     if choice.mode == "none":
         return {"structural_tag": {"type": "structural_tag", "format": {"type": "any_text", "excludes": [fmt.opener]}}}
+    tags = _call_tags(fmt, fns)
+    if choice.mode == "auto":  # no parallel calls: text, then at most one call, then the end of the turn
+        fmt_tag: dict = {"type": "triggered_tags", "triggers": [fmt.opener], "tags": tags, "stop_after_first": True}
+    else:
+        fmt_tag = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    return {"structural_tag": {"type": "structural_tag", "format": fmt_tag}}
+
+
+def _call_tags(fmt: CallFormat, fns: list[dict]) -> list[dict]:
+    """One structural tag per function: its call in the template's format, arguments matching its schema."""
     tags = []
     for f in fns:
         if not _TOOL_NAME.match(f["name"]):
@@ -149,11 +160,45 @@ def constraint(model: ChatModel, messages: list[dict], tools: list[dict] | None,
                 "end": fmt.end,
             }
         )
-    if choice.mode == "auto":  # no parallel calls: text, then at most one call, then the end of the turn
-        fmt_tag: dict = {"type": "triggered_tags", "triggers": [fmt.opener], "tags": tags, "stop_after_first": True}
-    else:
-        fmt_tag = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    return {"structural_tag": {"type": "structural_tag", "format": fmt_tag}}
+    return tags
+
+
+def _separator(model: ChatModel, messages: list[dict], tools: list[dict], fmt: CallFormat) -> str | None:
+    """What the template renders between two calls of one reply (None: not found, or the template renders one call
+    only, as Llama 3's)."""
+    call = {"type": "function", "function": {"name": _NAME, "arguments": _ARGS}}
+    calls = [{"id": "call_0", **call}, {"id": "call_1", **call}]
+    try:
+        text = model.render([*messages, {"role": "assistant", "content": "", "tool_calls": calls}], tools, False)
+    except GatewayError:
+        return None
+    one = fmt.begin + _NAME + fmt.middle + _ARGS + fmt.end
+    first = text.rfind(one, 0, text.rfind(one))
+    return None if first < 0 else text[first + len(one) : text.rfind(one)]
+
+
+def json_or_calls(
+    model: ChatModel, messages: list[dict], tools: list[dict], structured: dict, parallel: bool
+) -> dict | None:
+    """A JSON response format on a request whose tools the model may call (tool choice *auto*): the reply is the
+    JSON, or calls in the template's format (one without parallel calls), as OpenAI answers such a request. A
+    constraint to the JSON alone (vLLM's answer) would leave the tools uncallable: openai-agents' ``output_type``,
+    pydantic-ai's ``NativeOutput`` / ``PromptedOutput`` and LangChain's provider strategy send JSON formats with
+    the agent's tools on every turn. None where the template's calls cannot be constrained (the JSON alone)."""
+    schema = structured["json"] if "json" in structured else {"type": "object"}
+    try:
+        fmt = call_format(model, messages, tools)
+        tags = _call_tags(fmt, [t["function"] for t in tools])
+    except GatewayError:
+        return None
+    sep = _separator(model, messages, tools, fmt) if parallel else None
+    calls: dict = (
+        {"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True}
+        if sep is not None
+        else (tags[0] if len(tags) == 1 else {"type": "or", "elements": tags})
+    )
+    json_reply = {"type": "json_schema", "json_schema": schema}
+    return {"structural_tag": {"type": "structural_tag", "format": {"type": "or", "elements": [json_reply, calls]}}}
 
 
 def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict) -> dict:
@@ -161,13 +206,18 @@ def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, over
     choice = overrides.pop("tool_choice", None)
     if choice is None:
         return overrides
+    structured = overrides.get("structured_outputs")
+    if structured is not None and tools and choice.mode == "auto":
+        either = json_or_calls(model, messages, tools, structured, choice.parallel)
+        if either is not None:
+            overrides["structured_outputs"] = either
+            return overrides
     spec = constraint(model, messages, tools, choice)
     if spec is not None:
         if overrides.get("structured_outputs") is not None:
             raise bad_request(
                 "a structured response format cannot be combined with a tool choice that constrains the reply "
-                "(required, a named tool, none, or auto without parallel calls): the reply is either the JSON or "
-                "a tool call",
+                "(required, a named tool or none): the reply is either the JSON or a tool call",
                 "tool_choice",
             )
         overrides["structured_outputs"] = spec
