@@ -166,7 +166,7 @@ def test_the_trainer_checks_its_datasets_apart_from_its_flag_rules(tmp_path):
 
 def test_sft_checks_both_datasets_with_its_own_keys(tmp_path):
     from molt.config import parse_settings
-    from services.trainer.sft import check_datasets
+    from services.trainer.sft_checks import check_datasets
     from services.trainer.sft_config import SftSettings
 
     train = jsonl(tmp_path / "t.jsonl", {"messages": []}, {"prompt": "p", "response": "r"})
