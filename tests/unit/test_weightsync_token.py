@@ -44,16 +44,21 @@ def test_pod_app_refuses_a_public_address_without_a_token(monkeypatch):
     build_app(_settings("0.0.0.0", allow_unauthenticated=True), engine=FakeEngine())
 
 
-def test_reload_route_needs_the_token(monkeypatch):
-    monkeypatch.setenv("MOLT_WEIGHTS_TOKEN", "t0k")
-    engine = FakeEngine()
-    calls = []
+def _reloading_engine() -> tuple[FakeEngine, list]:
+    """A fake engine whose reloads are recorded as (path, version)."""
+    engine, calls = FakeEngine(), []
 
     async def reload_from_path(path, version):
         calls.append((path, version))
         return {"policy_version": version}
 
     engine.reload_from_path = reload_from_path
+    return engine, calls
+
+
+def test_reload_route_needs_the_token(monkeypatch):
+    monkeypatch.setenv("MOLT_WEIGHTS_TOKEN", "t0k")
+    engine, calls = _reloading_engine()
     with TestClient(build_app(_settings("0.0.0.0"), engine=engine)) as client:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "t0k"}):
             r = client.post("/v1/weights/reload", json={"path": "/m", "version": 4}, headers=headers)
@@ -70,14 +75,7 @@ def test_without_a_weights_token_the_reload_needs_the_service_token(monkeypatch)
     (any model dir the caller names) still needs MOLT_INTERNAL_TOKEN where the pod has one."""
     monkeypatch.delenv("MOLT_WEIGHTS_TOKEN", raising=False)
     monkeypatch.setenv("MOLT_INTERNAL_TOKEN", "svc-t0k")
-    engine = FakeEngine()
-    calls = []
-
-    async def reload_from_path(path, version):
-        calls.append((path, version))
-        return {"policy_version": version}
-
-    engine.reload_from_path = reload_from_path
+    engine, calls = _reloading_engine()
     with TestClient(build_app(_settings("0.0.0.0", allow_unauthenticated=True), engine=engine)) as client:
         r = client.post("/v1/weights/reload", json={"path": "/m", "version": 4})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
