@@ -28,6 +28,28 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def reversal_flags(model, dataset, *extra: str) -> list[str]:
+    """The flags every small SFT run on reversal rows shares: the model, the JSONL's keys, max_len 64, micro-batches
+    of 2, no gradient checkpointing; ``extra`` after them."""
+    return [
+        "--model.model_name_or_path",
+        str(model),
+        "--data.dataset",
+        str(dataset),
+        "--data.input_key",
+        "prompt",
+        "--data.output_key",
+        "response",
+        "--data.max_len",
+        "64",
+        "--train.micro_batch_size",
+        "2",
+        "--model.gradient_checkpoint",
+        "none",
+        *extra,
+    ]
+
+
 def sft_cmd(nproc: int = 1, molt_cli: bool = False) -> list[str]:
     """``molt_cli``: started as Molt's launch scripts start SFT (``-m molt.cli.train_sft``)."""
     module = ["-m", "molt.cli.train_sft"] if molt_cli else ["-m", "services.trainer.sft"]

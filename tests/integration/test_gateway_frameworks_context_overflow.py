@@ -10,21 +10,15 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.gateway.chat import ChatModel
 from tests.gateway_testlib import queued_gateway
 
 PODS = ["http://pod-a:1"]
 LONG = "word " * 400
 
 
-@pytest.fixture(scope="module")
-def model(tiny_qwen3) -> ChatModel:
-    return ChatModel(tiny_qwen3)
-
-
 @pytest.fixture
-def gw(model):
-    return queued_gateway(model, PODS)
+def gw(chat_model):
+    return queued_gateway(chat_model, PODS)
 
 
 async def _session(http, max_length: int = 64) -> dict:

@@ -5,35 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.sft_testlib import reversal_rows, run_sft, write_jsonl
+from tests.integration.sft_testlib import reversal_flags, reversal_rows, run_sft, write_jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _flags(model, tmp, *extra):
-    return [
-        "--model.model_name_or_path",
-        str(model),
-        "--data.dataset",
-        str(write_jsonl(tmp / "train.jsonl", reversal_rows(16, seed=1))),
-        "--data.input_key",
-        "prompt",
-        "--data.output_key",
-        "response",
-        "--data.max_len",
-        "64",
-        "--train.micro_batch_size",
-        "2",
-        "--train.batch_size",
-        "4",
-        "--model.gradient_checkpoint",
-        "none",
-        "--ckpt.path",
-        str(tmp / "state"),
-        "--ckpt.output_dir",
-        str(tmp / "hf"),
-        *extra,
-    ]
+    data = write_jsonl(tmp / "train.jsonl", reversal_rows(16, seed=1))
+    state = ["--ckpt.path", str(tmp / "state"), "--ckpt.output_dir", str(tmp / "hf")]
+    return reversal_flags(model, data, "--train.batch_size", "4", *state, *extra)
 
 
 def _one_error_line(proc, text: str) -> None:

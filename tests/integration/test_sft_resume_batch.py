@@ -4,38 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.sft_testlib import lines, reversal_rows, run_sft, write_jsonl
+from tests.integration.sft_testlib import lines, reversal_flags, reversal_rows, run_sft, write_jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _flags(model, tmp, batch, *extra):
-    return [
-        "--model.model_name_or_path",
-        str(model),
-        "--data.dataset",
-        str(tmp / "train.jsonl"),
-        "--data.input_key",
-        "prompt",
-        "--data.output_key",
-        "response",
-        "--data.max_len",
-        "64",
+    return reversal_flags(
+        model,
+        tmp / "train.jsonl",
         "--train.batch_size",
         str(batch),
-        "--train.micro_batch_size",
-        "2",
         "--train.max_epochs",
         "1",
-        "--model.gradient_checkpoint",
-        "none",
         "--ckpt.path",
         str(tmp / "state"),
         "--ckpt.disable_final_save",
         "--logger.steps_jsonl",
         str(tmp / "steps.jsonl"),
         *extra,
-    ]
+    )
 
 
 def test_resume_with_a_larger_batch_continues_after_the_consumed_samples(tiny_qwen3, tmp_path):
