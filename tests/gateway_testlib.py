@@ -90,6 +90,36 @@ class FakePods(PodTransport):
         return 200, json.dumps(answer).encode(), time.perf_counter()
 
 
+class StepChannel:
+    """A FakePods pod behind a generate stream (PodChannel's ``generate``): a streamed call's tokens reach the
+    gateway one engine step (``step_s``) at a time, then the answer, so unit tests see a turn as it streams."""
+
+    def __init__(self, pods: FakePods, url: str, step_s: float = 0.002) -> None:
+        self.pods, self.url, self.step_s = pods, url, step_s
+
+    async def generate(self, body: bytes, on_tokens: Callable[[list[int], list[float]], None] | None = None) -> tuple:
+        import asyncio
+
+        start = time.perf_counter()
+        status, answer, _ = await self.pods.post_json(self.url + "/v1/generate", body)
+        data = json.loads(answer)
+        if on_tokens is not None and status == 200:
+            out = data["outputs"][0]
+            for tok, lp in zip(out["token_ids"], out["logprobs"]):
+                await asyncio.sleep(self.step_s)
+                on_tokens([tok], [lp])
+        return status, data, start, time.perf_counter()
+
+    def close(self) -> None:
+        pass
+
+
+def stream_steps(app, fake: FakePods, step_s: float = 0.002) -> None:
+    """Puts every pod of ``app`` (a scripted_gateway) behind a ``StepChannel``: its streamed turns stream."""
+    for url, pod in app.gateway.pool.pods.items():
+        pod.channel = StepChannel(fake, url, step_s)
+
+
 def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -> tuple:
     """The gateway app in this process on ``model`` (a ChatModel), its ``pods`` a FakePods answering from
     ``script``, trajectories in memory; ``sections`` are settings sections over those (e.g. ``session={...}``).
@@ -140,6 +170,28 @@ def thinking_switch_model(src: Path, dest: Path):
         "{{ '<think>' + nl + nl + '</think>' + nl + nl }}{%- endif -%}"
     )
     (dest / "chat_template.jinja").write_text(tpl[: -len("{%- endif -%}")] + switch + "{%- endif -%}")
+    return ChatModel(dest)
+
+
+def thinking_model(src: Path, dest: Path, opens_block: bool = False):
+    """A copy of the tiny model (``src``) whose template renders an assistant's ``reasoning_content`` as a think
+    block (as Qwen3's does); ``opens_block``: its generation prompt also opens the block (``<think>\\n`` after the
+    assistant header, as Qwen3-Thinking-2507's, DeepSeek-R1 distills' and QwQ's), so a reply holds only the
+    block's end. Its ChatModel."""
+    import shutil
+
+    from services.gateway.chat import ChatModel
+
+    shutil.copytree(src, dest)
+    tpl = (dest / "chat_template.jinja").read_text()
+    old = "'<|im_start|>assistant' + nl + (message.content or '')"
+    block = "('<think>' + nl + message.reasoning_content + nl + '</think>' + nl + nl"
+    block += " if message.reasoning_content else '')"
+    assert old in tpl and tpl.endswith("{{ '<|im_start|>assistant' + nl }}{%- endif -%}")
+    tpl = tpl.replace(old, f"'<|im_start|>assistant' + nl + {block} + (message.content or '')")
+    if opens_block:
+        tpl = tpl[: -len(" }}{%- endif -%}")] + " + '<think>' + nl }}{%- endif -%}"
+    (dest / "chat_template.jinja").write_text(tpl)
     return ChatModel(dest)
 
 

@@ -12,10 +12,12 @@ from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import ChatModel, bad_request, canonical_tools, image_part, joined_parts, new_id
 from services.gateway.core import TurnResult
 from services.gateway.errors import GatewayError, error_body
-from services.gateway.openai_wire import CHUNK_CHARS, check_prefill
+from services.gateway.openai_wire import CHUNK_CHARS, check_prefill, response_format
 from services.gateway.streaming import TextFeed
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+"""``output_config.effort``'s values; "high" is Anthropic's default, the same as leaving it out."""
 
 
 @dataclass
@@ -37,7 +39,7 @@ def _text_blocks(content: Any, where: str) -> str:
     for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
             raise bad_request(f"{where}[{j}]: expected a text block, got {str(b)[:100]}", where)
-        out.append(str(b.get("text", "")))
+        out.append(str(b.get("text") or ""))  # null: no text, never the word "None"
     return "".join(out)
 
 
@@ -46,11 +48,12 @@ def thinking_model(model: ChatModel, overrides: dict) -> ChatModel:
     where it has one; without one, the template's own way is the only one: asking for the other is a 400.
     ``budget_tokens`` is checked as Anthropic checks it (>= 1024) and taken as the target it is there: the pod
     cannot cut a think block at it (vLLM does only with a reasoning parser), ``max_tokens`` bounds reasoning
-    and answer together. ``adaptive`` (the model decides how much to think) is ``enabled`` without a budget."""
+    and answer together. ``adaptive`` (the model decides how much to think) is ``enabled`` without a budget.
+    ``output_config.effort`` goes through ``_effort``."""
     spec = overrides.pop("thinking", None)
     kind = spec.get("type") if isinstance(spec, dict) else None
     if spec is None:
-        return model.with_kwargs(overrides.get("chat_template_kwargs"))
+        return _effort(model, overrides)
     if kind not in ("enabled", "adaptive", "disabled"):
         raise bad_request(
             f'\'thinking\' must be {{"type": "enabled" | "adaptive" | "disabled"}}, got {str(spec)[:100]!a}'
@@ -68,7 +71,68 @@ def thinking_model(model: ChatModel, overrides: dict) -> ChatModel:
             f"{'never' if on else 'always'} renders think blocks",
             "thinking",
         )
+    return _effort(model, overrides)
+
+
+def _effort(model: ChatModel, overrides: dict) -> ChatModel:
+    """``output_config.effort`` through the template's ``reasoning_effort`` variable where it reads one, as vLLM
+    takes OpenAI's ``reasoning_effort``. Effort is not thinking (``thinking`` switches that), so the template's
+    ``enable_thinking`` is left alone. A template without the variable has one way, Anthropic's default: "high"
+    is honoured as that default, any other value is a 400 naming it (it would be ignored)."""
+    effort = overrides.pop("effort", None)
+    if effort is not None and "reasoning_effort" in model.template_variables:
+        overrides["chat_template_kwargs"] = {
+            **(overrides.get("chat_template_kwargs") or {}),
+            "reasoning_effort": effort,
+        }
+    elif effort not in (None, "high"):
+        raise bad_request(
+            f"output_config.effort {effort}: this model's chat template reads no reasoning_effort variable, so only "
+            '"high" (the default, the same as leaving it out) is honoured',
+            "output_config.effort",
+        )
     return model.with_kwargs(overrides.get("chat_template_kwargs"))
+
+
+def output_config(body: dict) -> tuple[dict | None, str | None, str]:
+    """Structured outputs and effort: (the pod's ``structured_outputs`` or None, ``output_config.effort`` or None,
+    the request's name for the format). The format is ``output_config.format`` or the beta's top-level
+    ``output_format``, ``{"type": "json_schema", "schema": {...}}``, mapped as the OpenAI wire maps a
+    ``json_schema`` response_format. Other ``output_config`` fields would be ignored: a 400 naming them."""
+    config = body.get("output_config")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise bad_request("'output_config' must be an object {format, effort}", "output_config")
+    for key, value in config.items():
+        if value is not None and key not in ("format", "effort"):
+            param = f"output_config.{str(key)[:40]}"
+            raise GatewayError(
+                400,
+                f"'{param}' is not supported by this gateway (it would be ignored): remove it",
+                code="unsupported_parameter",
+                param=param,
+            )
+    fmt, param = config.get("format"), "output_config.format"
+    if body.get("output_format") is not None:
+        if fmt is not None:
+            raise bad_request(
+                "'output_format' (the beta's name) and 'output_config.format' are one setting: send one of them",
+                "output_format",
+            )
+        fmt, param = body["output_format"], "output_format"
+    effort = config.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad_request(
+            f"'output_config.effort' must be one of {list(EFFORTS)}, got {str(effort)[:40]!a}", "output_config.effort"
+        )
+    if fmt is None:
+        return None, effort, param
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request(
+            f'\'{param}\' must be {{"type": "json_schema", "schema": {{...}}}}, got {str(fmt)[:120]!a}', param
+        )
+    return response_format({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}, param), effort, param
 
 
 def _result_blocks(content: Any, where: str) -> str | list[dict]:
@@ -80,7 +144,7 @@ def _result_blocks(content: Any, where: str) -> str | list[dict]:
     for j, b in enumerate(content):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            parts.append(str(b.get("text", "")))
+            parts.append(str(b.get("text") or ""))
         elif kind == "image":
             parts.append(_image_block(b.get("source"), f"{where}[{j}].source"))
         else:
@@ -108,17 +172,18 @@ def _message(msg: Any, i: int) -> list[dict]:
         kind = b.get("type") if isinstance(b, dict) else None
         bw = f"{where}.content[{j}]"
         if kind == "text":
-            texts.append(str(b.get("text", "")))
+            texts.append(str(b.get("text") or ""))
         elif kind == "image" and role == "user":
             texts.append(_image_block(b.get("source"), bw + ".source"))
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+            args = {} if b.get("input") is None else b["input"]  # null: no arguments, as absent
+            if not isinstance(b.get("name"), str) or not isinstance(args, dict):
                 raise bad_request(f"{bw}: tool_use needs 'id', 'name' and an object 'input'", bw)
             calls.append(
                 {
                     "id": str(b.get("id") or ""),
                     "type": "function",
-                    "function": {"name": b["name"], "arguments": _arguments(b.get("input", {}))},
+                    "function": {"name": b["name"], "arguments": _arguments(args)},
                 }
             )
         elif kind == "tool_result" and role == "user":
@@ -188,7 +253,7 @@ def parse_messages(body: dict) -> MessagesRequest:
                     "type": "function",
                     "function": {
                         "name": t["name"],
-                        "description": t.get("description", ""),
+                        "description": t.get("description") or "",
                         "parameters": t.get("input_schema") or {},
                     },
                 }
@@ -205,9 +270,11 @@ def parse_messages(body: dict) -> MessagesRequest:
         "tool_choice": tool_choice.from_anthropic(body.get("tool_choice")),
         "thinking": body.get("thinking"),
     }
+    # tool_choice.apply combines the format with the tools as on the OpenAI wire (JSON or calls under "auto")
+    overrides["structured_outputs"], overrides["effort"], format_param = output_config(body)
     if isinstance(raw[-1], dict) and raw[-1].get("role") == "assistant":
         # Anthropic's prefill: the reply continues the final assistant message (its content is the continuation).
-        check_prefill(messages, tools, overrides, "messages")
+        check_prefill(messages, tools, overrides, "messages", format_param)
         spec = overrides["thinking"]
         if isinstance(spec, dict) and spec.get("type") in ("enabled", "adaptive"):
             raise bad_request(
@@ -302,20 +369,25 @@ def _text_start(i: int) -> bytes:
     )
 
 
-def _thinking(i: int, text: str) -> list[bytes]:
-    """A whole thinking block's events (its text is known only once the block has closed)."""
+def _thinking_start(i: int) -> bytes:
+    block = {"type": "thinking", "thinking": "", "signature": ""}
+    return _event("content_block_start", {"type": "content_block_start", "index": i, "content_block": block})
+
+
+def _thinking_delta(i: int, text: str) -> bytes:
+    return _event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": text}},
+    )
+
+
+def _thinking_end(i: int) -> list[bytes]:
+    """A thinking block's signature (empty: the gateway signs nothing, as the non-streamed block), then its stop:
+    Anthropic ends every thinking block so."""
     return [
         _event(
-            "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": i,
-                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
-            },
-        ),
-        _event(
             "content_block_delta",
-            {"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": text}},
+            {"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}},
         ),
         _event("content_block_stop", {"type": "content_block_stop", "index": i}),
     ]
@@ -324,17 +396,27 @@ def _thinking(i: int, text: str) -> list[bytes]:
 async def messages_stream(
     task: asyncio.Future, input_tokens: int, model_name: str, state: Any, feed: TextFeed | None = None
 ) -> AsyncIterator[bytes]:
-    """message_start at once, then the text block as the pod generates it (``feed``; without one, once the pod
-    answered); what was held back (the rest of the text, tool_use blocks) and the stop when the turn is done."""
+    """message_start at once, then the thinking block and the text block as the pod generates them (``feed``;
+    without one, once the pod answered); what was held back (the rest of the thinking and the text, tool_use
+    blocks) and the stop when the turn is done."""
     yield _event("message_start", {"type": "message_start", "message": _head(model_name, input_tokens)})
-    started, first = False, 0  # first: the index of the text block (1 after a thinking block sent first)
+    first = 0  # the index of the text block: 1 after a thinking block
+    thought, thinking, started = "", False, False  # thinking, started: the thinking, the text block is open
     if feed is not None:
-        async for piece in feed.pieces():
+        async for kind, piece in feed.parts():
+            if kind == "reasoning":
+                if piece and not started:  # the feed sends the whole block before any text
+                    if not first:
+                        yield _thinking_start(0)
+                        first, thinking = 1, True
+                    thought += piece
+                    yield _thinking_delta(0, piece)
+                continue
+            if thinking:
+                for ev in _thinking_end(0):
+                    yield ev
+                thinking = False
             if not started:
-                if feed.reasoning:
-                    for ev in _thinking(0, feed.reasoning):
-                        yield ev
-                    first = 1
                 yield _text_start(first)
                 started = True
             yield _text_delta(first, piece)
@@ -345,14 +427,22 @@ async def messages_stream(
         yield _event("error", error_body(err, "anthropic"))
         return
     state.pod_wait_s = r.pod_wait_s
-    blocks = _blocks(r)[first:]  # a thinking block sent already is not sent again
+    blocks = _blocks(r)
+    if blocks and blocks[0]["type"] == "thinking":
+        # What of the block the feed held back: all of it without a feed, the end a length stop left open.
+        text = blocks.pop(0)["thinking"]
+        if not first:
+            yield _thinking_start(0)
+            first, thinking = 1, True
+        rest = text[len(thought) :] if text.startswith(thought) else ""
+        if rest and thinking:
+            yield _thinking_delta(0, rest)
+    if thinking:
+        for ev in _thinking_end(0):
+            yield ev
     if started and (not blocks or blocks[0]["type"] != "text"):
         blocks.insert(0, {"type": "text", "text": ""})  # text went out before the tool calls were known
     for i, b in enumerate(blocks, start=first):
-        if b["type"] == "thinking":
-            for ev in _thinking(i, b["thinking"]):
-                yield ev
-            continue
         if b["type"] == "text":
             text = b["text"]
             if started:

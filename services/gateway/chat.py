@@ -83,7 +83,7 @@ class ChatModel:
         self._template_vars = dict(self.tokenizer.special_tokens_map)
         self._prompts: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()
         self.thinks = "</think>" in self.template
-        """The template knows think blocks: a reply's leading <think>...</think> is its reasoning, not content."""
+        """The template knows think blocks: a reply's think block is its reasoning, not content (thinking.py)."""
         self.template_kwargs: dict[str, Any] = {}
         """A request's ``chat_template_kwargs`` (``with_kwargs``): extra variables every render of it sees."""
         self.template_variables = _template_variables(self.template) - set(self._template_vars)
@@ -245,7 +245,7 @@ def text_of(content: Any, where: str, assistant: bool = False) -> str | list[dic
             if isinstance(part, str):
                 out.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                out.append(str(part.get("text", "")))
+                out.append(str(part.get("text") or ""))  # null: no text, never the word "None"
             elif isinstance(part, dict) and part.get("type") == "refusal":
                 out.append(refusal_text(part.get("refusal"), f"{where}[{j}].refusal", assistant))
             elif isinstance(part, dict) and part.get("type") == "image_url":
@@ -447,6 +447,8 @@ def canonical_tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad_request("'tools' must be a list of {'type': 'function', 'function': {...}} objects", "tools")
+    # A tool's null "type" is an absent one (a function tool), left out so it renders as one sent without it.
+    tools = [{k: v for k, v in t.items() if k != "type" or v is not None} for t in tools]
     for j, t in enumerate(tools):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
@@ -522,20 +524,6 @@ def new_id() -> str:
 
 def new_call_id() -> str:
     return "call_" + new_id()
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, the rest) of a reply that opens with a think block (or whose generation prompt opened it, so
-    the reply holds only its end); ("", text) otherwise. An unclosed block (a length stop) is all reasoning."""
-    head = text.lstrip()
-    end = text.find("</think>")
-    if head.startswith("<think>"):
-        if end < 0:
-            return head[len("<think>") :].strip(), ""
-        return text[text.find("<think>") + len("<think>") : end].strip(), text[end + len("</think>") :].lstrip()
-    if end >= 0 and "<think>" not in text[:end]:
-        return text[:end].strip(), text[end + len("</think>") :].lstrip()
-    return "", text
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

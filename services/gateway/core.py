@@ -23,12 +23,12 @@ from services.gateway.chat import (
     message_images,
     parse_tool_calls,
     request_key,
-    split_reasoning,
 )
 from services.gateway.errors import ContextLengthExceeded, GatewayError
 from services.gateway.lifecycle import SessionLifecycle
 from services.gateway.pods import Generation, Pod, PodFailed
 from services.gateway.session import Session, TurnResult
+from services.gateway.thinking import split_reasoning, think_opened
 
 log = logging.getLogger("molt.gateway")
 
@@ -163,16 +163,19 @@ class Gateway(SessionLifecycle):
         *,
         tools: bool = False,
         as_generated: bool = False,
+        opened: bool = False,
     ) -> TurnResult:
         """``tools``: the request offered tools, so ``<tool_call>`` blocks become tool calls (as vLLM parses only
-        then); ``as_generated``: a "raw" session's turn, its text as generated (Session.replies)."""
+        then); ``as_generated``: a "raw" session's turn, its text as generated (Session.replies); ``opened``: the
+        prompt opened a think block (thinking.think_opened), so the reply starts as reasoning."""
         text = self.model.decode(gen.token_ids, skip_special=True)
         raw = self.model.decode(gen.token_ids, skip_special=False)
         matched = None
         if gen.extra.get("stop_string") and stop:
             cut, matched = min(((text.find(s), s) for s in stop if s and s in text), default=(-1, None))
             text = text[:cut] if cut >= 0 else text
-        reasoning, answer = split_reasoning(text) if self.model.thinks and not as_generated else ("", text)
+        split = (self.model.thinks or opened) and not as_generated
+        reasoning, answer = split_reasoning(text, opened) if split else ("", text)
         content, calls = parse_tool_calls(answer) if tools and not as_generated else (answer, [])
         finish = gen.finish_reason
         if calls and finish == "stop":
@@ -204,10 +207,12 @@ class Gateway(SessionLifecycle):
         ready: asyncio.Future | None = None,
         on_tokens: Callable[[list[int], list[float]], None] | None = None,
         fresh: bool = False,
+        on_opened: Callable[[bool], None] | None = None,
     ) -> TurnResult:
         """One captured chat turn; ``ready`` resolves once the request is accepted (before generation);
-        ``on_tokens`` gets the tokens as the pod generates them (a streamed turn). ``fresh``: the client says
-        this is its first attempt, so a request identical to the last one is a new sample, not a retry."""
+        ``on_tokens`` gets the tokens as the pod generates them (a streamed turn), ``on_opened`` before them
+        whether the prompt opened a think block. ``fresh``: the client says this is its first attempt, so a
+        request identical to the last one is a new sample, not a retry."""
         try:
             async with s.lock:
                 if s.state != "open":
@@ -233,6 +238,9 @@ class Gateway(SessionLifecycle):
                     return _cached(s.last_result)
                 plan = s.capture.plan_chat(model, messages, tools, key, prefill=prefill)
                 hard = s.context_full == "error"
+                opened = think_opened(plan.full_render, messages[-1]["content"] if prefill else None)
+                if on_opened is not None:
+                    on_opened(opened)
 
                 def replan() -> TurnPlan:
                     return s.capture.plan_chat(model, messages, tools, key, drop_new_images=True, prefill=prefill)
@@ -247,7 +255,14 @@ class Gateway(SessionLifecycle):
                 n = len(seg.token_ids)
                 raw = s.replies == "raw"
                 result = self._result(
-                    fitted, plan.num_tokens, n, s.capture.remaining(n), stop, tools=bool(tools), as_generated=raw
+                    fitted,
+                    plan.num_tokens,
+                    n,
+                    s.capture.remaining(n),
+                    stop,
+                    tools=bool(tools),
+                    as_generated=raw,
+                    opened=opened,
                 )
                 history, reply = messages, result.reply
                 if prefill:  # what the client sends back: prefill + continuation, one assistant message
@@ -500,8 +515,9 @@ class Gateway(SessionLifecycle):
         text-only model (its template cannot render them)."""
         images = message_images(messages)
         self._refuse_images(images)
-        ids = model.encode(render_request(model, messages, tools, overrides))
-        return await self.plain_generate(ids, overrides, images, tools=bool(tools))
+        prompt = render_request(model, messages, tools, overrides)
+        opened = think_opened(prompt, messages[-1]["content"] if overrides.get("continue_final_message") else None)
+        return await self.plain_generate(model.encode(prompt), overrides, images, tools=bool(tools), opened=opened)
 
     def _refuse_images(self, images: list[dict] | None) -> None:
         if images and self.model.image_token_id is None:
@@ -513,10 +529,15 @@ class Gateway(SessionLifecycle):
             )
 
     async def plain_generate(
-        self, prompt_ids: list[int], overrides: dict, images: list[dict] | None = None, tools: bool = False
+        self,
+        prompt_ids: list[int],
+        overrides: dict,
+        images: list[dict] | None = None,
+        tools: bool = False,
+        opened: bool = False,
     ) -> list[TurnResult]:
         """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
-        request's image parts in order (chat.message_images)."""
+        request's image parts in order (chat.message_images); ``opened``: as ``_result``'s."""
         self._refuse_images(images)
         files = [p["data"] for p in images or []]
         limit = self.default_max_length - len(prompt_ids)
@@ -536,7 +557,10 @@ class Gateway(SessionLifecycle):
         stop = overrides.get("stop")
         gens = [self._apply_stop(g, stop) for g in gens]
         n = len(prompt_ids)
-        return [self._result(g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools) for g in gens]
+        return [
+            self._result(g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools, opened=opened)
+            for g in gens
+        ]
 
 
 def render_request(model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict) -> str:

@@ -232,7 +232,8 @@ class SessionLifecycle:
         limit = self.model.max_model_len
         if limit and max_length > limit:
             raise bad_request(f"'max_length' {max_length} is over the model's {limit} positions", "max_length")
-        sample_index = body.get("sample_index", 0)
+        # A null field is an absent one, as on the model wires (clients serialising a dataclass send nulls).
+        sample_index = 0 if body.get("sample_index") is None else body["sample_index"]
         if not isinstance(sample_index, int) or isinstance(sample_index, bool) or sample_index < 0:
             raise bad_request(f"'sample_index' must be an integer >= 0, got {sample_index!r}", "sample_index")
         if not isinstance(body.get("metadata") or {}, dict):
@@ -251,12 +252,12 @@ class SessionLifecycle:
                 f"(--session.idle_ttl_s), got {lease_s!r}",
                 "lease_s",
             )
-        context_full = body.get("context_full", "error")
+        context_full = "error" if body.get("context_full") is None else body["context_full"]
         if context_full not in CONTEXT_FULL:
             raise bad_request(
                 f"'context_full' must be one of {list(CONTEXT_FULL)}, got {context_full!r}", "context_full"
             )
-        replies = body.get("replies", "parsed")
+        replies = "parsed" if body.get("replies") is None else body["replies"]
         if replies not in REPLIES:
             raise bad_request(f"'replies' must be one of {list(REPLIES)}, got {replies!r}", "replies")
         sid = self.new_session_id()
@@ -359,6 +360,10 @@ class SessionLifecycle:
 
     async def abort(self, sid: str, owner: str | None) -> dict:
         s = await self.session(sid, owner, open_only=False)
+        # A finish already writing decides: written, the abort is a 409; failed (503), the session is open
+        # still and the abort goes on. Answering "aborted" meanwhile would contradict what lands in the stream.
+        while s.finishing is not None:
+            await s.finishing.wait()
         if s.state == "finished":
             raise GatewayError(409, f"session {sid} is already finished; nothing to abort", code="session_closed")
         self._close(s, "aborted", "aborted")
@@ -434,6 +439,14 @@ class SessionLifecycle:
                     if not isinstance(sid, str):
                         raise bad_request("each episode needs a 'session_id' string", "session_id")
                     s = await self.session(sid, owner, open_only=False)
+                    if s.state == "open":
+                        reward, score, info, truncated = self._outcome(item)
+                        if sid in locked:
+                            raise bad_request(f"session {sid} appears twice in one call", "session_id")
+                        await s.lock.acquire()
+                        locked[sid] = s
+                    # Looked at again once the lock is held: an abort or another finish may have closed it while
+                    # this one waited for a running turn.
                     if s.state == "finished":
                         results[i] = dict(s.result or {}, status=200)
                         continue
@@ -441,11 +454,7 @@ class SessionLifecycle:
                         raise GatewayError(
                             409, f"session {sid} is {s.state}; nothing to finish", code="session_closed"
                         )
-                    reward, score, info, truncated = self._outcome(item)
-                    if sid in locked:
-                        raise bad_request(f"session {sid} appears twice in one call", "session_id")
-                    await s.lock.acquire()
-                    locked[sid] = s
+                    s.finishing = asyncio.Event()
                     todo.append((i, s, self._trajectory(s, reward, score, info, truncated)))
                 except GatewayError as exc:
                     if raise_single:
@@ -479,6 +488,9 @@ class SessionLifecycle:
                 results[i] = dict(res, status=200)
         finally:
             for s in locked.values():
+                if s.finishing is not None:
+                    s.finishing.set()
+                    s.finishing = None
                 s.lock.release()
         await self.release_closed()
         return [r for r in results if r is not None]

@@ -106,10 +106,13 @@ def parse_chat(body: dict) -> ChatRequest:
     )
 
 
-def check_prefill(messages: list[dict], tools: list[dict] | None, overrides: dict, param: str) -> None:
+def check_prefill(
+    messages: list[dict], tools: list[dict] | None, overrides: dict, param: str, format_param: str = "response_format"
+) -> None:
     """A request that continues its final message (a prefill; ``param`` names the request's field for it): that
-    message must be the assistant's text. A grammar (a JSON response format, a tool choice that constrains the
-    reply) would constrain the continuation alone, not prefill + continuation: a 400 naming it."""
+    message must be the assistant's text. A grammar (a JSON response format, named ``format_param`` in the
+    request; a tool choice that constrains the reply) would constrain the continuation alone, not prefill +
+    continuation: a 400 naming it."""
     last = messages[-1]
     if last["role"] != "assistant":
         raise bad_request(
@@ -132,9 +135,9 @@ def check_prefill(messages: list[dict], tools: list[dict] | None, overrides: dic
         )
     if overrides.get("structured_outputs") is not None:
         raise bad_request(
-            "a structured 'response_format' cannot continue a final assistant message (a prefill): it would "
+            f"a structured '{format_param}' cannot continue a final assistant message (a prefill): it would "
             "constrain the continuation alone",
-            "response_format",
+            format_param,
         )
 
 
@@ -183,7 +186,8 @@ def response_format(fmt: Any, param: str = "response_format") -> dict | None:
     if kind == "json_object":
         return {"json_object": True}
     spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
-    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+    # a null schema is an absent one (SDK models serialise unset fields as null): any object
+    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema") or {}, dict):
         return {"json": spec.get("schema") or {"type": "object"}}
     raise bad_request(
         f'\'{param}\' must be {{"type": "text" | "json_object"}} or {{"type": "json_schema", '
@@ -293,8 +297,9 @@ def _error_event(exc: BaseException) -> bytes:
 async def chat_stream(
     task: asyncio.Future, req: ChatRequest, model: ChatModel, model_name: str, state: Any, feed: TextFeed | None = None
 ) -> AsyncIterator[bytes]:
-    """SSE: a role chunk at once, then the content as the pod generates it (``feed``; without one, once the pod
-    answered), the rest (held-back text, tool calls, logprobs) and the finish when the turn is done."""
+    """SSE: a role chunk at once, then the reasoning (``reasoning_content`` deltas, the non-streamed message's
+    field) and the content as the pod generates them (``feed``; without one, once the pod answered), the rest
+    (held-back text and reasoning, tool calls, logprobs) and the finish when the turn is done."""
     base = {
         "id": "chatcmpl-" + new_id(),
         "object": "chat.completion.chunk",
@@ -304,20 +309,15 @@ async def chat_stream(
     yield _sse(
         {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
     )
-    reasoned = False
+    thought = ""  # the reasoning sent so far
     if feed is not None:
-        async for piece in feed.pieces():
-            if feed.reasoning and not reasoned:
-                reasoned = True
-                yield _sse(
-                    {
-                        **base,
-                        "choices": [
-                            {"index": 0, "delta": {"reasoning_content": feed.reasoning}, "finish_reason": None}
-                        ],
-                    }
-                )
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+        async for kind, piece in feed.parts():
+            if not piece:
+                continue
+            if kind == "reasoning":
+                thought += piece
+            name = "reasoning_content" if kind == "reasoning" else "content"
+            yield _sse({**base, "choices": [{"index": 0, "delta": {name: piece}, "finish_reason": None}]})
     try:
         r: TurnResult = await asyncio.shield(task)
     except Exception as exc:  # noqa: BLE001 - the stream has started: end it with an error event, never hang
@@ -327,10 +327,11 @@ async def chat_stream(
     base["system_fingerprint"] = f"molt-v{r.policy_version}"
     lp = _logprobs(model, r, req.top_logprobs)["content"] if req.logprobs else None
     text = feed.rest(r.content) if feed is not None else r.content
-    if r.reasoning and not reasoned:
-        yield _sse(
-            {**base, "choices": [{"index": 0, "delta": {"reasoning_content": r.reasoning}, "finish_reason": None}]}
-        )
+    # What of the reasoning the feed held back: all of it without a feed, the end of a block a length stop left
+    # open (the feed holds a tag's possible start). The feed sends the whole block before any text.
+    rest = r.reasoning[len(thought) :] if r.reasoning.startswith(thought) else ""
+    if rest:
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"reasoning_content": rest}, "finish_reason": None}]})
     if lp is not None and not text:
         yield _sse(
             {**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": lp}, "finish_reason": None}]}

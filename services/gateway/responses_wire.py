@@ -80,7 +80,7 @@ def _items(raw: Any) -> tuple[list[dict], list[tuple[str, str]]]:
     turn = 0  # a reasoning item opens an assistant turn: its function calls are not the message's before it
     for i, item in enumerate(raw):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = (item.get("type") or "message") if isinstance(item, dict) else None  # null: absent
         if kind == "reasoning":
             turn = len(out)
         elif kind == "message":
@@ -120,6 +120,8 @@ def _fields(value: Any, name: str, allowed: dict) -> dict:
         raise bad_request(f"'{name}' must be an object", name)
     for key, v in value.items():
         param = f"{name}.{str(key)[:40]}"
+        if v is None:  # null is absent, as OpenAI reads it: it asks for nothing
+            continue
         if key not in allowed:
             raise GatewayError(
                 400,
@@ -150,7 +152,7 @@ def reasoning_model(model: ChatModel, overrides: dict) -> ChatModel:
 
 def parse_responses(body: dict) -> ResponsesRequest:
     for key, value in body.items():
-        if key in HONOURED or key in INFORMATIONAL:
+        if value is None or key in HONOURED or key in INFORMATIONAL:  # null is absent, as OpenAI reads it
             continue
         if key not in PARTLY:
             raise GatewayError(
@@ -316,19 +318,11 @@ def _event(seq: list[int], name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _reasoning_events(seq: list[int], index: int, item: dict) -> list[bytes]:
-    """A whole reasoning item's events (the feed holds its text until the think block closes)."""
+def _reasoning_done(seq: list[int], index: int, item: dict) -> list[bytes]:
+    """A reasoning item's closing events, once its deltas are out."""
     where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    text = item["content"][0]["text"]
     return [
-        _event(
-            seq,
-            "response.output_item.added",
-            {"output_index": index, "item": {**item, "content": [], "status": "in_progress"}},
-        ),
-        _event(seq, "response.content_part.added", {**where, "part": {"type": "reasoning_text", "text": ""}}),
-        _event(seq, "response.reasoning_text.delta", {**where, "delta": text}),
-        _event(seq, "response.reasoning_text.done", {**where, "text": text}),
+        _event(seq, "response.reasoning_text.done", {**where, "text": item["content"][0]["text"]}),
         _event(seq, "response.content_part.done", {**where, "part": item["content"][0]}),
         _event(seq, "response.output_item.done", {"output_index": index, "item": item}),
     ]
@@ -342,9 +336,9 @@ async def responses_stream(
     state: Any,
     feed: TextFeed | None,
 ) -> AsyncIterator[bytes]:
-    """response.created at once; the reasoning item once its think block closes, then the text as the pod
-    generates it (``feed``); function calls and response.completed (the whole response, usage included) when
-    the turn is done."""
+    """response.created at once; the reasoning item's text, then the message's, as the pod generates them
+    (``feed``), the reasoning item done before the message opens (OpenAI's order); function calls and
+    response.completed (the whole response, usage included) when the turn is done."""
     seq = [-1]
     rid = "resp_" + new_id()
     head = response_body(rid, req, model, model_name, None)
@@ -352,6 +346,7 @@ async def responses_stream(
     yield _event(seq, "response.in_progress", {"response": head})
     sent_items: list[dict] = []  # the items whose events are out, in output_index order
     msg_id, sent, at = "msg_" + new_id(), "", -1  # at: the message's output index once its item is open
+    think_id, thought, think_at, thinking = "rs_" + new_id(), "", -1, False  # the reasoning item's, likewise
 
     def start() -> list[bytes]:
         nonlocal at
@@ -379,13 +374,43 @@ async def responses_stream(
             {"item_id": msg_id, "output_index": at, "content_index": 0, "delta": text, "logprobs": []},
         )
 
+    def think(piece: str) -> list[bytes]:
+        """The reasoning item's next delta (opening the item first)."""
+        nonlocal think_at, thought, thinking
+        opens = think_at < 0
+        if opens:
+            think_at, thinking = len(sent_items), True
+            sent_items.append({**_reasoning_item("", think_id, "in_progress"), "content": []})
+        where = {"item_id": think_id, "output_index": think_at, "content_index": 0}
+        out = []
+        if opens:  # the item, and its one content part
+            out.append(_event(seq, "response.output_item.added", {"output_index": think_at, "item": sent_items[-1]}))
+            part = {"type": "reasoning_text", "text": ""}
+            out.append(_event(seq, "response.content_part.added", {**where, "part": part}))
+        thought += piece
+        out.append(_event(seq, "response.reasoning_text.delta", {**where, "delta": piece}))
+        return out
+
+    def thought_done() -> list[bytes]:
+        nonlocal thinking
+        thinking = False
+        sent_items[think_at] = _reasoning_item(thought, think_id)
+        return _reasoning_done(seq, think_at, sent_items[think_at])
+
     if feed is not None:
-        async for piece in feed.pieces():
-            if at < 0:
-                if feed.reasoning:
-                    sent_items.append(_reasoning_item(feed.reasoning))
-                    for ev in _reasoning_events(seq, 0, sent_items[0]):
+        async for kind, piece in feed.parts():
+            if kind == "reasoning":
+                if at < 0 and piece:  # the feed sends the whole block before any text
+                    for ev in think(piece):
                         yield ev
+                if at < 0 and thinking and feed.reasoning:  # the block has closed
+                    for ev in thought_done():
+                        yield ev
+                continue
+            if thinking:
+                for ev in thought_done():
+                    yield ev
+            if at < 0:
                 for ev in start():
                     yield ev
             sent += piece
@@ -399,11 +424,15 @@ async def responses_stream(
     state.pod_wait_s = r.pod_wait_s
     final = response_body(rid, req, model, model_name, r)
     items = _output(r, r.content if at < 0 else sent + (feed.rest(r.content) if feed is not None else ""))
-    reasoning = [i for i in items if i["type"] == "reasoning"]
+    reasoning = [i["content"][0]["text"] for i in items if i["type"] == "reasoning"]
     message = [i for i in items if i["type"] == "message"]
-    if reasoning and not any(i["type"] == "reasoning" for i in sent_items):
-        sent_items.append(reasoning[0])
-        for ev in _reasoning_events(seq, len(sent_items) - 1, reasoning[0]):
+    # The rest of the reasoning: all of it where none streamed, the end of a block a length stop left open.
+    rest = reasoning[0][len(thought) :] if reasoning and reasoning[0].startswith(thought) else ""
+    if rest and (thinking or think_at < 0):
+        for ev in think(rest):
+            yield ev
+    if thinking:
+        for ev in thought_done():
             yield ev
     if message or at >= 0:
         text = message[0]["content"][0]["text"] if message else sent

@@ -188,7 +188,9 @@ class Handlers:
         stop = overrides.get("stop") or s.sampling_params.get("stop")
         feed = TextFeed(self.gw.model, stop, tools=bool(tools), raw=s.replies == "raw")
         ready, done = self.start(
-            lambda rd: self.gw.chat_turn(s, messages, tools, overrides, rd, feed.push, fresh=fresh)
+            lambda rd: self.gw.chat_turn(
+                s, messages, tools, overrides, rd, feed.push, fresh=fresh, on_opened=feed.prompt_opened
+            )
         )
         done.add_done_callback(feed.close)
         return feed, ready, done
@@ -542,7 +544,9 @@ class Handlers:
 
     async def count_tokens(self, request: Request) -> Response:
         self.owner(request)
-        req = an.parse_messages({"max_tokens": 1, **(await self.body(request))})
+        body = await self.body(request)
+        # count_tokens takes no max_tokens; parse_messages needs one (a null one is absent, as elsewhere)
+        req = an.parse_messages({**body, "max_tokens": 1 if body.get("max_tokens") is None else body["max_tokens"]})
         model = an.thinking_model(self.gw.model, req.overrides)
         ids = model.encode(render_request(model, req.messages, req.tools, req.overrides))
         return self.json({"input_tokens": len(ids)})

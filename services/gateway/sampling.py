@@ -91,6 +91,8 @@ def session_params(sp: Any, vocab_size: int, where: str = "sampling_params", tur
         return {}
     if not isinstance(sp, dict):
         raise bad_request(f"'{where}' must be an object", where)
+    # A null param is an absent one (as on the OpenAI wire): the pod's default, never a None it would refuse.
+    sp = {k: v for k, v in sp.items() if v is not None}
     if turn and type(sp.get("max_tokens")) is int and sp["max_tokens"] == 0:
         return {
             **session_params({k: v for k, v in sp.items() if k != "max_tokens"}, vocab_size, where),

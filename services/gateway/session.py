@@ -70,6 +70,9 @@ class Session:
     result: dict | None = None
     turns: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    finishing: asyncio.Event | None = None
+    """Set while a finish holding ``lock`` writes this session (lifecycle.py): an abort waits for it, so its
+    answer says what the stream holds."""
     last_key: str | None = None
     last_result: TurnResult | None = None
     closed_at: float = 0.0

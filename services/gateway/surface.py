@@ -5,7 +5,9 @@ Each parameter is *honoured* end to end (it reaches the pod's sampler, the templ
 a 400 in the wire's shape that names it. A parameter honoured for some values only (``tool_choice: "auto"``)
 refuses the others the same way, and a parameter not in the table is refused as unknown. Nothing is
 accepted and ignored: a client that asks for JSON mode or a forced tool call learns at once that it does not
-get it. docs/gateway.md has the same table ("Parameters"); tests/unit/test_gateway_surface.py walks it.
+get it. A parameter sent as ``null`` is absent, as both APIs read it: SDKs and frameworks that serialise every
+field of their request type send nulls for what they do not set, and a null asks for nothing. docs/gateway.md
+has the same table ("Parameters"); tests/unit/test_gateway_surface.py walks it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ MESSAGES: dict[str, str] = {
     ),
     "tool_choice": HONOURED,
     "thinking": HONOURED,
+    "output_config": HONOURED,
+    "output_format": HONOURED,
     **dict.fromkeys(("model", "metadata", "service_tier"), INFORMATIONAL),
     **dict.fromkeys(("container", "mcp_servers", "context_management"), REFUSED),
 }
@@ -104,9 +108,11 @@ def _partly(wire: str, key: str, value: Any) -> bool:
 
 def check(body: dict, wire: str) -> None:
     """Refuse (400, naming it) any parameter of ``body`` the ``wire`` ("chat", "completions", "messages") does not
-    honour, or honours for other values only."""
+    honour, or honours for other values only; one whose value is null is absent."""
     table = TABLES[wire]
     for key, value in body.items():
+        if value is None:
+            continue
         what = table.get(key)
         if what is None:
             raise GatewayError(

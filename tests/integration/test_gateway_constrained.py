@@ -9,12 +9,14 @@ and the captured trajectory holds exactly the tokens the pod sampled under the c
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
 import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 
 from services.gateway.chat import ChatModel
@@ -222,6 +224,52 @@ def test_anthropic_tool_choice_any_tool_and_none(stack):
     assert [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
     m = client.messages.create(model="policy", max_tokens=12, messages=ask, tools=tools, tool_choice={"type": "none"})
     assert not [b for b in m.content if b.type == "tool_use"] and m.stop_reason != "tool_use"
+
+
+class Verdict(pydantic.BaseModel):
+    answer: Literal["yes", "no"]
+    city: Literal["paris", "rome"]
+
+
+def test_anthropic_structured_outputs_reply_with_json_that_matches_the_schema(stack):
+    """The anthropic SDK's structured outputs, all three ways it sends them: ``messages.parse`` (a pydantic
+    model, as ``output_config.format``), ``output_config.format`` as a schema, and the beta's top-level
+    ``output_format``; then with tools. The wire takes no seed or logit_bias: the session's seed makes each
+    reply repeatable (the random model's whitespace, which the JSON grammar allows, closes within the budget)."""
+    r = httpx.post(stack["url"] + "/v1/sessions", json={"sampling_params": {"seed": 12}})
+    assert r.status_code == 201, r.text
+    client = anthropic.Anthropic(base_url=r.json()["anthropic_base_url"], api_key="EMPTY")
+    parsed = client.messages.parse(model="policy", max_tokens=MAX_TOKENS, messages=ASK, output_format=Verdict)
+    assert parsed.stop_reason == "end_turn", parsed
+    assert isinstance(parsed.parsed_output, Verdict)
+    fmt = {"type": "json_schema", "schema": ANSWER}
+    replies = [
+        client.messages.create(model="policy", max_tokens=MAX_TOKENS, messages=ASK, output_config={"format": fmt}),
+        client.beta.messages.create(
+            model="policy",
+            max_tokens=MAX_TOKENS,
+            messages=ASK,
+            betas=["structured-outputs-2025-11-13"],
+            extra_body={"output_format": fmt},
+        ),
+    ]
+    for m in replies:
+        [block] = m.content
+        assert m.stop_reason == "end_turn", m
+        jsonschema.validate(json.loads(block.text), ANSWER)
+    # with tools under tool choice auto: the JSON or a call, each matching its schema
+    tools = [{"name": "get_weather", "input_schema": CITY}]
+    m = client.messages.create(
+        model="policy", max_tokens=MAX_TOKENS, messages=ASK, tools=tools, output_config={"format": fmt}
+    )
+    uses = [b for b in m.content if b.type == "tool_use"]
+    if uses:
+        assert m.stop_reason == "tool_use" and all(u.name == "get_weather" for u in uses), m
+        for u in uses:
+            jsonschema.validate(u.input, CITY)
+    else:
+        assert m.stop_reason == "end_turn", m
+        jsonschema.validate(json.loads(m.content[0].text), ANSWER)
 
 
 def test_a_schema_the_pod_cannot_compile_is_a_400_that_says_why(stack):

@@ -5,6 +5,8 @@ The outage lasts ``MOLT_TEST_OUTAGE_S`` seconds (3 in CI; the soak, bench/soak.p
 Redis is down: both services report not-ready, callers get 503 + Retry-After (never 500) on session open,
 finish and /v1/episodes, and turns go on. Once it is back: every finish retried (by a client, or by the env
 worker on its own) is written, each trajectory exactly once, and those written before the outage survived.
+A Redis that holds a finish's write a while: an abort of the session arriving meanwhile waits for the finish and
+answers that the session is finished.
 """
 
 from __future__ import annotations
@@ -220,6 +222,30 @@ async def test_a_redis_outage_is_waited_out_and_nothing_finished_is_lost(stack):
     written = Counter(t.trajectory_id for t in await asyncio.to_thread(read_trajectories, redis.url, STREAM))
     expected = set(sids) | {d["trajectory_id"] for d in done}
     assert set(written) == expected and set(written.values()) == {1}, written
+
+
+async def test_an_abort_while_the_finish_writes_waits_for_it_and_says_finished(stack):
+    """A caller's abort (its own timeout) that reaches the gateway while the finish is being written (Redis holds
+    writes: CLIENT PAUSE WRITE) is answered once the write is done: 409, the trajectory landed once."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(stack["redis"].url)
+    try:
+        async with httpx.AsyncClient(base_url=stack["gateway"], timeout=30) as http:
+            sid = (await http.post("/v1/sessions", json={}, headers=KEY)).json()["session_id"]
+            await _turn(http, sid)
+            await r.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+            finish = asyncio.create_task(http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}, headers=KEY))
+            await asyncio.sleep(0.5)  # the finish is in its write, held by the pause
+            abort = await http.delete(f"/v1/sessions/{sid}", headers=KEY)
+            done = await finish
+    finally:
+        await r.execute_command("CLIENT", "UNPAUSE")
+        await r.aclose()
+    assert done.status_code == 200 and done.json()["written"], done.text
+    assert abort.status_code == 409 and abort.json()["error"]["code"] == "session_closed", abort.text
+    written = Counter(t.trajectory_id for t in await asyncio.to_thread(read_trajectories, stack["redis"].url, STREAM))
+    assert written[sid] == 1
 
 
 async def _ready(http: httpx.AsyncClient, path: str) -> bool:

@@ -579,3 +579,52 @@ async def test_a_runner_that_says_truncated_marks_the_trajectory_truncated(env):
     assert (await http.post("/v1/episodes", json={"episodes": items})).status_code == 200
     status = {t.trajectory_id: t.status for t in await _written(app)}
     assert [status[sid] for sid in sids] == ["truncated", "completed", "truncated", "completed"]
+
+
+async def test_an_abort_racing_a_finish_is_answered_in_the_order_the_stream_saw(env):
+    """An abort that arrives while a finish writes waits for it and answers 409 (the trajectory stands), as does
+    a second finish, with the first one's result; a finish that waited for a running turn while an abort closed
+    the session is refused and writes nothing. Each answer matches what the stream holds."""
+    import asyncio
+
+    app, pods, replies, http = env()
+    gw = app.gateway
+    turn = {"append_text": "hi", "sampling_params": {"max_tokens": 8}}
+    writing, release = asyncio.Event(), asyncio.Event()
+    put_once = gw.queue.put_once
+
+    async def held_put_once(*args, **kwargs):
+        writing.set()
+        await release.wait()
+        return await put_once(*args, **kwargs)
+
+    gw.queue.put_once = held_put_once
+    written, aborted = [(await _open(http))["session_id"] for _ in range(2)]
+    for sid in (written, aborted):
+        assert (await http.post(f"/v1/sessions/{sid}/generate", json=turn)).status_code == 200
+
+    finish = asyncio.create_task(http.post(f"/v1/sessions/{written}/finish", json={"reward": 1}))
+    await writing.wait()
+    again = asyncio.create_task(http.post(f"/v1/sessions/{written}/finish", json={"reward": 1}))
+    abort = asyncio.create_task(http.delete(f"/v1/sessions/{written}"))
+    await asyncio.sleep(0.1)
+    assert not abort.done() and not again.done()  # both wait for the write
+    release.set()
+    first, second, late_abort = await asyncio.gather(finish, again, abort)
+    assert first.status_code == 200 and first.json()["written"], first.text
+    assert second.status_code == 200 and second.json() == first.json()
+    assert late_abort.status_code == 409 and late_abort.json()["error"]["code"] == "session_closed", late_abort.text
+
+    running = gw.sessions[aborted].lock  # held as a running turn holds it
+    await running.acquire()
+    blocked = asyncio.create_task(http.post(f"/v1/sessions/{aborted}/finish", json={"reward": 1}))
+    await asyncio.sleep(0.1)
+    r = await http.delete(f"/v1/sessions/{aborted}")
+    assert r.status_code == 200 and r.json()["aborted"], r.text
+    running.release()
+    r = await blocked
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_closed", r.text
+    assert [t.trajectory_id for t in await _written(app)] == [written]
+    metrics = (await http.get("/metrics")).text
+    assert 'molt_gateway_sessions_total{outcome="written"} 1.0' in metrics
+    assert 'molt_gateway_sessions_total{outcome="aborted"} 1.0' in metrics

@@ -133,16 +133,25 @@ async def test_anthropic_stream_starts_with_the_thinking_block(gw, model):
     ]
 
 
-async def test_text_feed_holds_the_think_block_and_keeps_it_apart(model):
+@pytest.mark.parametrize("stop", [None, ["number"]])
+async def test_text_feed_streams_the_think_block_apart_from_the_text(model, stop):
+    """The block's text as it comes (never its tags, the whitespace the final reasoning strips, or a stop string:
+    the turn's result ends there), then the text once the block has closed."""
     from services.gateway.streaming import TextFeed
+    from services.gateway.thinking import split_reasoning
 
-    feed = TextFeed(model, None)
-    shown = []
+    feed = TextFeed(model, stop)
+    parts = []
     for tok in model.encode(THINK):  # one engine step per token
         feed.ids.append(tok)
-        shown.append(feed._safe())
-    assert "".join(shown) == "Four." and feed.reasoning == "The user wants a number."
-    assert all("think" not in p for p in shown)
+        parts += feed._safe()
+    kinds = [kind for kind, _ in parts]
+    assert kinds == sorted(kinds) and kinds.count("reasoning") >= 3  # all the reasoning first, in steps
+    thought = "".join(p for kind, p in parts if kind == "reasoning")
+    assert thought == split_reasoning(THINK[: THINK.index(stop[0])] if stop else THINK)[0]
+    assert "".join(p for kind, p in parts if kind == "text") == ("" if stop else "Four.")
+    assert feed.reasoning == ("" if stop else "The user wants a number.")
+    assert all("think" not in p and not p.endswith((" ", "\n")) for _, p in parts)
 
 
 async def test_a_raw_session_keeps_the_think_block_in_the_text_on_every_wire(gw, model):

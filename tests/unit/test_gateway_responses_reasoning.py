@@ -1,7 +1,8 @@
 """Reasoning on the Responses wire, with a template that thinks and has Qwen3's ``enable_thinking`` switch
 (in-process app, fake pods, the real openai SDK): the think block is a ``reasoning`` item before the message,
-streamed or not, counted in ``reasoning_tokens``; ``reasoning.effort`` goes through the switch as chat's
-``reasoning_effort`` does; the reasoning items a client sends back keep the segment token-exact."""
+streamed or not (its text in deltas as a pod streams it), counted in ``reasoning_tokens``; ``reasoning.effort``
+goes through the switch as chat's ``reasoning_effort`` does; the reasoning items a client sends back keep the
+segment token-exact."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from openai.types.responses import ResponseReasoningItem, ResponseReasoningTextDeltaEvent
 
 from services.gateway.chat import ChatModel
-from tests.gateway_testlib import queued_gateway, thinking_switch_model
+from tests.gateway_testlib import queued_gateway, stream_steps, thinking_switch_model
 
 PODS = ["http://pod-a:1"]
 THINK = "<think>\nThe user wants a number.\n</think>\n\nFour.<|im_end|>"
@@ -91,6 +92,53 @@ async def test_the_stream_sends_the_reasoning_item_first_and_assembles_the_plain
     added = [(ev.output_index, ev.item.type) for ev in events if ev.type == "response.output_item.added"]
     assert added == list(enumerate(o.type for o in plain.output))
     assert [ev.sequence_number for ev in events] == list(range(len(events)))
+
+
+LONG_THINK = "<think>\nTwo and two make four, so the user wants to read the number four.\n</think>\n\n"
+
+
+def _runs(kinds: list[str]) -> list[str]:
+    """The event types, each run of deltas as one."""
+    return [k for i, k in enumerate(kinds) if not (k.endswith(".delta") and i and kinds[i - 1] == k)]
+
+
+@pytest.mark.parametrize(
+    "reply, tools, limit",
+    [
+        (LONG_THINK + "Four, as two plus two is four.<|im_end|>", None, None),
+        (LONG_THINK + CALL, [TOOL], None),
+        (LONG_THINK, None, 12),  # a length stop inside the think block
+    ],
+)
+async def test_the_reasoning_streams_as_the_pod_generates_it(gw, reply, tools, limit):
+    """With the pod streaming a session's turn, the think block's text arrives in deltas while it is generated,
+    its item done before the message or call items open (OpenAI's order), and the SDK assembles the response
+    the same turn gets unstreamed."""
+    app, pods, queue, http = gw
+    stream_steps(app, pods)
+    client = await _client(http, True)
+    queue.extend([reply, reply])
+    args = {"model": "policy", "input": "2 + 2?", "tools": tools or [], "max_output_tokens": limit}
+    plain = await client.responses.create(**args)
+    async with client.responses.stream(**args) as st:
+        events = [ev async for ev in st]
+        # the SDK assembles a completed response only (response.incomplete carries its own)
+        final = events[-1].response if limit else await st.get_final_response()
+    thought = [ev for ev in events if ev.type == "response.reasoning_text.delta"]
+    assert len(thought) > 3 and "".join(ev.delta for ev in thought) == plain.output[0].content[0].text
+    assert {(ev.output_index, ev.item_id) for ev in thought} == {(0, final.output[0].id)}
+    reasoning = ["output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.done"]
+    reasoning += ["content_part.done", "output_item.done"]
+    message = ["output_item.added", "content_part.added", "output_text.delta", "output_text.done"]
+    message += ["content_part.done", "output_item.done"]
+    call = ["output_item.added", "function_call_arguments.delta", "function_call_arguments.done", "output_item.done"]
+    then = call if tools else message if limit is None else [m for m in message if m != "output_text.delta"]
+    end = "incomplete" if limit else "completed"
+    expected = ["created", "in_progress", *reasoning, *then, end]
+    assert _runs([ev.type for ev in events]) == ["response." + k for k in expected]
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    assert [_shape(o) for o in final.output] == [_shape(o) for o in plain.output]
+    assert final.output_text == plain.output_text and final.usage == plain.usage and final.status == plain.status
 
 
 async def test_reasoning_items_sent_back_keep_the_segment_exact(gw, model):

@@ -101,6 +101,8 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "tools": ([{"name": "f", "input_schema": {"type": "object"}}], None),
         "tool_choice": ({"type": "none"}, {"type": "maybe"}),
         "thinking": ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}),  # a template that never thinks
+        "output_config": ({"format": {"type": "json_schema", "schema": {"type": "object"}}}, {"effort": "low"}),
+        "output_format": ({"type": "json_schema", "schema": {"type": "object"}}, {"type": "json_object"}),
         "model": ("policy", None),
         "metadata": ({"user_id": "u"}, None),
         "service_tier": ("auto", None),
