@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from molt import strict_json
+
 
 def scrape(url: str) -> dict[str, float]:
     """Prometheus text -> {metric name: value summed over label sets}; {} if unreachable."""
@@ -86,13 +88,20 @@ class Progress:
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    """``value`` in ``spec``; "-" for a metric the step did not have (absent, or NaN: no fresh tokens, say)."""
-    return "-" if value is None or math.isnan(value) else format(value, spec)
+    """``value`` in ``spec``; "-" for a metric the step did not have (no fresh tokens, say)."""
+    v = _value(value)
+    return "-" if v is None else format(v, spec)
+
+
+def _value(value: float | None) -> float | None:
+    """A logged metric; None where the step did not have it: absent, null, or NaN (files written before the trainer
+    wrote strict JSON)."""
+    return None if value is None or math.isnan(value) else value
 
 
 def _mean(xs: list[float | None]) -> float:
-    """Mean of the logged values (a step without the metric logs None, a failed one NaN)."""
-    vals = [x for x in xs if x is not None and not math.isnan(x)]
+    """Mean of the logged values (a step without the metric logs null, older files NaN)."""
+    vals = [v for x in xs if (v := _value(x)) is not None]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -122,10 +131,10 @@ def finish_report(
         "wall_s": round(wall_s, 1),
         "trajectories_produced": int(gateway_counts.get("molt_gateway_trajectories_written_total", 0)),
         "trajectories_trained": int(sum(r.get("trajectories", r.get("samples", 0)) for r in rows)),
-        "mismatch_kl_max": max((abs(r.get("mismatch_kl", 0.0)) for r in rows), default=0.0),
+        "mismatch_kl_max": max((abs(v) for r in rows if (v := _value(r.get("mismatch_kl"))) is not None), default=0.0),
         # Tokens scored by the very weights that generated them: engine-vs-trainer numerics alone.
         "mismatch_kl_fresh_max": max(
-            (abs(r["mismatch_kl_fresh"]) for r in rows if not math.isnan(r.get("mismatch_kl_fresh", float("nan")))),
+            (abs(v) for r in rows if (v := _value(r.get("mismatch_kl_fresh"))) is not None),
             default=None,
         ),
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
@@ -139,7 +148,7 @@ def finish_report(
     evals = run_dir / "eval.jsonl"
     if evals.exists() and evals.read_text().strip():  # the last evaluation (the only one with --eval.eval_only)
         summary["last_eval"] = json.loads(evals.read_text().strip().splitlines()[-1])
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2))
     _plot(run_dir / "reward.png", rows, recipe)
     return summary
 
@@ -152,7 +161,7 @@ def _plot(path: Path, rows: list[dict], recipe: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
-    ax.plot(steps, [r.get("reward_mean", math.nan) for r in rows], marker="o", ms=3)
+    ax.plot(steps, [math.nan if (v := _value(r.get("reward_mean"))) is None else v for r in rows], marker="o", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(f"molt up --recipe {recipe}")

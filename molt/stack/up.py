@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO
 
+from molt import strict_json
 from molt.serve import CPU_ENV, redis_problem
 from molt.stack.procs import ManagedProcess, Supervisor
 from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
@@ -491,7 +492,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         progress.poll(trainer_metrics)
         before = (before[0] + produced.earlier, before[1])
         summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, restarts=restarts)
-        print(f"[molt up] done: {json.dumps(summary)}", flush=True)
+        print(f"[molt up] done: {strict_json.dumps(summary)}", flush=True)
         return summary
     except KeyboardInterrupt:
         print("\n[molt up] interrupted: stopping the stack", flush=True)

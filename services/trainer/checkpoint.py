@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from molt import strict_json
 from services.trainer.errors import CheckpointWriteError, size, write_failure
 
 log = logging.getLogger("molt.trainer")
@@ -190,7 +191,7 @@ def _finish_save(
 
 
 def _write_metric(ckpt_dir: Path, key: str | None, value: float | None, *, sync_dir: bool = True) -> None:
-    data = json.dumps({"metric_key": key or None, "metric_value": value}).encode()
+    data = strict_json.dumps({"metric_key": key or None, "metric_value": value}).encode()
     if sync_dir:
         _write_atomic(ckpt_dir / METRIC_FILE, data)
     else:

@@ -470,8 +470,8 @@ class Controller:
             log.error("stopping the run: %s", exc)
             raise exc
         if any(self.dropped.values()):
-            # Otherwise the run ends as "done" with 0 steps, no step log and no final model, and nothing says why
-            # (a small model on a hard task fails every sample, so every group is uniform).
+            # Otherwise the run ends as "done" with 0 steps, no step log and the base model as its final model, and
+            # nothing says why (a small model on a hard task fails every sample, so every group is uniform).
             low, high = self.s.algo.dynamic_filtering_range
             log.warning(
                 "the dataset ran out with no step trained: --algo.dynamic_filtering_enable dropped every group "

@@ -7,8 +7,9 @@ config, tokenizer and (vision-language models) image processor files. The result
 input/output embeddings are written once, as HF writes them. The directory is written as ``.<name>.tmp``
 and renamed, so a reader never sees half a model (into an existing folder, each file is renamed into place).
 
-The RL trainer writes one at the end of a run to ``--ckpt.output_dir`` unless ``--ckpt.disable_final_save``
-(Molt's final save), and with ``--ckpt.save_hf`` one per checkpoint under ``<ckpt.path>/_hf/<tag>``.
+The RL and SFT trainers write one at the end of a run to ``--ckpt.output_dir`` unless ``--ckpt.disable_final_save``
+(Molt's final save; also after a run that trained no step), and with ``--ckpt.save_hf`` one per checkpoint under
+``<ckpt.path>/_hf/<tag>``.
 Every resumable checkpoint also carries the model's config and tokenizer files (``hf_files/``), so
 ``export_checkpoint`` (``molt export CKPT OUT``) turns any checkpoint into a model directory offline.
 """
@@ -60,6 +61,28 @@ def save_hf(model: nn.Module, source_dir: str | Path, out_dir: str | Path, token
     if problem[0] is not None:
         raise CheckpointWriteError(problem[0])
     return out
+
+
+def note_final_export(out_dir: str | Path, step: int, first_step: int, source: str | Path, why: str) -> None:
+    """Rank 0: log what the final model directory holds. A run that trained no step still writes one, as Molt's
+    final save does whenever training returns: the weights it started from (the resumed checkpoint's, else the
+    base model's), so the output folder holds a loadable model whatever the run did. ``why``: why it stopped."""
+    if step > first_step:
+        log.info("final model: the weights after step %d, to %s", step, out_dir)
+    elif step > 0:
+        log.warning(
+            "no optimizer step in this run (%s): the final model in %s is the resumed checkpoint's weights (step %d)",
+            why,
+            out_dir,
+            step,
+        )
+    else:
+        log.warning(
+            "no optimizer step in this run (%s): the final model in %s is the base model %s, unchanged",
+            why,
+            out_dir,
+            source,
+        )
 
 
 def _write_failed(out_dir: str | Path, cause: BaseException) -> str:

@@ -33,7 +33,6 @@ resumed run writes. An evaluation under way is abandoned (no eval_loss for that 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -47,11 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from molt import strict_json
 from molt.data import read_mixed_rows
 from molt.serve import configure_logging, freeze_before_exit
 from services.trainer import checkpoint
 from services.trainer.errors import CheckpointWriteError
-from services.trainer.export import save_hf
+from services.trainer.export import note_final_export, save_hf
 from services.trainer.learner import build_optimizer, optimizer_step, set_grad_sync
 from services.trainer.model import (
     DistInfo,
@@ -342,7 +342,7 @@ class Sinks:
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.write(strict_json.dumps({"step": step, **values}) + "\n")
             self.jsonl.flush()
         named = {MOLT_NAMES.get(k, k): v for k, v in values.items()}  # dashboards built on Molt's runs keep working
         if self.wandb:
@@ -458,6 +458,7 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None, sinks: S
     sinks = sinks or Sinks(s, info.is_main)
     rank_dp = info.rank // s.fsdp.tp_size
     last: dict = {}
+    first_step = learner.global_step
     try:
         while learner.global_step < total:
             epoch, pos = position(consumed, len(data), t.batch_size)
@@ -518,6 +519,9 @@ def train(s: SftSettings, info: DistInfo, stop: StopFlag | None = None, sinks: S
                     )
                 return {"steps": step, "stopped": True}
         if not s.ckpt.disable_final_save:
+            if info.is_main:
+                why = f"the resumed checkpoint already reached the run's last step, {total}"
+                note_final_export(s.ckpt.output_dir, learner.global_step, first_step, learner.hf_source, why)
             save_hf(learner.actor, learner.hf_source, s.ckpt.output_dir, tok)
     finally:
         sinks.close()

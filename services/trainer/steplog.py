@@ -10,11 +10,12 @@ trajectories under its own name, as Molt averages per-sample info into the step'
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from typing import Any, Literal
+
+from molt import strict_json
 
 
 def info_means(trajectories) -> dict[str, float]:
@@ -102,7 +103,7 @@ class StepLog:
     def log(self, step: int, line: dict[str, Any]) -> None:
         if self.cfg.steps_jsonl:
             with open_jsonl(self.cfg.steps_jsonl) as f:
-                f.write(json.dumps(line) + "\n")
+                f.write(strict_json.dumps(line) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         if step % self.cfg.logging_steps:
@@ -122,7 +123,7 @@ class StepLog:
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         if self.cfg.eval_jsonl:
             with open_jsonl(self.cfg.eval_jsonl) as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                f.write(strict_json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(f"eval/{k}", v, step)

@@ -40,7 +40,7 @@ from services.trainer.app import TrainerStatus
 from services.trainer.batch import samples_from_trajectory, with_actions
 from services.trainer.config import TrainerSettings, planned_optimizer_steps
 from services.trainer.controller import Controller, LoopThread
-from services.trainer.export import save_hf
+from services.trainer.export import note_final_export, save_hf
 from services.trainer.learner import Learner
 from services.trainer.metrics import phase, record_step, trainer_metrics
 from services.trainer.model import DistInfo, full_state_dict
@@ -81,6 +81,7 @@ class Trainer:
         self.last_metric: tuple[str | None, float | None] = (None, None)  # rank 0: latest eval's key and value
         self._batch: concurrent.futures.Future | None = None  # rank 0's pending next_batch, kept across catch-ups
         self.last_saved_step = -1
+        self.first_step = 0  # the step this run started at (a resumed checkpoint's): the final export logs from it
         self._pushed_full = False  # LoRA: the first push carries every weight, later ones the adapted ones
         self._last_step_end = time.monotonic()
         if info.is_main:
@@ -209,6 +210,7 @@ class Trainer:
             # Checkpoints saved before the next evaluation record the latest one, as in a run that never stopped
             # (a resume does not evaluate again); without it retention would prune them first, as unevaluated.
             self.last_metric = checkpoint.resumed_metric(self.s.ckpt.path)
+        self.first_step = self.learner.global_step
         if self.info.is_main and self.publisher is not None:
             # Pods may start after the trainer (any order in Kubernetes, or one restarting): waited for here,
             # with /readyz answering 503 meanwhile; the other ranks wait in the push's collective.
@@ -255,7 +257,7 @@ class Trainer:
         c = self.controller
         max_steps = self.s.train.num_steps
         if max_steps is not None and self.learner.global_step >= max_steps:
-            return {"stop": True}
+            return {"stop": True, "why": f"--train.num_steps {max_steps} reached"}
         step = self.learner.global_step + 1
         save_steps = self.s.ckpt.save_steps
         save = save_steps > 0 and step % save_steps == 0
@@ -263,7 +265,7 @@ class Trainer:
             path = Path(self.s.train.rollout_replay_dir) / f"rollout_step{step}.msgpack"
             if not path.exists():
                 log.info("--train.rollout_replay_dir: no %s, the replay ends", path.name)
-                return {"stop": True}
+                return {"stop": True, "why": f"--train.rollout_replay_dir holds no {path.name}"}
             return {"stop": False, "trajs": msgspec.msgpack.decode(path.read_bytes()), "wait_s": 0.0, "save": save}
         t0 = time.perf_counter()
         trajs: list[Trajectory] = []
@@ -283,7 +285,8 @@ class Trainer:
                     continue
             self._batch = None
             if not groups:
-                return {"stop": True}
+                why = "a stop was requested" if c.stop_requested else "no more rollouts to train"
+                return {"stop": True, "why": why}
             trajs = [t for g in groups for t in g.trajectories if self._usable(t)]
         encoded = [encode(t, validate=False) for t in trajs]
         if self.s.train.rollout_dump_dir:
@@ -337,7 +340,7 @@ class Trainer:
                     metric_value=best["value"],
                 )
         if plan["stop"]:
-            self._finish()
+            self._finish(plan["why"])
             return False
         if "catch_up" in plan:
             self._publish(self.learner.global_step, plan["catch_up"])
@@ -555,14 +558,18 @@ class Trainer:
             token_ids=ids, expected_logprobs=expected, max_abs_diff=5e-2 if self.info.on_gpu else 1e-3
         )
 
-    def _finish(self) -> None:
+    def _finish(self, why: str) -> None:
         if self.s.ckpt.save_steps > 0 and self.last_saved_step != self.learner.global_step:
             self._save()
         elif self.info.is_main and self.controller.uncommitted:
             if self.s.ckpt.save_steps <= 0:
                 self.io.run(self.controller.commit())
-        if not self.s.ckpt.disable_final_save and self.learner.global_step > 0:
-            # Molt's final save: the trained policy as an HF model directory (transformers and pods load it).
-            save_hf(self.learner.actor, self.learner.hf_source, self.s.ckpt.final_dir())
+        if not self.s.ckpt.disable_final_save:
+            # Molt's final save: the policy as an HF model directory (transformers and pods load it), also after a
+            # run that trained no step, so a completed run's output folder always holds a loadable model.
+            final = self.s.ckpt.final_dir()
+            if self.info.is_main:
+                note_final_export(final, self.learner.global_step, self.first_step, self.learner.hf_source, why)
+            save_hf(self.learner.actor, self.learner.hf_source, final)
         if self.info.is_main:
             log.info("stopping at step %d (version %d)", self.learner.global_step, self.controller.version)
