@@ -407,6 +407,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                     q("sum by (agent, status) (rate(molt_envs_episodes_total{}[RI]))", "{{agent}} {{status}}"),
                     q("sum(rate(molt_envs_rejected_total{}[RI]))", "rejected (429)"),
                     q("sum(molt_envs_inflight_episodes{})", "in flight"),
+                    # agent code blocking a worker's event loop (each past --envs.stall_warn_s): the log has its stack
+                    q("sum by (agent) (rate(molt_envs_event_loop_stalls_total{}[RI]))", "event-loop stalls {{agent}}"),
                 ],
                 "",
             ),

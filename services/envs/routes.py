@@ -58,9 +58,10 @@ async def run_episode(request: Request) -> Response:
 
 
 # Both probes answer from the event loop on purpose: while agent code blocks it they fail, so the pod leaves the
-# Service (/readyz, ~15 s in the chart) and is then restarted (/healthz, ~60 s: the default session lease, after
-# which the gateway has closed this worker's sessions anyway; a deadlock recovers no other way). A /healthz served
-# from another thread would keep a deadlocked worker alive; the loop watchdog logs who blocked it first.
+# Service (/readyz, ~15 s in the chart) and is then restarted (/healthz, once --envs.session_lease_s has lapsed and
+# the gateway has closed this worker's sessions anyway: the chart derives the window from the lease; a deadlock
+# recovers no other way). A /healthz served from another thread would keep a deadlocked worker alive; the loop
+# watchdog logs who blocked it first.
 @router.get("/healthz")
 async def healthz() -> dict:
     return {"status": "ok"}

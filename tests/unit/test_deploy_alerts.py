@@ -47,6 +47,7 @@ HEALTHY: dict[str, str] = {
     s("molt_envs_episodes_total", 'agent="math",status="ok"'): f"0+64x{STEPS}",
     s("molt_gateway_trajectories_written_total"): f"0+64x{STEPS}",
     s("molt_envs_rejected_total"): FLAT0,
+    s("molt_envs_event_loop_stalls_total", 'agent="math"'): FLAT0,
     s("molt_gateway_requests_total", 'wire="openai",code="200"'): f"0+500x{STEPS}",
     s("molt_gateway_requests_total", 'wire="openai",code="500"'): f"0+0.5x{STEPS}",
     s("molt_weightsync_failures_total", 'side="trainer",reason="unavailable"'): FLAT0,
@@ -102,6 +103,11 @@ FAULTS: dict[str, tuple[dict[str, str], int, dict[str, str]]] = {
     ),
     "MoltGatewayWritesNoTrajectories": ({s("molt_gateway_trajectories_written_total"): f"500+0x{STEPS}"}, 60, {}),
     "MoltEnvWorkersSaturated": ({s("molt_envs_rejected_total"): f"0+5x{STEPS}"}, 60, {}),
+    "MoltEnvWorkerEventLoopStalled": (
+        {s("molt_envs_event_loop_stalls_total", 'agent="math"'): f"0+1x{STEPS}"},
+        30,
+        {"agent": "math"},
+    ),
     "MoltGatewayErrorRateHigh": (
         {s("molt_gateway_requests_total", 'wire="openai",code="500"'): f"0+100x{STEPS}"},
         60,

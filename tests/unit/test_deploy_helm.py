@@ -285,6 +285,42 @@ def test_env_workers_are_killed_only_after_their_running_episodes_could_end(rend
     assert timeout == 1800
 
 
+def test_env_workers_are_restarted_for_a_stuck_loop_only_once_their_sessions_are_closed(rendered):
+    """A stuck event loop fails /healthz and stops the lease renewals alike: the liveness probe may restart the
+    worker only after the gateway has closed its sessions (the lease plus the reaper's period), and not much
+    later. The chart passes its one lease value as the flag; a second one beside it, or a lease over the
+    gateway's idle TTL (every session open would be refused), does not render."""
+    from services.envs.config import WorkerConfig
+    from services.gateway.config import SessionConfig
+
+    reaper_s = 5  # the gateway reaps lapsed leases at most this often (lifecycle.reap_loop)
+    leases = {WorkerConfig().session_lease_s: rendered["default"]}  # the chart's default is the worker's
+    for lease in (7, 300):
+        leases[lease] = tools.render(sets=(f"envs.sessionLeaseSeconds={lease}",))
+    for lease, docs in leases.items():
+        c = container(docs, "molt-envs")
+        live, lease_s = c["livenessProbe"], float(flag(c, "--envs.session_lease_s"))
+        assert lease_s == lease
+        # The restart comes after failureThreshold failures; the first may come at once, each takes up to 1 s.
+        earliest = (live["failureThreshold"] - 1) * live["periodSeconds"] + live.get("timeoutSeconds", 1)
+        assert lease_s + reaper_s <= earliest < lease_s + reaper_s + 2 * live["periodSeconds"], (lease, live)
+    ttl = int(SessionConfig().idle_ttl_s)
+    assert tools.render(sets=(f"envs.sessionLeaseSeconds={ttl}",))
+    for sets, message in [
+        ((f"envs.sessionLeaseSeconds={ttl + 1}",), f"--session.idle_ttl_s is {ttl}"),
+        ((f"envs.sessionLeaseSeconds={ttl + 1}", "gateway.extraArgs={--session.idle_ttl_s=60}"), "is 60:"),
+        (("envs.extraArgs={--envs.session_lease_s=30}",), "envs.sessionLeaseSeconds"),
+        (("envs.extraEnv[0].name=MOLT_ENVS__SESSION_LEASE_S", "envs.extraEnv[0].value=x"), "sessionLeaseSeconds"),
+    ]:
+        out = tools.helm("template", "molt", str(tools.CHART), *(a for s in sets for a in ("--set", s)), check=False)
+        assert out.returncode != 0 and message in out.stderr, (sets, out.stderr)
+    longer = ("envs.sessionLeaseSeconds=3000", "gateway.extraArgs={--session.idle_ttl_s=3600}")
+    assert flag(container(tools.render(sets=longer), "molt-envs"), "--envs.session_lease_s") == "3000"
+    by_env = ["--set", "envs.sessionLeaseSeconds=3000", "--set", "gateway.extraEnv[0].name=MOLT_SESSION__IDLE_TTL_S"]
+    out = tools.helm("template", "molt", str(tools.CHART), *by_env, "--set-string", "gateway.extraEnv[0].value=3600")
+    assert "--envs.session_lease_s=3000" in out.stdout
+
+
 def test_ipv6_cluster_listens_on_both_families_and_names_replicas_by_bracketed_ip():
     """On an IPv6 cluster $(POD_IP) expands to a bare address: the processes listen on "::", and the gateway
     brackets its public URL (services/gateway/config.py), so its session ids name a reachable URL."""

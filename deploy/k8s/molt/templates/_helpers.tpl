@@ -255,7 +255,8 @@ molt.notMounted (dict "path" P "key" "model.path" "mounts" (list DIR...) "extra"
 {{- end -}}
 {{- end -}}
 
-{{/* HTTP probes on /healthz (liveness) and /readyz (readiness). */}}
+{{/* HTTP probes on /healthz (liveness) and /readyz (readiness). Given a dict with "livenessFailures", the
+liveness probe restarts the container after that many failures 10 s apart (else 6). */}}
 {{- define "molt.probes" -}}
 readinessProbe:
   httpGet: {path: /readyz, port: http}
@@ -264,7 +265,21 @@ readinessProbe:
 livenessProbe:
   httpGet: {path: /healthz, port: http}
   periodSeconds: 10
-  failureThreshold: 6
+  failureThreshold: {{ get . "livenessFailures" | default 6 }}
+{{- end -}}
+
+{{/* The value ARGS give FLAG, as --flag=VALUE or --flag VALUE ("" when they do not).
+molt.flagValue (dict "args" (list ARG...) "flag" "--section.field") */}}
+{{- define "molt.flagValue" -}}
+{{- $found := "" -}}
+{{- range $i, $a := .args -}}
+{{- if hasPrefix (printf "%s=" $.flag) (toString $a) -}}
+{{- $found = trimPrefix (printf "%s=" $.flag) (toString $a) -}}
+{{- else if and (eq (toString $a) $.flag) (lt (add1 $i) (len $.args)) -}}
+{{- $found = toString (index $.args (add1 $i)) -}}
+{{- end -}}
+{{- end -}}
+{{- $found -}}
 {{- end -}}
 
 {{/* Render ServiceMonitor / PrometheusRule only where the Prometheus Operator CRDs are served. */}}
