@@ -167,7 +167,10 @@ class GatewayClient:
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             transport=transport,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # Few idle connections kept: httpcore's pool (1.0) walks every pooled connection for each idle one on
+            # each request, quadratic in the pool's size, so a pool kept at the episodes' concurrency costs a busy
+            # env worker much of its CPU; a fresh connection to the gateway is far cheaper.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
         )
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from the trainer's /metrics; at the end `summary.json` and `reward.png` are writ
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -17,10 +18,18 @@ import httpx
 from molt import strict_json
 
 
+@functools.cache
+def _scraper() -> httpx.Client:
+    """One client for every scrape: `molt up` scrapes the gateway each second while the trainer runs, and an
+    httpx.get builds a client per call, loading the CA bundle into a new TLS context (tens of ms of CPU). No
+    kept-alive connections: a service restarted on its port is reached afresh."""
+    return httpx.Client(timeout=3, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def scrape(url: str) -> dict[str, float]:
     """Prometheus text -> {metric name: value summed over label sets}; {} if unreachable."""
     try:
-        text = httpx.get(url, timeout=3).text
+        text = _scraper().get(url).text
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}

@@ -342,6 +342,10 @@ class EngineThread:
         env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0"}
         if args["kv_cache_memory_bytes"] is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = None
+        if on_cpu and "VLLM_USE_AOT_COMPILE" not in os.environ:
+            # vLLM's AOT-compiled model fails to load back on CPU (no finalize_loading), so each pod start compiled
+            # it anew; its older compile cache does load. vLLM reads (and caches) its env during construction.
+            env["VLLM_USE_AOT_COMPILE"] = "0"
         before = set(multiprocessing.active_children())
         with _env(**env), _quiet_checkpoint_casts():
             vllm_config = engine_args.create_engine_config()
