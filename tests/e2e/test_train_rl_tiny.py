@@ -8,7 +8,8 @@ prompt directory, Molt's data / estimator / IS / checkpoint / logger flags. Chec
 - --train.check_weight_update_equal: the pod accepted every push after its probe check;
 - a checkpoint every --ckpt.save_steps, the best one by eval_default_pass1 (Molt's --ckpt.best_metric_key), and the
   final policy in --ckpt.output_dir as an HF model directory
-  that transformers and a rollout pod load, equal to `molt export` of the last checkpoint.
+  that transformers and a rollout pod load, equal to `molt export` of the last checkpoint (the pod: the eval-only
+  run's, which serves that policy).
 """
 
 import json
@@ -46,11 +47,11 @@ def _train_rl(run: Path, flags: list[str], timeout: float = 800, command: tuple[
     assert proc.returncode == 0, f"molt train-rl failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3, tmp_path):
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+@pytest.fixture(scope="module")
+def molt_flags_run(tiny_qwen3, tmp_path_factory) -> Path:
+    """The run folder of Molt's data / estimator / IS / checkpoint / logger flags on the tiny model (2 steps). Its
+    final policy (hf/) is also the model the eval-only test evaluates: that stack's pod is the one that loads it."""
+    tmp_path = tmp_path_factory.mktemp("molt_flags")
     _sums(tmp_path / "data", 8)
     run = tmp_path / "run"
     flags = [
@@ -124,6 +125,17 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
         "0.5",
     ]
     _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
+    return run
+
+
+def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(molt_flags_run, tiny_qwen3, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molt.cli import main as molt_cli
+
+    run = molt_flags_run
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]  # 4 prompts / 2 per step: the dataset ends the run
     for s in steps:
@@ -157,35 +169,11 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(tiny_qwen3,
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # the policy moved
     assert model.config.vocab_size >= len(tok)
 
+    # `molt export` in this process: the same command, without a second interpreter importing torch again
     out = tmp_path / "exported"
-    proc = subprocess.run(
-        [sys.executable, "-m", "molt.cli", "export", str(run / "ckpt"), str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert molt_cli(["export", str(run / "ckpt"), str(out)]) == 0
     exported = load_file(str(out / "model.safetensors"))
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
-
-    # a rollout pod serves the exported policy
-    import httpx
-
-    from services.rollout.app import build_app
-    from tests.integration.envs_testlib import Served
-    from tests.integration.rollout_testlib import tiny_settings
-
-    pod = Served(build_app(tiny_settings(out)), "pod")
-    try:
-        r = httpx.post(
-            f"{pod.url}/v1/generate",
-            json={"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0}},
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-    finally:
-        pod.stop()
 
 
 def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_path):
@@ -219,11 +207,12 @@ def test_molts_flash_reinforce_flags_admit_on_policy_rollouts(tiny_qwen3, tmp_pa
 
 def test_molts_distillation_runs_without_an_agent_path(tiny_qwen3, tmp_path):
     """As Molt's distillation script: on_policy_distill with a teacher and no --train.agent_path runs the
-    built-in one-completion agent; the signal is the reverse KL to the teacher, so rewards are all 0."""
+    built-in one-completion agent; the signal is the reverse KL to the teacher, so rewards are all 0.
+    One step (2 prompts, 2 per step) shows all of it: a second would add no check."""
     run = tmp_path / "run"
     flags = [
         *("--actor.model_name_or_path", str(tiny_qwen3), "--ref.model_name_or_path", str(tiny_qwen3)),
-        *("--data.prompt_dataset", str(_sums(tmp_path / "data", 4)), "--data.input_key", "prompt"),
+        *("--data.prompt_dataset", str(_sums(tmp_path / "data", 2)), "--data.input_key", "prompt"),
         *("--data.apply_chat_template", "--data.max_len", "128", "--rollout.batch_size", "2"),
         *("--rollout.n_samples_per_prompt", "1", "--rollout.max_new_tokens", "8", "--train.batch_size", "2"),
         *("--train.micro_batch_size", "2", "--vllm.num_engines", "1", "--vllm.enforce_eager"),
@@ -232,14 +221,16 @@ def test_molts_distillation_runs_without_an_agent_path(tiny_qwen3, tmp_path):
     ]
     _train_rl(run, flags, command=("molt.cli.train_rl_ray",))  # started as Molt's launch scripts start it
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2] and all(s["reward_mean"] == 0.0 for s in steps)
+    assert [s["step"] for s in steps] == [1] and steps[0]["reward_mean"] == 0.0
 
 
-def test_eval_only_scores_the_eval_set_once_and_trains_nothing(tiny_qwen3, tmp_path):
-    """Molt's `--eval.eval_only --eval.dataset`: one evaluation of the model, no training, no prompt dataset."""
+def test_eval_only_scores_the_eval_set_once_and_trains_nothing(molt_flags_run, tmp_path):
+    """Molt's `--eval.eval_only --eval.dataset`: one evaluation of the model, no training, no prompt dataset. The
+    model is the final policy the first test's run left in its --ckpt.output_dir, as a user evaluates a trained
+    one: this stack's rollout pod loads that directory and serves the eval episodes."""
     run = tmp_path / "run"
     flags = [
-        *("--actor.model_name_or_path", str(tiny_qwen3), "--train.agent_path", str(MATH)),
+        *("--actor.model_name_or_path", str(molt_flags_run / "hf"), "--train.agent_path", str(MATH)),
         *("--data.input_key", "prompt", "--data.label_key", "reward_model", "--data.apply_chat_template"),
         *("--rollout.max_new_tokens", "8", "--vllm.num_engines", "1", "--vllm.enforce_eager"),
         *("--eval.eval_only", "--eval.dataset", str(_sums(tmp_path / "eval", 4)), "--eval.n_samples_per_prompt", "2"),
@@ -248,6 +239,8 @@ def test_eval_only_scores_the_eval_set_once_and_trains_nothing(tiny_qwen3, tmp_p
     _train_rl(run, flags, timeout=600)
     (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert ev["step"] == 0 and ev["eval_num_samples"] + ev["eval_failed"] == 4 * 2
+    # the pod served the trained policy: episodes came back with tokens it generated
+    assert ev["eval_num_samples"] > 0 and ev["eval_response_length_mean"] > 0, ev
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 0 and summary["trajectories_trained"] == 0 and summary["last_eval"] == ev
     assert not (run / "ckpt").exists() and not (run / "hf").exists()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.trainer_testlib import ROOT, env
 
 LETTERS = ["a", "b", "c", "d", "e", "f", "g", "h"]
@@ -72,6 +74,26 @@ def run_sft(flags: list[str], nproc: int = 1, molt_cli: bool = False, timeout: f
     if check and proc.returncode != 0:
         raise AssertionError(f"sft exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def sft_start_up(flags: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """(exit status, stderr) of the SFT CLI's ``main(flags)`` run in this process, for flags that its start-up
+    checks settle (a refusal, or ``--dry-run``): they exit before anything loads, so a process would only add
+    its imports. Flags that get past them fail the test rather than start a run here."""
+    from services.trainer import sft
+
+    monkeypatch.setattr(sft, "init_distributed", lambda: pytest.fail("got past the start-up checks"))
+    with pytest.raises(SystemExit) as exc:
+        sft.main(flags)
+    return exc.value.code or 0, capsys.readouterr().err
+
+
+def one_error_line(code: int, err: str, text: str) -> None:
+    """A flag error as the CLI reports it: status 2, one ``error:`` line holding ``text``, no traceback."""
+    assert code == 2, err[-3000:]
+    errors = [x for x in err.splitlines() if ": error: " in x]
+    assert len(errors) == 1 and text in errors[0], err[-3000:]
+    assert "Traceback" not in err
 
 
 def lines(path: Path) -> list[dict]:

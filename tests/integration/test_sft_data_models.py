@@ -20,8 +20,9 @@ CHAT = [
 ]
 
 
-@pytest.fixture(params=["tiny_qwen3", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny_qwen3", "smollm2"])
 def tokenizer(request):
+    """Loaded once per model for the module: the tests only read it, and SmolLM2's is slow to load."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
