@@ -212,13 +212,14 @@ def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, over
         if either is not None:
             overrides["structured_outputs"] = either
             return overrides
+    if structured is not None and choice.mode in ("auto", "none"):
+        # The reply is the JSON, which holds no call: that is tool choice none, and auto where the template's
+        # calls cannot be constrained.
+        return overrides
     spec = constraint(model, messages, tools, choice)
     if spec is not None:
-        if overrides.get("structured_outputs") is not None:
-            raise bad_request(
-                "a structured response format cannot be combined with a tool choice that constrains the reply "
-                "(required, a named tool or none): the reply is either the JSON or a tool call",
-                "tool_choice",
-            )
+        # Required or a named tool beside a response format (an openai-agents Agent with an output type and
+        # tool_choice "required" sends both): this reply is a call, and the format shapes a later turn's text
+        # reply, as OpenAI and Anthropic take the pair. So the call's constraint replaces the format here.
         overrides["structured_outputs"] = spec
     return overrides

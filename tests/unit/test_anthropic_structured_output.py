@@ -110,6 +110,25 @@ async def test_with_tools_under_auto_the_reply_is_the_json_or_calls_as_on_the_op
     assert anthropic_prompt == openai_prompt
 
 
+async def test_a_forced_tool_beside_a_format_constrains_this_reply_to_the_call(gw):
+    """As Anthropic takes the pair: a forced tool's reply is the call, so the pod gets the call's constraint; the
+    format is for a later turn's text reply."""
+    pod, _, an = gw
+    tools = [{"name": "get_weather", "input_schema": CITY}]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        await an.messages.create(
+            model="policy",
+            max_tokens=64,
+            messages=HI,
+            tools=tools,
+            tool_choice=choice,
+            output_config={"format": FORMAT},
+        )
+        call = pod.calls[-1][1]["structured_outputs"]["structural_tag"]["format"]
+        assert call["type"] == "tag" and "get_weather" in call["begin"], call
+        assert call["content"] == {"type": "json_schema", "json_schema": CITY}
+
+
 async def _error(http, body: dict, path: str = "/v1/messages") -> str:
     r = await http.post(path, json={"model": "policy", "max_tokens": 64, "messages": HI, **body})
     assert r.status_code == 400, r.text
@@ -130,14 +149,6 @@ async def _error(http, body: dict, path: str = "/v1/messages") -> str:
         ({"output_config": {"verbosity": "low"}}, "'output_config.verbosity'"),
         ({"output_config": {"effort": "extreme"}}, "'output_config.effort' must be one of"),
         ({"output_config": {"effort": "low"}}, "reads no reasoning_effort"),
-        (
-            {
-                "output_config": {"format": FORMAT},
-                "tools": [{"name": "get_weather", "input_schema": CITY}],
-                "tool_choice": {"type": "any"},
-            },
-            "cannot be combined",
-        ),
         (
             {"output_config": {"format": FORMAT}, "messages": [*HI, {"role": "assistant", "content": "{"}]},
             "a structured 'output_config.format' cannot continue",

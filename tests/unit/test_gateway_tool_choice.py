@@ -70,6 +70,19 @@ def test_the_wires_map_onto_one_choice():
     assert tc.from_anthropic({"type": "none"}) == tc.ToolChoice("none")
 
 
+def test_a_response_format_beside_a_choice_that_forces_or_forbids_calls(model):
+    """Required or a named tool: this reply is a call, so the call's constraint replaces the format (a later
+    turn's text reply takes it); none: the JSON holds no call, so the format alone."""
+    fmt = {"json": {"type": "object"}}
+
+    def pod_gets(choice: tc.ToolChoice) -> dict:
+        return tc.apply(model, ASK, FNS, {"structured_outputs": dict(fmt), "tool_choice": choice})
+
+    for choice in (tc.ToolChoice("required"), tc.ToolChoice("named", "get_time")):
+        assert pod_gets(choice) == {"structured_outputs": tc.constraint(model, ASK, FNS, choice)}
+    assert pod_gets(tc.ToolChoice("none")) == {"structured_outputs": fmt}
+
+
 @pytest.mark.parametrize(
     "call, needle",
     [
@@ -78,12 +91,6 @@ def test_the_wires_map_onto_one_choice():
         (lambda m: tc.from_anthropic({"type": "tool"}), "'tool_choice' must be"),
         (lambda m: tc.constraint(m, ASK, None, tc.ToolChoice("required")), "needs 'tools'"),
         (lambda m: tc.constraint(m, ASK, FNS, tc.ToolChoice("named", "nope")), "not one of 'tools'"),
-        (
-            lambda m: tc.apply(
-                m, ASK, FNS, {"structured_outputs": {"json_object": True}, "tool_choice": tc.ToolChoice("required")}
-            ),
-            "cannot be combined",
-        ),
     ],
 )
 def test_choices_that_cannot_be_honoured_are_400s(model, call, needle):
