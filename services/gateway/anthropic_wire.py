@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway import sampling, surface, tool_choice
@@ -241,6 +241,7 @@ def parse_messages(body: dict) -> MessagesRequest:
     if max_tokens is None:
         raise bad_request("'max_tokens' is required", "max_tokens")
     tools = body.get("tools")
+    strict: set[str] = set()
     if tools is not None:
         if not isinstance(tools, list):
             raise bad_request("'tools' must be a list", "tools")
@@ -248,6 +249,8 @@ def parse_messages(body: dict) -> MessagesRequest:
         for j, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
                 raise bad_request(f"tools[{j}]: expected a custom tool {{name, description, input_schema}}", "tools")
+            if t.get("strict") is True:
+                strict.add(t["name"])
             conv.append(
                 {
                     "type": "function",
@@ -267,7 +270,7 @@ def parse_messages(body: dict) -> MessagesRequest:
         "top_p": sampling.number(body, "top_p"),
         "top_k": sampling.number(body, "top_k"),
         "stop": sampling.stop(body, "stop_sequences"),
-        "tool_choice": tool_choice.from_anthropic(body.get("tool_choice")),
+        "tool_choice": replace(tool_choice.from_anthropic(body.get("tool_choice")), strict=frozenset(strict)),
         "thinking": body.get("thinking"),
     }
     # tool_choice.apply combines the format with the tools as on the OpenAI wire (JSON or calls under "auto")

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway import openai_wire as oa
@@ -178,9 +178,11 @@ def parse_responses(body: dict) -> ResponsesRequest:
             [("instructions", "instructions"), *wheres],
         )
     tools = body.get("tools")
+    strict: frozenset[str] = frozenset()
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
             raise bad_request("'tools' must be a list of function tools {type: 'function', name, parameters}", "tools")
+        strict = frozenset(t["name"] for t in tools if t.get("strict") is True and isinstance(t.get("name"), str))
         tools = canonical_tools(
             [
                 {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
@@ -203,7 +205,7 @@ def parse_responses(body: dict) -> ResponsesRequest:
         "temperature": sampling.number(body, "temperature"),
         "top_p": sampling.number(body, "top_p"),
         "structured_outputs": oa.response_format(fmt, "text.format"),
-        "tool_choice": tool_choice.from_openai(choice, body.get("parallel_tool_calls")),
+        "tool_choice": replace(tool_choice.from_openai(choice, body.get("parallel_tool_calls")), strict=strict),
         "reasoning_effort": reasoning.get("effort"),  # reasoning_model resolves it against the template
     }
     echo = {

@@ -10,6 +10,10 @@ structured-output constraint (an xgrammar structural tag, which vLLM applies whi
 - *auto* without parallel calls: free text, at most one call, then the end of the turn.
 - *none*: the tools stay in the prompt (the template shows them, as the spec says), and the reply cannot
   contain the call opener, so no call is parsed out of it.
+- *auto* with parallel calls where a tool is ``strict`` (OpenAI's ``function.strict``, Anthropic's ``strict``):
+  text and calls as the model likes, a strict tool's arguments matching its schema, others' any JSON object, as
+  vLLM applies ``strict``. Where the template's calls cannot be constrained, nothing is (as vLLM, for a tool
+  parser without a structural tag).
 
 The call format is the template's own: it renders an assistant message holding one call with a sentinel name
 and sentinel arguments, and the text around the sentinels is the format. The tokens sampled under the
@@ -28,6 +32,7 @@ from services.gateway.errors import GatewayError
 _NAME = "molt_sentinel_tool"
 _ARGS = '{"molt_sentinel_arg": 0}'
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what renders the same with or without JSON quoting
+_ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class ToolChoice:
     """auto | none | required | named."""
     name: str | None = None
     parallel: bool = True
+    strict: frozenset[str] = frozenset()
+    """Tools marked strict where the wire keeps the mark outside the tool (Anthropic's); OpenAI's
+    ``function.strict`` is read off the tools themselves."""
 
     def constrains(self, tools: list[dict] | None) -> bool:
         """Whether this choice becomes a constraint on what the pod samples (``constraint``)."""
@@ -139,8 +147,9 @@ def constraint(model: ChatModel, messages: list[dict], tools: list[dict] | None,
     return {"structural_tag": {"type": "structural_tag", "format": fmt_tag}}
 
 
-def _call_tags(fmt: CallFormat, fns: list[dict]) -> list[dict]:
-    """One structural tag per function: its call in the template's format, arguments matching its schema."""
+def _call_tags(fmt: CallFormat, fns: list[dict], loose: frozenset[str] = frozenset()) -> list[dict]:
+    """One structural tag per function: its call in the template's format, arguments matching its schema (any
+    JSON object for the tools named in ``loose``)."""
     tags = []
     for f in fns:
         if not _TOOL_NAME.match(f["name"]):
@@ -156,7 +165,7 @@ def _call_tags(fmt: CallFormat, fns: list[dict]) -> list[dict]:
             {
                 "type": "tag",
                 "begin": fmt.begin + f["name"] + fmt.middle,
-                "content": {"type": "json_schema", "json_schema": schema},
+                "content": {"type": "json_schema", "json_schema": _ANY_OBJECT if f["name"] in loose else schema},
                 "end": fmt.end,
             }
         )
@@ -201,6 +210,23 @@ def json_or_calls(
     return {"structural_tag": {"type": "structural_tag", "format": {"type": "or", "elements": [json_reply, calls]}}}
 
 
+def strict_calls(
+    model: ChatModel, messages: list[dict], tools: list[dict], strict: set[str] | frozenset[str]
+) -> dict | None:
+    """Tool choice *auto* with parallel calls and some tools strict: free text and any calls, each in the
+    template's format, a strict tool's arguments matching its schema and the others' any JSON object (vLLM's
+    reading of ``strict``: openai-agents marks every function tool strict). None where the template's calls
+    cannot be constrained."""
+    fns = [t["function"] for t in tools]
+    try:
+        fmt = call_format(model, messages, tools)
+        tags = _call_tags(fmt, fns, loose=frozenset(f["name"] for f in fns) - strict)
+    except GatewayError:
+        return None
+    calls = {"type": "triggered_tags", "triggers": [fmt.opener], "tags": tags}
+    return {"structural_tag": {"type": "structural_tag", "format": calls}}
+
+
 def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict) -> dict:
     """``overrides`` with its ``tool_choice`` (a ToolChoice, from the wire) turned into the pod's constraint."""
     choice = overrides.pop("tool_choice", None)
@@ -211,6 +237,13 @@ def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, over
         either = json_or_calls(model, messages, tools, structured, choice.parallel)
         if either is not None:
             overrides["structured_outputs"] = either
+            return overrides
+    if structured is None and choice.mode == "auto" and choice.parallel and tools:
+        strict = choice.strict | {t["function"]["name"] for t in tools if t["function"].get("strict") is True}
+        if strict:
+            spec = strict_calls(model, messages, tools, strict)
+            if spec is not None:
+                overrides["structured_outputs"] = spec
             return overrides
     if structured is not None and choice.mode in ("auto", "none"):
         # The reply is the JSON, which holds no call: that is tool choice none, and auto where the template's

@@ -182,6 +182,26 @@ def test_no_parallel_tool_calls_yields_at_most_one_call(stack):
     assert len(r.choices[0].message.tool_calls or []) == 1
 
 
+def test_a_strict_tools_calls_match_its_schema_under_auto(stack):
+    """Tool choice auto with parallel calls: a tool marked strict (openai-agents marks every function tool so)
+    gets its arguments constrained to its schema, as vLLM applies strict; the pod compiles the constraint."""
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    opener = stack["model"].encode("<tool_call>")
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    r = client.chat.completions.create(
+        model="policy",
+        messages=ASK,
+        tools=strict,
+        max_tokens=MAX_TOKENS,
+        seed=7,
+        logit_bias={**_whitespace_bias(stack["model"]), **{str(t): 30 for t in opener}},  # open a call at once
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0].message
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+
+
 def test_top_logprobs_returns_that_many_alternatives_per_token(stack):
     client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
     r = client.chat.completions.create(

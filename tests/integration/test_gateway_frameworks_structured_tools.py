@@ -15,7 +15,6 @@ import pytest
 
 from services.gateway import tool_choice as tc
 from services.gateway.chat import ChatModel
-from services.gateway.errors import GatewayError
 from tests.gateway_testlib import pod_and_gateway, queued_gateway
 
 pytestmark = [pytest.mark.vllm]
@@ -125,5 +124,6 @@ def test_the_pod_gets_the_json_or_the_templates_calls(tiny_qwen3):
         "type": "or",
         "elements": [{"type": "json_schema", "json_schema": {"type": "object"}}, call],
     }
-    with pytest.raises(GatewayError, match="cannot be combined"):  # a forced call and a JSON reply: one or the other
-        tc.apply(model, ask, TOOLS, {"structured_outputs": {"json": ANSWER}, "tool_choice": tc.ToolChoice("required")})
+    # a forced call beside a JSON format: this reply is the call (the format is for a later text reply)
+    forced = {"structured_outputs": {"json": ANSWER}, "tool_choice": tc.ToolChoice("required")}
+    assert tc.apply(model, ask, TOOLS, forced)["structured_outputs"]["structural_tag"]["format"] == call

@@ -110,6 +110,24 @@ async def test_with_tools_under_auto_the_reply_is_the_json_or_calls_as_on_the_op
     assert anthropic_prompt == openai_prompt
 
 
+async def test_a_strict_tool_is_held_to_its_schema_under_auto(gw):
+    """Anthropic's strict tool use: the tool's arguments match its schema when it is called (the mark stays out
+    of the rendered tool, as the template never sees it)."""
+    pod, _, an = gw
+    await an.messages.create(
+        model="policy",
+        max_tokens=64,
+        messages=HI,
+        tools=[{"name": "get_weather", "input_schema": CITY, "strict": True}],
+    )
+    calls = pod.calls[-1][1]["structured_outputs"]["structural_tag"]["format"]
+    assert calls["type"] == "triggered_tags" and calls["tags"][0]["content"]["json_schema"] == CITY
+    await an.messages.create(
+        model="policy", max_tokens=64, messages=HI, tools=[{"name": "get_weather", "input_schema": CITY}]
+    )
+    assert "structured_outputs" not in pod.calls[-1][1]
+
+
 async def test_a_forced_tool_beside_a_format_constrains_this_reply_to_the_call(gw):
     """As Anthropic takes the pair: a forced tool's reply is the call, so the pod gets the call's constraint; the
     format is for a later turn's text reply."""

@@ -62,6 +62,10 @@ async def test_openai_agents_default_model_runs_a_tool_loop_into_one_exact_segme
     calls = [c for p in pods.pods.values() for c in p.calls]
     ids = seg.token_ids.tolist()
     assert ids == calls[-1][0] + model.encode(generated[-1])
+    # function_tool marks its tool strict: each turn's call arguments are held to the tool's schema
+    for _, sp in calls:
+        [tag] = sp["structured_outputs"]["structural_tag"]["format"]["tags"]
+        assert tag["content"]["json_schema"]["properties"] == {"city": {"title": "City", "type": "string"}}
     (s1, e1), (s2, _) = seg.action_spans.tolist()
     assert ids[s1:e1] == model.encode(CALL)
     delta = model.decode(ids[e1:s2], skip_special=False)

@@ -70,6 +70,31 @@ def test_the_wires_map_onto_one_choice():
     assert tc.from_anthropic({"type": "none"}) == tc.ToolChoice("none")
 
 
+def test_strict_tools_constrain_their_arguments_under_auto_as_vllm_does(model):
+    """A strict tool's arguments match its schema, the others' are any JSON object, text and calls come as the
+    model likes; without a strict tool, auto with parallel calls constrains nothing. Anthropic's and Responses'
+    marks arrive as ToolChoice.strict (their tools render without them)."""
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fns = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather, "strict": True}},
+        FNS[1],
+    ]
+    expected = {
+        "type": "triggered_tags",
+        "triggers": ["<tool_call>"],
+        "tags": [_tag("get_weather", weather), _tag("get_time", {"type": "object"})],
+    }
+    out = tc.apply(model, ASK, fns, {"tool_choice": tc.ToolChoice("auto")})
+    assert out["structured_outputs"]["structural_tag"]["format"] == expected
+    plain = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, FNS[1]]
+    assert tc.apply(model, ASK, plain, {"tool_choice": tc.ToolChoice("auto")}) == {}
+    marked = tc.apply(model, ASK, plain, {"tool_choice": tc.ToolChoice("auto", strict=frozenset({"get_weather"}))})
+    assert marked["structured_outputs"]["structural_tag"]["format"] == expected
+    # without parallel calls, every tool's arguments were constrained already (at most one call)
+    one = tc.apply(model, ASK, fns, {"tool_choice": tc.ToolChoice("auto", parallel=False)})
+    assert one["structured_outputs"] == tc.constraint(model, ASK, fns, tc.ToolChoice("auto", parallel=False))
+
+
 def test_a_response_format_beside_a_choice_that_forces_or_forbids_calls(model):
     """Required or a named tool: this reply is a call, so the call's constraint replaces the format (a later
     turn's text reply takes it); none: the JSON holds no call, so the format alone."""
