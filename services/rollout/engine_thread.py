@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +83,18 @@ def _resolve_groups(groups: list[_Group]) -> None:
 def _deliver_progress(progress: list[tuple[Callable, list[int], list[float]]]) -> None:
     for on_tokens, ids, logprobs in progress:
         on_tokens(ids, logprobs)
+
+
+def engine_env(mp: bool, kv_size_set: bool, on_cpu: bool, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The variables set (None: unset) while vLLM builds the engine; it reads and caches its env then."""
+    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0"}
+    if kv_size_set:  # an explicit KV size must win over the legacy VLLM_CPU_KVCACHE_SPACE (vLLM lets the env win)
+        env["VLLM_CPU_KVCACHE_SPACE"] = None
+    if on_cpu and "VLLM_USE_AOT_COMPILE" not in environ:
+        # vLLM's AOT-compiled model does not load back on CPU, so every pod start compiled it again; its older
+        # compile cache does load, and a restarted pod starts in seconds.
+        env["VLLM_USE_AOT_COMPILE"] = "0"
+    return env
 
 
 @contextmanager
@@ -338,14 +350,7 @@ class EngineThread:
                 why,
             )
         engine_args = EngineArgs(**{key: v for key, v in args.items() if v is not None})
-        # An explicit KV size must win over the legacy VLLM_CPU_KVCACHE_SPACE (vLLM lets the env win).
-        env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0"}
-        if args["kv_cache_memory_bytes"] is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = None
-        if on_cpu and "VLLM_USE_AOT_COMPILE" not in os.environ:
-            # vLLM's AOT-compiled model fails to load back on CPU (no finalize_loading), so each pod start compiled
-            # it anew; its older compile cache does load. vLLM reads (and caches) its env during construction.
-            env["VLLM_USE_AOT_COMPILE"] = "0"
+        env = engine_env(mp, args["kv_cache_memory_bytes"] is not None, on_cpu, os.environ)
         before = set(multiprocessing.active_children())
         with _env(**env), _quiet_checkpoint_casts():
             vllm_config = engine_args.create_engine_config()

@@ -146,3 +146,17 @@ def test_a_pod_that_never_loaded_weights_takes_version_0_once(tiny_qwen3):
     with pytest.raises(ValueError, match="already serves version 0"):
         engine._check_version(0)
     engine._check_version(0, replace=True)  # a forced push: a new trainer's version 0
+
+
+def test_the_engine_is_built_with_vllms_older_compile_cache_on_cpu():
+    """vLLM's AOT-compiled model does not load back on CPU: without this every compiled pod start compiles again.
+    A user's own VLLM_USE_AOT_COMPILE wins, and a GPU keeps vLLM's default."""
+    from services.rollout.engine_thread import engine_env
+
+    assert engine_env(False, True, True, {}) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": None,
+        "VLLM_USE_AOT_COMPILE": "0",
+    }
+    assert "VLLM_USE_AOT_COMPILE" not in engine_env(True, False, True, {"VLLM_USE_AOT_COMPILE": "1"})
+    assert engine_env(True, False, False, {}) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
