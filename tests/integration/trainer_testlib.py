@@ -136,3 +136,32 @@ def run_trainer(flags: list[str], nproc: int = 1, timeout: float = 120, extra_en
 
 def audit(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_cli_in_sequence(argvs_json: str) -> None:
+    """One rank of a torchrun launch: ``services.trainer``'s main on each argv in turn, so several runs pay the
+    launch's start-up once. The process group is kept until the last run: torchrun's store serves one group."""
+    import torch.distributed as dist
+
+    from services.trainer.__main__ import main
+
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        for argv in json.loads(argvs_json):
+            main(argv)
+    finally:
+        dist.destroy_process_group = destroy
+    destroy()
+
+
+def run_trainer_cli_in_sequence(argvs: list[list[str]], nproc: int, timeout: float = 300):
+    """``run_cli_in_sequence`` on ``nproc`` torchrun ranks; the finished process, or AssertionError with its stderr."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    code = "import sys; from tests.integration.trainer_testlib import run_cli_in_sequence as r; r(sys.argv[1])"
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable, "-c", code]
+    cmd.append(json.dumps(argvs))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc

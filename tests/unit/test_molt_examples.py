@@ -56,12 +56,19 @@ def _episode_here(name: str, url: str, episode: dict, env: dict[str, str]) -> tu
     return out.trajectory_id, out.reward, out.turns, f"molt_agent_molt_ex_{name}" in sys.modules
 
 
-async def _episode_in_fresh_process(name: str, url: str, **episode) -> tuple[str, float, int, bool]:
+@pytest.fixture(scope="module")
+def spawned():
+    """One spawned process for the module's episodes: it is fresh from this worker's torch state either way,
+    and sharing it pays the interpreter start and the agents' imports (vLLM's tool parser) once."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+async def _episode_in_spawned_process(pool, name: str, url: str, **episode) -> tuple[str, float, int, bool]:
     import os
 
     env = {k: v for k, v in os.environ.items() if k == "MODEL_PATH"}
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return await asyncio.get_running_loop().run_in_executor(pool, _episode_here, name, url, episode, env)
+    return await asyncio.get_running_loop().run_in_executor(pool, _episode_here, name, url, episode, env)
 
 
 @pytest.fixture
@@ -87,11 +94,17 @@ async def test_math_env_grades_a_boxed_answer_and_reduces_tensor_info():
     assert fake.sessions[out.trajectory_id].finish["info"] == {"math_exact": 1.0, "missing_answer": 0.0}
 
 
-async def test_geo3k_env_runs_its_python_tool_and_feeds_the_output_back(model_path, served_fake):
+async def test_geo3k_env_runs_its_python_tool_and_feeds_the_output_back(model_path, served_fake, spawned):
     turns = {1: TOOL_CALL, 2: "<answer>42</answer>"}
     fake = FakeGateway(policy=lambda prompt, turn: turns[turn])
-    tid, reward, n_turns, _ = await _episode_in_fresh_process(
-        "geo3k", served_fake(fake), prompt="6*7?", group_id="g", label={"ground_truth": "42"}, max_new_tokens=256
+    tid, reward, n_turns, _ = await _episode_in_spawned_process(
+        spawned,
+        "geo3k",
+        served_fake(fake),
+        prompt="6*7?",
+        group_id="g",
+        label={"ground_truth": "42"},
+        max_new_tokens=256,
     )
     s = fake.sessions[tid]
     assert n_turns == 2 and reward == 1.0  # turn 1: tool call, reward 0; turn 2: correct answer
@@ -100,13 +113,13 @@ async def test_geo3k_env_runs_its_python_tool_and_feeds_the_output_back(model_pa
     assert s.finish["info"] == {"geo3k_tool_call_total": 1.0, "geo3k_correct": 1.0, "turn_index": 2.0}
 
 
-async def test_chat_agents_use_sampling_params_by_attribute_and_the_tool(model_path, served_fake):
+async def test_chat_agents_use_sampling_params_by_attribute_and_the_tool(model_path, served_fake, spawned):
     turns = {1: TOOL_CALL, 2: "\\boxed{42}"}
     fake = FakeGateway(policy=lambda prompt, turn: turns[turn])
     url = served_fake(fake)
     sp = {"temperature": 0.9, "max_tokens": 200}
-    tid, reward, _, _ = await _episode_in_fresh_process(
-        "chat_geo3k", url, prompt="6*7?", group_id="g", label={"ground_truth": "42"}, sampling_params=sp
+    tid, reward, _, _ = await _episode_in_spawned_process(
+        spawned, "chat_geo3k", url, prompt="6*7?", group_id="g", label={"ground_truth": "42"}, sampling_params=sp
     )
     s = fake.sessions[tid]
     assert reward == 1.0 and s.finish["info"] == {
@@ -116,8 +129,8 @@ async def test_chat_agents_use_sampling_params_by_attribute_and_the_tool(model_p
     }
     assert "<|user|><tool_response>\n42\n" in s.text()
     fake.policy = lambda prompt, turn: "\\boxed{7}"
-    tid, reward, _, registered = await _episode_in_fresh_process(
-        "chat_minimal", url, prompt="3+4?", group_id="g", label="7", sampling_params=sp
+    tid, reward, _, registered = await _episode_in_spawned_process(
+        spawned, "chat_minimal", url, prompt="3+4?", group_id="g", label="7", sampling_params=sp
     )
     assert reward == 1.0 and fake.sessions[tid].finish["info"] == {"math_exact": 1.0}
     assert registered
