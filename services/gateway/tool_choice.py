@@ -210,9 +210,7 @@ def json_or_calls(
     return {"structural_tag": {"type": "structural_tag", "format": {"type": "or", "elements": [json_reply, calls]}}}
 
 
-def strict_calls(
-    model: ChatModel, messages: list[dict], tools: list[dict], strict: set[str] | frozenset[str]
-) -> dict | None:
+def strict_calls(model: ChatModel, messages: list[dict], tools: list[dict], strict: frozenset[str]) -> dict | None:
     """Tool choice *auto* with parallel calls and some tools strict: free text and any calls, each in the
     template's format, a strict tool's arguments matching its schema and the others' any JSON object (vLLM's
     reading of ``strict``: openai-agents marks every function tool strict). None where the template's calls
