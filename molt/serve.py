@@ -398,7 +398,7 @@ def wait_ready(url: str, timeout_s: float, alive: Callable[[], bool] | None = No
     deadline = time.monotonic() + timeout_s
     ready_url = url.rstrip("/") + "/readyz"
     # One client for all tries: httpx.get would build one per try, each loading the CA bundle into a new TLS
-    # context (tens of ms of CPU, ten times a second); no kept-alive connection, so each try connects afresh.
+    # context ten times a second; no kept-alive connection, so each try connects afresh.
     with httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         while True:
             if alive is not None and not alive():

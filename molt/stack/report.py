@@ -21,7 +21,7 @@ from molt import strict_json
 @functools.cache
 def _scraper() -> httpx.Client:
     """One client for every scrape: `molt up` scrapes the gateway each second while the trainer runs, and an
-    httpx.get builds a client per call, loading the CA bundle into a new TLS context (tens of ms of CPU). No
+    httpx.get builds a client per call, loading the CA bundle into a new TLS context. No
     kept-alive connections: a service restarted on its port is reached afresh."""
     return httpx.Client(timeout=3, limits=httpx.Limits(max_keepalive_connections=0))
 
