@@ -60,10 +60,11 @@ CHAT: dict[str, str] = {
     **dict.fromkeys(
         ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"), INFORMATIONAL
     ),
+    # OpenAI's default, which some clients send explicitly; audio output is refused with it.
+    "modalities": HONOURED + " for ['text'] only",
     **dict.fromkeys(
         (
             "audio",
-            "modalities",
             "prediction",
             "web_search_options",
             "functions",
@@ -102,6 +103,8 @@ def _partly(wire: str, key: str, value: Any) -> bool:
     """Whether ``value`` is one the gateway honours for a parameter it honours in part (None: absent)."""
     if value is None:
         return True
+    if (wire, key) == ("chat", "modalities"):
+        return value == ["text"]
     assert (wire, key) == ("completions", "best_of"), f"{wire}.{key} is not honoured in part"
     return value == 1 and not isinstance(value, bool)
 

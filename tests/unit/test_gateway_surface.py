@@ -67,7 +67,7 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "add_generation_prompt": (False, "yes"),  # session-less: rendered without it, as vLLM does
         "continue_final_message": (False, True),  # the base request's final message is the user's
         "audio": (None, {"voice": "x", "format": "wav"}),
-        "modalities": (None, ["text"]),
+        "modalities": (["text"], ["text", "audio"]),
         "prediction": (None, {"type": "content", "content": "x"}),
         "web_search_options": (None, {}),
         "functions": (None, [FN["function"]]),
