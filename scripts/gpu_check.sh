@@ -5,7 +5,7 @@
 #
 # Needs a python with CUDA torch (+ vllm for steps 3-4; + transformers); nothing is downloaded.
 # PYTHON=... picks the interpreter (default: .venv/bin/python if present, else python3). Each step
-# prints PASS/FAIL/SKIP and the script goes on; the last lines summarise. About 3-6 minutes.
+# prints PASS/FAIL/SKIP and the script goes on; the last lines summarise. About 4-8 minutes.
 #   0. the install is requirements/gpu.lock: every pinned version installed, and vllm, torch,
 #      nemo_automodel and quack (both its users) import together on CUDA
 #   1. environment: GPUs, torch/CUDA/NCCL, vllm versions
@@ -18,6 +18,7 @@
 #   5. SFT through NeMo AutoModel on one GPU, full, LoRA (NeMo's own adapters), Muon (FSDP2's DTensor
 #      shards) and bf16 master weights: 2 steps each, the exports differ from the base (LoRA: only the
 #      *_proj weights, the adapters folded in)
+#   6. `molt up --recipe tiny` for 2 steps: each pod and the trainer pinned to their GPUs
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp}
@@ -146,4 +147,9 @@ for tag, extra in variants:
     assert changed and (tag == "full" or all(n.endswith("_proj.weight") for n in changed)), tag
 EOF
 step "5 SFT through NeMo AutoModel: full, LoRA, Muon, bf16 master weights" 600 "$PY" /tmp/molt-gpu/sft.py
+# The local stack on the GPUs: pods first, the trainer on the rest (or sharing the one GPU), 2 steps.
+step "6 molt up --recipe tiny on the GPUs (placement printed, 2 steps trained)" 480 bash -c '
+  rm -rf /tmp/molt-gpu/up && "$0" -m molt.cli up --recipe tiny --steps 2 --no-progress --run-dir /tmp/molt-gpu/up \
+    --set rollout vllm.enforce_eager=true | tee /tmp/molt-gpu/up.out
+  grep "GPUs (CUDA_VISIBLE_DEVICES)" /tmp/molt-gpu/up.out && test -f /tmp/molt-gpu/up/summary.json' "$PY"
 echo "=== summary"; printf '%s\n' "${RESULTS[@]}"

@@ -164,6 +164,7 @@ Flags that need hardware this machine lacks are refused with the reason; see doc
 
 def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     from molt.stack import train_rl as tr
+    from molt.stack.gpus import gpu_count
     from molt.stack.up import check_trainer_flags
 
     own: dict[str, str | bool] = {}
@@ -198,7 +199,7 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
 
         check_run_dir(Path(str(own["--run-dir"])))
     target: Literal["local", "helm"] = "helm" if "--emit" in own else "local"
-    gpus = _gpu_count() if target == "local" else 0
+    gpus = gpu_count() if target == "local" else 0
     try:
         routed = tr.route(rest, target, gpus=gpus)
         if target == "local" and not gpus:
@@ -208,11 +209,12 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
                 print(f"[molt train-rl] {note}")
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
             return 0
+        placement = tr.place_gpus(routed, gpus)
         for note in routed.notes:
             print(f"[molt train-rl] {note}")
         if own.get("--dry-run"):  # a real run checks the trainer's flags in run_plan, before anything starts
             check_trainer_flags(routed.trainer, str(routed.model), "agent")
-            print(tr.describe(routed))
+            print(tr.describe(routed, placement))
             return 0
         run_dir = Path(str(own["--run-dir"])) if own.get("--run-dir") else None
         plan = tr.local_plan(routed, run_dir, str(own.get("--redis-url") or "") or None, not own.get("--no-progress"))
@@ -256,12 +258,3 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0

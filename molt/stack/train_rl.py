@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from molt.stack.gpus import FLAGS, GpuPlacement, place, visible_gpus
+
 Target = Literal["local", "helm"]
 
 # Rollout-pod engine flags with the same name and meaning on services.rollout.
@@ -78,6 +80,8 @@ NEUTRAL = {
     "data.disable_fast_tokenizer": "false",
 }
 
+# The trainer's nodes and GPUs: its ranks on a local GPU machine (molt.stack.gpus), Helm's trainer placement.
+TRAINER_PLACEMENT = {"actor.num_nodes", "actor.num_gpus_per_node"}
 WIRING = {"actor.model_name_or_path", "train.agent_path", "vllm.num_engines", "rollout.num_runners"}
 GPU_ATTENTION = {"flash_attention_2", "flash_attention_3", "te", "tilelang"}
 
@@ -88,6 +92,8 @@ class Routed:
     agent_path: str | None = None
     num_pods: int = 1
     num_envs: int = 1
+    trainer_gpus: int | None = None
+    """--actor.num_gpus_per_node on a local GPU machine: the trainer's ranks (None: the GPUs the pods leave)."""
     trainer: list[str] = field(default_factory=list)
     rollout: list[str] = field(default_factory=list)
     gateway: list[str] = field(default_factory=list)
@@ -167,7 +173,9 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
         return "CPU offload is NeMo AutoModel's, for GPU runs; this machine has none (drop the flag)"
     gpu_count = name in ("actor.num_gpus_per_node", "ref.num_gpus_per_node")
     if gpu_count and target == "local" and _int(name, values) > gpus:
-        return f"asks for {v} GPUs per node; this machine has {gpus} (the local trainer then runs on CPU: drop it)"
+        if gpus == 0:
+            return f"asks for {v} GPUs per node; this machine has none (the local trainer then runs on CPU: drop it)"
+        return f"asks for {v} GPUs per node; this machine has {gpus}: lower it"
     if name in ("actor.num_nodes", "ref.num_nodes") and target == "local" and _int(name, values) > 1:
         return "the local stack runs on one machine; use --emit helm-values for a multi-node run"
     if name in MISSING and not (name in NEUTRAL and v == NEUTRAL[name]):
@@ -203,7 +211,7 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
     known = trainer_flag_names()
     every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING
-    every |= {"actor.num_nodes", "actor.num_gpus_per_node"}
+    every |= TRAINER_PLACEMENT
     r = Routed()
     errors: list[str] = []
     flags = [
@@ -236,6 +244,8 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             r.rollout += ["--" + name, *values]
         elif name in PLACEMENT:
             r.notes.append(f"--{name}: {PLACEMENT[name]}")
+        elif name == "actor.num_gpus_per_node" and target == "local" and gpus > 0:
+            r.trainer_gpus = _int(name, values)
         elif name in ("actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node"):
             r.notes.append(f"--{name}: {'trainer placement (Helm: trainer.nodes / gpusPerNode)'}")
         elif name in MISSING:  # a neutral value of a missing feature
@@ -408,6 +418,7 @@ def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress:
         gateway=r.gateway,
         num_pods=r.num_pods,
         num_envs=r.num_envs,
+        trainer_gpus=r.trainer_gpus,
         env=env,
         run_dir=run_dir,
         redis_url=redis_url,
@@ -415,7 +426,19 @@ def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress:
     )
 
 
-def describe(r: Routed) -> str:
+def place_gpus(r: Routed, gpus: int) -> GpuPlacement | None:
+    """Each local process's GPUs for ``r`` on a machine with ``gpus`` (None without): pods first, then the
+    trainer, as ``molt.stack.gpus`` places them. ValueError when they do not fit, as Molt refuses at start-up."""
+    width = r.raw.get("vllm.tensor_parallel_size", ["1"])[:1] or ["1"]
+    try:
+        return place(
+            visible_gpus(gpus), r.num_pods, _int("vllm.tensor_parallel_size", width), r.trainer_gpus, FLAGS["train-rl"]
+        )
+    except ValueError as exc:
+        raise ValueError(f"molt train-rl:\n  {exc}") from None
+
+
+def describe(r: Routed, gpus: GpuPlacement | None = None) -> str:
     return json.dumps(
         {
             "model": r.model,
@@ -425,7 +448,8 @@ def describe(r: Routed) -> str:
             "trainer": r.trainer,
             "rollout": r.rollout,
             "gateway": r.gateway,
-            "notes": r.notes,
+            "gpus (CUDA_VISIBLE_DEVICES)": gpus.describe() if gpus else None,
+            "notes": r.notes + (gpus.notes if gpus else []),
         },
         indent=2,
     )

@@ -1,10 +1,12 @@
 """`molt up`: the whole stack on one machine, as local processes, until the recipe's steps are done.
 
-Start order: Redis (embedded unless --redis-url), rollout pods, gateway, env workers, trainer; each
-must answer /readyz before the next starts. Logs go to one run folder (printed at start and end),
-with `steps.jsonl` (one line per trainer step), `reward.png` and `summary.json` at the end. Ctrl-C or
-a failed service stops everything in reverse order (SIGTERM, then SIGKILL after a grace period). Ports are
+Start order: Redis (embedded unless --redis-url), then the rollout pods and the trainer together (their model
+loads overlap; the trainer waits for its pods itself), the gateway, the env workers; each must answer /readyz
+before the next starts, and the run begins once the trainer listens. Logs go to one run folder (printed at
+start and end), with `steps.jsonl` (one line per trainer step), `reward.png` and `summary.json` at the end.
+Ctrl-C or a failed service stops everything in reverse order (SIGTERM, then SIGKILL after a grace period). Ports are
 picked free on loopback; a service that loses one to another process before it binds starts again on new ones.
+On a GPU machine each pod and the trainer get their own GPUs (``molt.stack.gpus``).
 
 Each run writes its plan (`plan.json`: model, agents, every service's flags) to the run folder; `molt up --resume
 DIR` starts the same stack again in that folder, its trainer on the newest checkpoint (`--ckpt.load_enable`).
@@ -21,16 +23,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO
 
 from molt import strict_json
+from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
+from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place, trainer_command, visible_gpus
 from molt.stack.procs import ManagedProcess, Supervisor
 from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
-from molt.stack.watch import GatewayCount, revive, start_on_free_ports, stop_on_signals, wait_output
+from molt.stack.watch import GatewayCount, launch, revive, settle, start_on_free_ports, stop_on_signals, wait_output
 
 
 def model_dir(recipe: Recipe, cache: Path) -> Path:
@@ -81,6 +86,9 @@ class StackPlan:
     steps: int | None = None
     """--train.num_steps; None: until the dataset is exhausted."""
     trainer_threads: int = 1
+    trainer_gpus: int | None = None
+    """GPUs of the trainer on a GPU machine, one rank each (Molt's --actor.num_gpus_per_node); None: all those the
+    pods leave (``molt.stack.gpus``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the env workers (e.g. MODEL_PATH, which Molt's example agents read)."""
     run_dir: Path | None = None
@@ -95,7 +103,7 @@ PLAN_FILE = "plan.json"
 # What --resume needs to start the same stack again; run_dir, progress and timeouts belong to each start.
 _PLAN_KEYS = (
     *("name", "model", "agents", "agent", "trainer", "rollout", "gateway", "envs", "num_pods", "num_envs"),
-    *("steps", "trainer_threads", "env", "redis_url", "cwd"),
+    *("steps", "trainer_threads", "trainer_gpus", "env", "redis_url", "cwd"),
 )
 # The trainer is stopped first on Ctrl-C and finishes its step and checkpoint: a tiny model's step takes
 # seconds, a larger one's a minute.
@@ -280,8 +288,8 @@ def make_run_dir(path: Path) -> Path:
 
 
 def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None:
-    """The trainer's own flag checks, before anything starts: it starts last, so a bad flag would otherwise
-    surface only once Redis, the pods, the gateway and the env workers are up. Exits 2 naming the flag. The
+    """The trainer's own flag checks, before anything starts: a bad flag would otherwise surface only once Redis
+    is up and the pods are loading their models. Exits 2 naming the flag. The
     wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win. Its datasets
     are checked too, cheaply (``check_datasets``): a missing path or input key ends the same way."""
     from molt.config import parse_settings
@@ -297,6 +305,19 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
         check_datasets(s)
 
     parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate)
+
+
+def gpu_placement(plan: StackPlan, count: int | None = None) -> GpuPlacement | None:
+    """Each process's GPUs on this machine (None without GPUs); one line naming the flag (status 2) when the plan
+    needs more than there are, before anything starts. ``count``: GPUs seen (default: torch's count)."""
+    width = flag_value(plan.rollout, "--vllm.tensor_parallel_size") or "1"
+    flags = FLAGS["train-rl" if plan.name == "train-rl" else "up"]
+    gpus = visible_gpus(gpu_count() if count is None else count)
+    try:
+        return place(gpus, plan.num_pods, int(width) if width.isdigit() else 1, plan.trainer_gpus, flags)
+    except ValueError as exc:
+        print(f"molt: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def pod_seed_args(rollout: list[str], i: int) -> list[str]:
@@ -370,6 +391,98 @@ def run_stack(opts: UpOptions) -> dict:
     return run_plan(plan)
 
 
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def _pod_urls(ports: list[int]) -> tuple[str, str]:
+    """A pod's HTTP URL and gRPC (weight sync) address, from its two ports."""
+    return _url(ports[0]), f"127.0.0.1:{ports[1]}"
+
+
+@dataclass
+class _Services:
+    """How each of the stack's processes is started (command line, log, environment), from the plan and the
+    addresses known so far; a restart (``revive``) reuses the process's own command."""
+
+    plan: StackPlan
+    run_dir: Path
+    gpus: GpuPlacement | None
+    env: dict[str, str]
+    weights_env: dict[str, str]
+    steps: list[str]
+    steps_jsonl: Path
+    redis_url: str = ""
+    pods: list[tuple[str, str]] = field(default_factory=list)
+    """(HTTP URL, gRPC address) of each pod."""
+    gateway_url: str = ""
+    envs_urls: list[str] = field(default_factory=list)
+    stream: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.redis_url = self.plan.redis_url or ""
+        self.stream = f"molt:run:{self.run_dir.name}"
+
+    def redis(self, port: int) -> ManagedProcess:
+        from molt.bus.embedded import find_redis_server
+
+        # An append-only file in the run folder: rollouts generated but not yet trained when the run stops are
+        # trained after `--resume` instead of generated again. No snapshots (`--save ""`).
+        aof = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.run_dir))
+        cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *aof]
+        return ManagedProcess("redis", cmd, self.run_dir / "redis.log")
+
+    def pod(self, i: int) -> Callable[[int, int], ManagedProcess]:
+        def make(http: int, grpc: int) -> ManagedProcess:
+            cmd = _py(
+                "services.rollout",
+                *("--model.path", str(self.plan.model), "--server.port", str(http), "--grpc.port", str(grpc)),
+                *pod_seed_args(self.plan.rollout, i),
+            )
+            env = {**self.weights_env, "CUDA_VISIBLE_DEVICES": self.gpus.pods[i]} if self.gpus else self.weights_env
+            return ManagedProcess(f"rollout-{i}", cmd, self.run_dir / f"rollout-{i}.log", _url(http), env)
+
+        return make
+
+    def gateway(self, port: int) -> ManagedProcess:
+        cmd = _py(
+            "services.gateway",
+            *("--model.path", str(self.plan.model), "--rollout.urls", ",".join(p[0] for p in self.pods)),
+            *("--redis.url", self.redis_url, "--redis.stream", self.stream, "--server.port", str(port)),
+            *gateway_context_args(self.plan.rollout),
+            *self.plan.gateway,
+        )
+        return ManagedProcess("gateway", cmd, self.run_dir / "gateway.log", _url(port), self.env)
+
+    def envs(self, i: int) -> Callable[[int], ManagedProcess]:
+        def make(port: int) -> ManagedProcess:
+            name = f"envs-{i}" if self.plan.num_envs > 1 else "envs"
+            agents = [a for agent, path in self.plan.agents.items() for a in ("--agent", f"{agent}={path}")]
+            cmd = _py("services.envs", *agents, "--gateway.url", self.gateway_url, "--server.port", str(port))
+            env = {**self.env, **self.plan.env}
+            return ManagedProcess(name, [*cmd, *self.plan.envs], self.run_dir / f"{name}.log", _url(port), env)
+
+        return make
+
+    def trainer(self, port: int) -> ManagedProcess:
+        plan = self.plan
+        args = [
+            *("--model.path", str(plan.model), "--redis.url", self.redis_url, "--redis.stream", self.stream),
+            *("--rollout.urls", ",".join(p[0] for p in self.pods), "--envs.urls", ",".join(self.envs_urls)),
+            *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(self.steps_jsonl)),
+            *("--logger.eval_jsonl", str(self.run_dir / "eval.jsonl"), "--metrics.port", str(port)),
+            *plan.trainer,
+            *self.steps,
+        ]
+        cmd = trainer_command(args, self.gpus.trainer_ranks if self.gpus else 1, TRAINER_STOP_GRACE_S)
+        env = {**self.weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus.trainer
+        return ManagedProcess(
+            "trainer", cmd, self.run_dir / "trainer.log", None, env, stop_grace_s=TRAINER_STOP_GRACE_S
+        )
+
+
 def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     """Start Redis, pods, gateway, env workers and the trainer for ``plan``; wait for the trainer; stop all.
     ``resume``: ``plan.run_dir`` holds this run already (``resume_plan``); its trainer loads the newest checkpoint."""
@@ -379,6 +492,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     if resume and os.getcwd() != plan.cwd:
         os.chdir(plan.cwd)  # the run's relative paths (its flags, its agents' own) mean what they meant
     check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
+    gpus = gpu_placement(plan)
     if resume:
         assert plan.run_dir is not None
         run_dir = plan.run_dir
@@ -388,11 +502,14 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     save_plan(plan, run_dir)
     what = "resuming from its newest checkpoint" if resume else "run folder"
     print(f"[molt up] {plan.name}, {plan.steps or 'all'} steps; {what} {run_dir}", flush=True)
+    if gpus is not None:
+        pinned = [f"rollout-{i} {g}" for i, g in enumerate(gpus.pods)] + [f"trainer {gpus.trainer}"]
+        print(f"[molt up] GPUs (CUDA_VISIBLE_DEVICES): {', '.join(pinned)}", flush=True)
+        for note in gpus.notes:
+            print(f"[molt up] {note}", flush=True)
     env = {**CPU_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     # Pods and trainer (only they) share a fresh weight-sync token: other local users cannot swap weights.
     weights_env = {**env, "MOLT_WEIGHTS_TOKEN": secrets.token_urlsafe(32)}
-    model = plan.model
-    stream = f"molt:run:{run_dir.name}"
     sup = Supervisor()
 
     old_handlers = stop_on_signals()
@@ -401,85 +518,44 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     if resume:
         progress.poll(quiet=True)  # the earlier starts' steps count in the summary, and are not printed again
     before = _earlier_starts(run_dir) if resume else (0, 0.0)
+    svc = _Services(plan, run_dir, gpus, env, weights_env, steps, progress.path)
     trainer = None
     restarts: dict[str, int] = {}
-    gateway_url = ""
-    pods: list[tuple[str, str]] = []
     try:
-        redis_url = plan.redis_url
-        if not redis_url:
-            from molt.bus.embedded import find_redis_server
-
-            def redis_proc(port: int) -> ManagedProcess:
-                # An append-only file in the run folder: rollouts generated but not yet trained when the run
-                # stops are trained after `--resume` instead of generated again. No snapshots (`--save ""`).
-                aof = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(run_dir))
-                cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *aof]
-                return ManagedProcess("redis", cmd, run_dir / "redis.log")
-
-            _, (port,) = start_on_free_ports(sup, 1, redis_proc, wait_output("Ready to accept connections", 10.0))
-            redis_url = f"redis://127.0.0.1:{port}/0"
-        for i in range(plan.num_pods):
-
-            def pod_proc(http: int, grpc: int, i: int = i) -> ManagedProcess:
-                cmd = _py(
-                    "services.rollout",
-                    *("--model.path", str(model), "--server.port", str(http), "--grpc.port", str(grpc)),
-                    *pod_seed_args(plan.rollout, i),
-                )
-                return ManagedProcess(
-                    f"rollout-{i}", cmd, run_dir / f"rollout-{i}.log", f"http://127.0.0.1:{http}", weights_env
-                )
-
-            _, (http, grpc) = start_on_free_ports(sup, 2, pod_proc, plan.ready_timeout_s)
-            pods.append((f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"))
-
-        def gateway_proc(port: int) -> ManagedProcess:
-            cmd = _py(
-                "services.gateway",
-                *("--model.path", str(model), "--rollout.urls", ",".join(p[0] for p in pods)),
-                *("--redis.url", redis_url, "--redis.stream", stream, "--server.port", str(port)),
-                *gateway_context_args(plan.rollout),
-                *plan.gateway,
-            )
-            return ManagedProcess("gateway", cmd, run_dir / "gateway.log", f"http://127.0.0.1:{port}", env)
-
-        _, (gw_port,) = start_on_free_ports(sup, 1, gateway_proc, plan.ready_timeout_s)
-        gateway_url = f"http://127.0.0.1:{gw_port}"
-        envs_urls = []
-        agent_flags = [a for name, path in plan.agents.items() for a in ("--agent", f"{name}={path}")]
-        for i in range(plan.num_envs):
-
-            def envs_proc(port: int, i: int = i) -> ManagedProcess:
-                name = f"envs-{i}" if plan.num_envs > 1 else "envs"
-                cmd = _py(
-                    "services.envs", *agent_flags, "--gateway.url", gateway_url, "--server.port", str(port), *plan.envs
-                )
-                return ManagedProcess(
-                    name, cmd, run_dir / f"{name}.log", f"http://127.0.0.1:{port}", {**env, **plan.env}
-                )
-
-            _, (env_port,) = start_on_free_ports(sup, 1, envs_proc, plan.ready_timeout_s)
-            envs_urls.append(f"http://127.0.0.1:{env_port}")
-        trainer_flags = [
-            *("--model.path", str(model), "--redis.url", redis_url, "--redis.stream", stream),
-            *("--rollout.urls", ",".join(p[0] for p in pods), "--envs.urls", ",".join(envs_urls)),
-            *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(progress.path)),
-            *("--logger.eval_jsonl", str(run_dir / "eval.jsonl")),
+        if not plan.redis_url:
+            _, (port,) = start_on_free_ports(sup, 1, svc.redis, wait_output("Ready to accept connections", 10.0))
+            svc.redis_url = f"redis://127.0.0.1:{port}/0"
+        # The pods and the trainer load their models at the same time (minutes each on GPUs): the trainer is
+        # given the pods' and env workers' URLs up front and waits for them itself, as in Kubernetes.
+        pod_ports = [[free_port(), free_port()] for _ in range(plan.num_pods)]
+        env_ports = [[free_port()] for _ in range(plan.num_envs)]
+        svc.pods, svc.envs_urls = [_pod_urls(p) for p in pod_ports], [_url(p) for (p,) in env_ports]
+        planned = (list(svc.pods), list(svc.envs_urls))
+        pod_procs = [launch(sup, svc.pod(i), ports) for i, ports in enumerate(pod_ports)]
+        trainer_ports = [free_port()]
+        trainer = launch(sup, svc.trainer, trainer_ports)
+        svc.pods = [
+            _pod_urls(settle(sup, proc, pod_ports[i], svc.pod(i), plan.ready_timeout_s)[1])
+            for i, proc in enumerate(pod_procs)
         ]
-
-        def trainer_proc(port: int) -> ManagedProcess:
-            cmd = _py("services.trainer", *trainer_flags, "--metrics.port", str(port), *plan.trainer, *steps)
-            trainer_env = {**weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
-            return ManagedProcess(
-                "trainer", cmd, run_dir / "trainer.log", None, trainer_env, stop_grace_s=TRAINER_STOP_GRACE_S
-            )
-
+        _, (gw_port,) = start_on_free_ports(sup, 1, svc.gateway, plan.ready_timeout_s)
+        svc.gateway_url = _url(gw_port)
+        env_procs = [launch(sup, svc.envs(i), ports) for i, ports in enumerate(env_ports)]
+        svc.envs_urls = [
+            _url(settle(sup, proc, env_ports[i], svc.envs(i), plan.ready_timeout_s)[1][0])
+            for i, proc in enumerate(env_procs)
+        ]
         # The trainer listens once its models are loaded, which takes as long as they are large.
         listening = wait_output("molt-trainer listening on", None)
-        trainer, (metrics_port,) = start_on_free_ports(sup, 1, trainer_proc, listening)
+        if (svc.pods, svc.envs_urls) != planned:  # one lost a port race: the trainer must know the new ones
+            print("[molt up] trainer: starting it again with the ports a pod or env worker moved to", flush=True)
+            trainer.stop()
+            sup.procs.remove(trainer)
+            trainer, (metrics_port,) = start_on_free_ports(sup, 1, svc.trainer, listening)
+        else:
+            trainer, (metrics_port,) = settle(sup, trainer, trainer_ports, svc.trainer, listening)
         trainer_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        produced = GatewayCount(gateway_url)
+        produced = GatewayCount(svc.gateway_url)
         while trainer.returncode != 0:  # None while it trains
             for p in sup.procs:
                 if not p.alive() and not (p is trainer and p.returncode == 0):
@@ -491,7 +567,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             time.sleep(1.0)
         progress.poll(trainer_metrics)
         before = (before[0] + produced.earlier, before[1])
-        summary = _report(run_dir, progress, gateway_url, pods, started, plan.name, before, restarts=restarts)
+        summary = _report(run_dir, progress, svc, started, before, restarts=restarts)
         print(f"[molt up] done: {strict_json.dumps(summary)}", flush=True)
         return summary
     except KeyboardInterrupt:
@@ -502,9 +578,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
             trainer.stop(TRAINER_STOP_GRACE_S)
             progress.poll()
             if progress.rows:
-                summary = _report(
-                    run_dir, progress, gateway_url, pods, started, plan.name, before, True, restarts=restarts
-                )
+                summary = _report(run_dir, progress, svc, started, before, True, restarts=restarts)
         if _checkpointed(plan):
             # As this command was run: `molt` where the console script is on PATH, else this venv's python.
             molt = "molt" if Path(sys.argv[0]).name == "molt" else f"{sys.executable} -m molt.cli"
@@ -521,20 +595,19 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
 def _report(
     run_dir: Path,
     progress: Progress,
-    gateway_url: str,
-    pods: list[tuple[str, str]],
+    svc: _Services,
     started: float,
-    name: str,
     before: tuple[int, float],
     interrupted: bool = False,
     restarts: dict[str, int] | None = None,
 ) -> dict:
     """The run's summary. A resumed run counts its earlier starts' trajectories and seconds too (``before``)."""
-    gateway_counts = scrape(f"{gateway_url}/metrics")
+    gateway_counts = scrape(f"{svc.gateway_url}/metrics")
     key = "molt_gateway_trajectories_written_total"
     gateway_counts[key] = gateway_counts.get(key, 0.0) + before[0]
-    pod_versions = [scrape(f"{http}/metrics").get("molt_rollout_policy_version") for http, _ in pods]
+    pod_versions = [scrape(f"{http}/metrics").get("molt_rollout_policy_version") for http, _ in svc.pods]
     wall_s = time.monotonic() - started + before[1]
+    name = svc.plan.name
     return finish_report(run_dir, progress, gateway_counts, wall_s, name, pod_versions, interrupted, restarts)
 
 

@@ -94,19 +94,55 @@ def start_on_free_ports(
         proc = make(*ports)
         try:
             sup.start(proc)
-            if callable(ready):
-                ready(proc)
-            else:  # its own "listening" line first: /readyz alone could be another server's on a lost port
-                wait_output("listening on http://", ready)(proc)
-                proc.wait_ready(ready)
+            _wait(proc, ready)
             return proc, ports
         except ServiceFailed:
             if attempt == tries or not proc.lost_port_race():
                 raise
-            proc.kill_group()  # what it started (a vLLM engine process) goes with it
-            sup.procs.remove(proc)
-            print(f"[molt up] {proc.name}: a port it was given was taken first; starting it on new ports", flush=True)
+            _drop_for_new_ports(sup, proc)
     raise AssertionError("unreachable")
+
+
+def launch(sup: Supervisor, make: Callable[..., ManagedProcess], ports: list[int]) -> ManagedProcess:
+    """Start ``make(*ports)`` as one of the stack's without waiting for it: services that do not need each other
+    (the pods, the trainer) load their models at the same time; ``settle`` then waits for each."""
+    proc = make(*ports)
+    sup.start(proc)
+    return proc
+
+
+def settle(
+    sup: Supervisor,
+    proc: ManagedProcess,
+    ports: list[int],
+    make: Callable[..., ManagedProcess],
+    ready: float | Callable[[ManagedProcess], None],
+    tries: int = 3,
+) -> tuple[ManagedProcess, list[int]]:
+    """Wait until ``launch``'s ``proc`` is ready; one that lost a port is started again on new ones
+    (``start_on_free_ports``), so its caller must hand the new ports on."""
+    try:
+        _wait(proc, ready)
+        return proc, ports
+    except ServiceFailed:
+        if tries == 1 or not proc.lost_port_race():
+            raise
+        _drop_for_new_ports(sup, proc)
+        return start_on_free_ports(sup, len(ports), make, ready, tries - 1)
+
+
+def _wait(proc: ManagedProcess, ready: float | Callable[[ManagedProcess], None]) -> None:
+    if callable(ready):
+        ready(proc)
+    else:  # its own "listening" line first: /readyz alone could be another server's on a lost port
+        wait_output("listening on http://", ready)(proc)
+        proc.wait_ready(ready)
+
+
+def _drop_for_new_ports(sup: Supervisor, proc: ManagedProcess) -> None:
+    proc.kill_group()  # what it started (a vLLM engine process) goes with it
+    sup.procs.remove(proc)
+    print(f"[molt up] {proc.name}: a port it was given was taken first; starting it on new ports", flush=True)
 
 
 def wait_output(marker: str, timeout_s: float | None) -> Callable[[ManagedProcess], None]:

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from molt.auth import INTERNAL_TOKEN_ENV, bearer_headers, internal_token_from_en
 from molt.images import to_data_url
 
 log = logging.getLogger("molt.trainer")
+READY_POLL_S, READY_PROBE_TIMEOUT_S = 0.5, 5.0  # start-up wait for the env workers (EpisodeDispatcher.wait_ready)
 # Columns that hold the answer in common RL datasets (GSM8K, MATH, Molt's examples, verl's parquet).
 LABEL_LIKE = frozenset({"answer", "label", "solution", "ground_truth", "reward_model"})
 
@@ -192,6 +194,26 @@ class EpisodeDispatcher:
         self.last_failure: str | None = None
         self.outage_retries = 0
         self.unreachable: set[str] = set()
+
+    async def wait_ready(self, stopping: Callable[[], bool]) -> None:
+        """Before the first episode: until some env worker's /readyz answers other than an outage would (refused,
+        502-504; a worker answers 503 until its gateway and the gateway's pods can serve). Services start in any
+        order (Kubernetes, `molt up`): episodes sent earlier would each meet the outage and its backoff. Logged
+        once; ``stopping`` ends the wait."""
+        logged = False
+        while not stopping():
+            for url in self.inflight:
+                try:
+                    resp = await self.client.get(url + "/readyz", timeout=READY_PROBE_TIMEOUT_S)
+                    if resp.status_code not in (502, 503, 504):
+                        return
+                    why = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                except httpx.TransportError as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                if not logged:
+                    log.info("waiting for an env worker to be ready (%s: %s)", url, why)
+                    logged = True
+            await asyncio.sleep(READY_POLL_S)
 
     def _pick(self, avoid: set[str]) -> str:
         choices = [u for u in self.inflight if u not in avoid] or list(self.inflight)

@@ -99,6 +99,8 @@ def test_tiny_recipe_learns_async(async_run):
         assert "dtype=torch.bfloat16" in pod_log and "Downcasting torch.float32 to torch.bfloat16" in pod_log
     else:
         assert "dtype=torch.float32" in pod_log and "serving in float32, as this CPU has no bf16" in pod_log
+    # The trainer starts with the pod and waits for its env worker to be ready: no episode meets an outage
+    assert "unavailable" not in (run_dir / "trainer.log").read_text()
     assert "Attempted to load weight" not in pod_log
     assert "Failed to load weights" not in pod_log.split("INFO molt.rollout: policy version", 1)[1]
     # `make run` leaves the trained policy in the run folder as an HF model directory
@@ -186,7 +188,10 @@ def resume_and_kill(run_dir: Path, stopped_at: int) -> None:
         while len(step_rows(run_dir)) <= stopped_at and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert proc.poll() is None and len(step_rows(run_dir)) > stopped_at
-        services = _children(proc.pid)  # redis, pod, gateway, env worker, trainer and the reaper
+        # redis, pod, gateway, env worker, trainer and the reaper: the trainer, started with the pod, may train
+        # the stream's leftover rollouts before the env worker is up
+        while len(services := _children(proc.pid)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert len(services) == 6, services
         proc.kill()
         proc.wait()

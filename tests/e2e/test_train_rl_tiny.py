@@ -5,7 +5,7 @@ prompt directory, Molt's data / estimator / IS / checkpoint / logger flags. Chec
 - the trainer's step log carries Molt's metric names and the agent's tensor-valued info (math_exact);
 - --eval.* evaluates the eval set at step 2 without training on it (eval.jsonl, eval_<datasource>_pass<n>);
 - TensorBoard event files under --logger.tensorboard_dir;
-- --train.check_weight_update_equal: the pod accepted every push after its probe check;
+- --train.check_weight_update_equal: both pods (started together) accepted every push after their probe checks;
 - a checkpoint every --ckpt.save_steps, the best one by eval_default_pass1 (Molt's --ckpt.best_metric_key), and the
   final policy in --ckpt.output_dir as an HF model directory
   that transformers and a rollout pod load, equal to `molt export` of the last checkpoint (the pod: the eval-only
@@ -96,7 +96,7 @@ def molt_flags_run(tiny_qwen3, tmp_path_factory) -> Path:
         "0.5",
         "2.0",
         "--vllm.num_engines",
-        "1",
+        "2",  # two pods, started together; each takes every push
         "--vllm.enforce_eager",
         "--train.colocate_fsdp_models",
         "--ckpt.path",
@@ -149,8 +149,8 @@ def test_molt_flags_train_the_tiny_model_and_leave_a_loadable_policy(molt_flags_
         # reward 0 (random weights) - overlong, then x0.5 for the truncated ones: the parts add up
         assert s["length_penalty"] == pytest.approx(s["overlong_penalty"] + s["stop_properly_penalty"], abs=1e-6)
     assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
-    # every push passed the pod's probe check (--train.check_weight_update_equal): the pod is at version 2
-    assert json.loads((run / "summary.json").read_text())["pod_policy_versions"] == [2]
+    # every push passed each pod's probe check (--train.check_weight_update_equal): both pods are at version 2
+    assert json.loads((run / "summary.json").read_text())["pod_policy_versions"] == [2, 2]
     (ev,) = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]  # --eval.steps 2: at step 2
     # the whole eval set, 8 prompts x 2 (--data.max_samples 4 caps the training prompts only, as in Molt)
     assert ev["step"] == 2 and ev["eval_num_samples"] + ev["eval_failed"] == 8 * 2

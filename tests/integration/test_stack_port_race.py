@@ -39,6 +39,37 @@ def test_a_service_that_loses_its_port_starts_again_on_a_new_one(tmp_path, monke
         taken.close()
 
 
+def test_services_launched_together_are_each_settled_and_one_that_lost_a_port_starts_again(tmp_path):
+    """The pods and the trainer are launched together and then waited for (``launch``, ``settle``): the one
+    whose port was taken alone starts again on a new one; the other keeps its own."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    lost = taken.getsockname()[1]
+
+    def maker(name: str):
+        def redis_proc(port: int) -> ManagedProcess:
+            cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+            return ManagedProcess(name, cmd, tmp_path / f"{name}.log")
+
+        return redis_proc
+
+    sup = Supervisor()
+    ready = watch.wait_output("Ready to accept", 10.0)
+    try:
+        ports = {"a": [watch.free_port()], "b": [lost]}
+        procs = {name: watch.launch(sup, maker(name), ports[name]) for name in ("a", "b")}
+        a, (port_a,) = watch.settle(sup, procs["a"], ports["a"], maker("a"), ready)
+        b, (port_b,) = watch.settle(sup, procs["b"], ports["b"], maker("b"), ready)
+        assert a is procs["a"] and port_a == ports["a"][0]
+        assert b is not procs["b"] and port_b != lost and [p.name for p in sup.procs] == ["a", "b"]
+        assert redis.Redis(port=port_a).ping() and redis.Redis(port=port_b).ping()
+        assert "already in use" in (tmp_path / "b.log").read_text()
+    finally:
+        sup.stop_all(grace_s=5)
+        taken.close()
+
+
 def test_a_service_that_fails_for_another_reason_is_not_restarted(tmp_path):
     def bad_proc(port: int) -> ManagedProcess:
         cmd = [find_redis_server(), "--port", str(port), "--no-such-option", "x"]

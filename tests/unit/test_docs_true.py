@@ -18,7 +18,13 @@ FLAG = re.compile(r"--[a-z][a-z0-9_]*(?:\.[a-z0-9_]+)+\*?")  # a trailing * name
 
 def known_flags() -> set[str]:
     settings = (EnvsSettings, GatewaySettings, RolloutSettings, TrainerSettings, SftSettings)
-    named = {*train_rl.WIRING, *train_rl.PLACEMENT, *train_rl.MISSING, *train_rl.POD_FLAGS}
+    named = {
+        *train_rl.WIRING,
+        *train_rl.PLACEMENT,
+        *train_rl.TRAINER_PLACEMENT,
+        *train_rl.MISSING,
+        *train_rl.POD_FLAGS,
+    }
     return {"--" + dotted for s in settings for dotted, _, _ in iter_fields(s)} | {"--" + n for n in named}
 
 
