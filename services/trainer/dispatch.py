@@ -201,7 +201,7 @@ class EpisodeDispatcher:
         order (Kubernetes, `molt up`): episodes sent earlier would each meet the outage and its backoff. Logged
         once; ``stopping`` ends the wait."""
         logged = False
-        while not stopping():
+        while self.inflight and not stopping():
             for url in self.inflight:
                 try:
                     resp = await self.client.get(url + "/readyz", timeout=READY_PROBE_TIMEOUT_S)
