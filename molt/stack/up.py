@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO
@@ -31,10 +30,11 @@ from typing import IO
 from molt import strict_json
 from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
-from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place, trainer_command, visible_gpus
-from molt.stack.procs import ManagedProcess, Supervisor
-from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
+from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place, visible_gpus
+from molt.stack.procs import Supervisor
+from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
+from molt.stack.services import TRAINER_STOP_GRACE_S, Services, pod_urls, url
 from molt.stack.watch import GatewayCount, launch, revive, settle, start_on_free_ports, stop_on_signals, wait_output
 
 
@@ -105,9 +105,6 @@ _PLAN_KEYS = (
     *("name", "model", "agents", "agent", "trainer", "rollout", "gateway", "envs", "num_pods", "num_envs"),
     *("steps", "trainer_threads", "trainer_gpus", "env", "redis_url", "cwd"),
 )
-# The trainer is stopped first on Ctrl-C and finishes its step and checkpoint: a tiny model's step takes
-# seconds, a larger one's a minute.
-TRAINER_STOP_GRACE_S = 120.0
 
 
 def save_plan(plan: StackPlan, run_dir: Path) -> None:
@@ -192,10 +189,6 @@ def resume_plan(opts: UpOptions) -> StackPlan:
             opts.resume, f"its checkpoint is at step {done}, the run's {plan.steps} steps; pass --steps above {done}"
         )
     return plan
-
-
-def _py(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
 
 
 def memory_url_problem(url: str | None) -> str | None:
@@ -320,22 +313,6 @@ def gpu_placement(plan: StackPlan, count: int | None = None) -> GpuPlacement | N
         raise SystemExit(2) from None
 
 
-def pod_seed_args(rollout: list[str], i: int) -> list[str]:
-    """Pod ``i``'s flags with engine seed base + i, as Molt seeds its engines: unseeded requests draw from the
-    engine's generator, and pods started with one seed would sample the same first completions."""
-    args, base = list(rollout), 0
-    for k, a in enumerate(rollout):
-        name, eq, value = a.partition("=")
-        if name == "--vllm.seed":
-            raw = value if eq else (rollout[k + 1] if k + 1 < len(rollout) else "")
-            if not raw.lstrip("-").isdigit():
-                return list(rollout)  # not a number: the pod refuses it with the flag's own message
-            base = int(raw)
-            args = rollout[:k] + rollout[k + (1 if eq else 2) :]
-            break
-    return [*args, "--vllm.seed", str(base + i)]
-
-
 def mode_args(opts: UpOptions) -> list[str]:
     """The trainer flags of `--async-queue-size Q` and `--sync`."""
     args = []
@@ -391,98 +368,6 @@ def run_stack(opts: UpOptions) -> dict:
     return run_plan(plan)
 
 
-def _url(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
-def _pod_urls(ports: list[int]) -> tuple[str, str]:
-    """A pod's HTTP URL and gRPC (weight sync) address, from its two ports."""
-    return _url(ports[0]), f"127.0.0.1:{ports[1]}"
-
-
-@dataclass
-class _Services:
-    """How each of the stack's processes is started (command line, log, environment), from the plan and the
-    addresses known so far; a restart (``revive``) reuses the process's own command."""
-
-    plan: StackPlan
-    run_dir: Path
-    gpus: GpuPlacement | None
-    env: dict[str, str]
-    weights_env: dict[str, str]
-    steps: list[str]
-    steps_jsonl: Path
-    redis_url: str = ""
-    pods: list[tuple[str, str]] = field(default_factory=list)
-    """(HTTP URL, gRPC address) of each pod."""
-    gateway_url: str = ""
-    envs_urls: list[str] = field(default_factory=list)
-    stream: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.redis_url = self.plan.redis_url or ""
-        self.stream = f"molt:run:{self.run_dir.name}"
-
-    def redis(self, port: int) -> ManagedProcess:
-        from molt.bus.embedded import find_redis_server
-
-        # An append-only file in the run folder: rollouts generated but not yet trained when the run stops are
-        # trained after `--resume` instead of generated again. No snapshots (`--save ""`).
-        aof = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.run_dir))
-        cmd = [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), *aof]
-        return ManagedProcess("redis", cmd, self.run_dir / "redis.log")
-
-    def pod(self, i: int) -> Callable[[int, int], ManagedProcess]:
-        def make(http: int, grpc: int) -> ManagedProcess:
-            cmd = _py(
-                "services.rollout",
-                *("--model.path", str(self.plan.model), "--server.port", str(http), "--grpc.port", str(grpc)),
-                *pod_seed_args(self.plan.rollout, i),
-            )
-            env = {**self.weights_env, "CUDA_VISIBLE_DEVICES": self.gpus.pods[i]} if self.gpus else self.weights_env
-            return ManagedProcess(f"rollout-{i}", cmd, self.run_dir / f"rollout-{i}.log", _url(http), env)
-
-        return make
-
-    def gateway(self, port: int) -> ManagedProcess:
-        cmd = _py(
-            "services.gateway",
-            *("--model.path", str(self.plan.model), "--rollout.urls", ",".join(p[0] for p in self.pods)),
-            *("--redis.url", self.redis_url, "--redis.stream", self.stream, "--server.port", str(port)),
-            *gateway_context_args(self.plan.rollout),
-            *self.plan.gateway,
-        )
-        return ManagedProcess("gateway", cmd, self.run_dir / "gateway.log", _url(port), self.env)
-
-    def envs(self, i: int) -> Callable[[int], ManagedProcess]:
-        def make(port: int) -> ManagedProcess:
-            name = f"envs-{i}" if self.plan.num_envs > 1 else "envs"
-            agents = [a for agent, path in self.plan.agents.items() for a in ("--agent", f"{agent}={path}")]
-            cmd = _py("services.envs", *agents, "--gateway.url", self.gateway_url, "--server.port", str(port))
-            env = {**self.env, **self.plan.env}
-            return ManagedProcess(name, [*cmd, *self.plan.envs], self.run_dir / f"{name}.log", _url(port), env)
-
-        return make
-
-    def trainer(self, port: int) -> ManagedProcess:
-        plan = self.plan
-        args = [
-            *("--model.path", str(plan.model), "--redis.url", self.redis_url, "--redis.stream", self.stream),
-            *("--rollout.urls", ",".join(p[0] for p in self.pods), "--envs.urls", ",".join(self.envs_urls)),
-            *("--envs.agent", plan.agent, "--logger.steps_jsonl", str(self.steps_jsonl)),
-            *("--logger.eval_jsonl", str(self.run_dir / "eval.jsonl"), "--metrics.port", str(port)),
-            *plan.trainer,
-            *self.steps,
-        ]
-        cmd = trainer_command(args, self.gpus.trainer_ranks if self.gpus else 1, TRAINER_STOP_GRACE_S)
-        env = {**self.weights_env, "OMP_NUM_THREADS": str(plan.trainer_threads)}
-        if self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = self.gpus.trainer
-        return ManagedProcess(
-            "trainer", cmd, self.run_dir / "trainer.log", None, env, stop_grace_s=TRAINER_STOP_GRACE_S
-        )
-
-
 def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     """Start Redis, pods, gateway, env workers and the trainer for ``plan``; wait for the trainer; stop all.
     ``resume``: ``plan.run_dir`` holds this run already (``resume_plan``); its trainer loads the newest checkpoint."""
@@ -518,7 +403,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     if resume:
         progress.poll(quiet=True)  # the earlier starts' steps count in the summary, and are not printed again
     before = _earlier_starts(run_dir) if resume else (0, 0.0)
-    svc = _Services(plan, run_dir, gpus, env, weights_env, steps, progress.path)
+    svc = Services(plan, run_dir, gpus, env, weights_env, steps, progress.path)
     trainer = None
     restarts: dict[str, int] = {}
     try:
@@ -529,20 +414,20 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
         # given the pods' and env workers' URLs up front and waits for them itself, as in Kubernetes.
         pod_ports = [[free_port(), free_port()] for _ in range(plan.num_pods)]
         env_ports = [[free_port()] for _ in range(plan.num_envs)]
-        svc.pods, svc.envs_urls = [_pod_urls(p) for p in pod_ports], [_url(p) for (p,) in env_ports]
+        svc.pods, svc.envs_urls = [pod_urls(p) for p in pod_ports], [url(p) for (p,) in env_ports]
         planned = (list(svc.pods), list(svc.envs_urls))
         pod_procs = [launch(sup, svc.pod(i), ports) for i, ports in enumerate(pod_ports)]
         trainer_ports = [free_port()]
         trainer = launch(sup, svc.trainer, trainer_ports)
         svc.pods = [
-            _pod_urls(settle(sup, proc, pod_ports[i], svc.pod(i), plan.ready_timeout_s)[1])
+            pod_urls(settle(sup, proc, pod_ports[i], svc.pod(i), plan.ready_timeout_s)[1])
             for i, proc in enumerate(pod_procs)
         ]
         _, (gw_port,) = start_on_free_ports(sup, 1, svc.gateway, plan.ready_timeout_s)
-        svc.gateway_url = _url(gw_port)
+        svc.gateway_url = url(gw_port)
         env_procs = [launch(sup, svc.envs(i), ports) for i, ports in enumerate(env_ports)]
         svc.envs_urls = [
-            _url(settle(sup, proc, env_ports[i], svc.envs(i), plan.ready_timeout_s)[1][0])
+            url(settle(sup, proc, env_ports[i], svc.envs(i), plan.ready_timeout_s)[1][0])
             for i, proc in enumerate(env_procs)
         ]
         # The trainer listens once its models are loaded, which takes as long as they are large.
@@ -595,7 +480,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
 def _report(
     run_dir: Path,
     progress: Progress,
-    svc: _Services,
+    svc: Services,
     started: float,
     before: tuple[int, float],
     interrupted: bool = False,

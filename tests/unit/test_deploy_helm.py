@@ -500,7 +500,7 @@ def test_the_trainer_logs_to_wandb_with_its_key_from_a_secret(tmp_path):
 def test_each_rollout_pod_seeds_its_engine_with_its_index(tmp_path):
     """As Molt seeds engine i with seed + i: the chart gives each pod its StatefulSet index as MOLT_VLLM__SEED,
     which the pod's settings read (a --vllm.seed flag would win); the local stack gives pod i base + i."""
-    from molt.stack.up import pod_seed_args
+    from molt.stack.services import pod_seed_args
 
     c = container(tools.render(), "molt-rollout")
     [seed] = [e for e in c["env"] if e["name"] == "MOLT_VLLM__SEED"]

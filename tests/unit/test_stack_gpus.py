@@ -12,6 +12,7 @@ import pytest
 
 from molt.stack import train_rl, up
 from molt.stack.gpus import FLAGS, place, trainer_command, visible_gpus
+from molt.stack.procs import ManagedProcess
 
 UP = FLAGS["up"]
 RL = FLAGS["train-rl"]
@@ -107,7 +108,7 @@ def test_up_refuses_a_plan_that_does_not_fit_before_anything_starts(capsys):
 def test_each_service_is_started_with_its_gpus(tmp_path, monkeypatch):
     """run_plan's wiring: every pod's CUDA_VISIBLE_DEVICES, and the trainer's GPUs and torchrun launch. The
     processes are recorded, not started; waiting for the trainer ends the run as Ctrl-C would."""
-    made: dict[str, up.ManagedProcess] = {}
+    made: dict[str, ManagedProcess] = {}
 
     def launch(_sup, make, ports):
         proc = make(*ports)
