@@ -350,7 +350,7 @@ def run_stack(opts: UpOptions) -> dict:
     check_trainer_flags([*trainer, "--train.num_steps", str(steps)], model_dir(recipe, cache), recipe.name)
     plan = StackPlan(
         name=recipe.name,
-        model=build_model(recipe, cache),
+        model=model_dir(recipe, cache),
         agents={recipe.name: ROOT / recipe.agent},
         agent=recipe.name,
         trainer=trainer,
@@ -365,6 +365,8 @@ def run_stack(opts: UpOptions) -> dict:
         progress=opts.progress,
         ready_timeout_s=opts.ready_timeout_s,
     )
+    gpu_placement(plan)  # too few GPUs for the pods: refused before the model is built too
+    plan.model = build_model(recipe, cache)
     return run_plan(plan)
 
 

@@ -150,3 +150,12 @@ def test_each_service_is_started_with_its_gpus(tmp_path, monkeypatch):
     rollout_urls = trainer.cmd[trainer.cmd.index("--rollout.urls") + 1].split(",")
     assert rollout_urls == [made[f"rollout-{i}"].ready_url for i in range(2)]
     assert trainer.cmd[trainer.cmd.index("--envs.urls") + 1] == made["envs"].ready_url
+
+
+def test_molt_up_refuses_too_many_pods_before_it_builds_the_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(up, "gpu_count", lambda: 2)
+    monkeypatch.setattr(up, "check_redis", lambda url: None)
+    monkeypatch.setattr(up, "build_model", lambda *a: pytest.fail("molt up built the model"))
+    with pytest.raises(SystemExit) as e:
+        up.run_stack(up.UpOptions(recipe="tiny", num_pods=3, run_dir=tmp_path / "run"))
+    assert e.value.code == 2 and capsys.readouterr().err.endswith("this machine has 2; lower --pods\n")
