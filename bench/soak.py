@@ -45,7 +45,8 @@ from molt.net import free_port
 from molt.serve import CPU_ENV
 from molt.stack.procs import ManagedProcess, ServiceFailed
 from molt.stack.recipes import RECIPES, ROOT, _prompts_digits
-from molt.stack.up import _py, build_model
+from molt.stack.services import python_m
+from molt.stack.up import build_model
 
 SERVICES = ("redis", "envs", "gateway", "trainer", "pod")
 PROMPTS_PER_STEP = 8  # the tiny recipe's --rollout.batch_size
@@ -264,7 +265,7 @@ def soak(
     procs = {
         "pod": ManagedProcess(
             "pod",
-            _py(
+            python_m(
                 "services.rollout",
                 "--model.path",
                 str(model),
@@ -282,7 +283,7 @@ def soak(
         ),
         "gateway": ManagedProcess(
             "gateway",
-            _py(
+            python_m(
                 "services.gateway",
                 "--model.path",
                 str(model),
@@ -302,7 +303,7 @@ def soak(
         ),
         "envs": ManagedProcess(
             "envs",
-            _py(
+            python_m(
                 "services.envs",
                 "--agent",
                 f"tiny={ROOT / recipe.agent}",
@@ -318,7 +319,7 @@ def soak(
         ),
         "trainer": ManagedProcess(
             "trainer",
-            _py(
+            python_m(
                 "services.trainer",
                 "--model.path",
                 str(model),

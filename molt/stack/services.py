@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 TRAINER_STOP_GRACE_S = 120.0
 
 
-def _py(module: str, *args: str) -> list[str]:
+def python_m(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with this interpreter (the stack's venv)."""
     return [sys.executable, "-m", module, *args]
 
 
@@ -84,7 +85,7 @@ class Services:
 
     def pod(self, i: int) -> Callable[[int, int], ManagedProcess]:
         def make(http: int, grpc: int) -> ManagedProcess:
-            cmd = _py(
+            cmd = python_m(
                 "services.rollout",
                 *("--model.path", str(self.plan.model), "--server.port", str(http), "--grpc.port", str(grpc)),
                 *pod_seed_args(self.plan.rollout, i),
@@ -95,7 +96,7 @@ class Services:
         return make
 
     def gateway(self, port: int) -> ManagedProcess:
-        cmd = _py(
+        cmd = python_m(
             "services.gateway",
             *("--model.path", str(self.plan.model), "--rollout.urls", ",".join(p[0] for p in self.pods)),
             *("--redis.url", self.redis_url, "--redis.stream", self.stream, "--server.port", str(port)),
@@ -108,7 +109,7 @@ class Services:
         def make(port: int) -> ManagedProcess:
             name = f"envs-{i}" if self.plan.num_envs > 1 else "envs"
             agents = [a for agent, path in self.plan.agents.items() for a in ("--agent", f"{agent}={path}")]
-            cmd = _py("services.envs", *agents, "--gateway.url", self.gateway_url, "--server.port", str(port))
+            cmd = python_m("services.envs", *agents, "--gateway.url", self.gateway_url, "--server.port", str(port))
             env = {**self.env, **self.plan.env}
             return ManagedProcess(name, [*cmd, *self.plan.envs], self.run_dir / f"{name}.log", url(port), env)
 

@@ -219,8 +219,11 @@ class Trainer:
         # Push before the first dispatch, resumed or not: pods may still serve a previous run's (or a lost
         # step's) weights, and rollouts of those must not reach this run. The first push is forced.
         self._publish(self.learner.global_step)
-        episodes = not self.s.train.rollout_replay_dir or self.s.eval.dataset  # a replay runs none but evals
-        if self.info.is_main and self.controller.dispatcher is not None and episodes:
+        if (
+            self.info.is_main
+            and self.controller.dispatcher is not None
+            and (not self.s.train.rollout_replay_dir or self.s.eval.dataset)  # a replay runs no episodes but evals
+        ):
             self.status.update(phase="waiting_for_env_workers")
             self.io.run(self.controller.dispatcher.wait_ready(lambda: self.controller.stop_requested))
         if self.s.eval.eval_only:
