@@ -188,8 +188,7 @@ def resume_and_kill(run_dir: Path, stopped_at: int) -> None:
         while len(step_rows(run_dir)) <= stopped_at and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert proc.poll() is None and len(step_rows(run_dir)) > stopped_at
-        # redis, pod, gateway, env worker, trainer and the reaper: the trainer, started with the pod, may train
-        # the stream's leftover rollouts before the env worker is up
+        # redis, pod, gateway, env worker, trainer and the reaper, however the start order interleaves them
         while len(services := _children(proc.pid)) < 6 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(services) == 6, services
