@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from molt.stack.recipes import flag_value
+
 # The flags behind what placement counts, as each command names them (for its one-line errors): the pod count,
 # the pods' tensor-parallel width, the trainer's GPUs and the pods' share of a GPU's memory.
 FLAGS = {
@@ -91,6 +93,15 @@ def place(
     return GpuPlacement(pods, shared, [note])
 
 
+def place_stack(
+    count: int, num_pods: int, rollout: list[str], trainer_gpus: int | None, flags: Mapping[str, str]
+) -> GpuPlacement | None:
+    """``place`` on the ``count`` GPUs this process sees, each pod as wide as its flags (``rollout``) say; a width
+    that is not a number counts as 1 here, and the pod refuses it with the flag's own message."""
+    width = flag_value(rollout, "--vllm.tensor_parallel_size") or "1"
+    return place(visible_gpus(count), num_pods, int(width) if width.isdigit() else 1, trainer_gpus, flags)
+
+
 def trainer_command(module_args: list[str], ranks: int, stop_grace_s: float) -> list[str]:
     """The trainer's command line: ``python -m services.trainer ...`` for one rank, else under torchrun on this
     machine, which passes SIGTERM on to its ranks and waits for them up to its shutdown timeout (30 s unless
@@ -114,4 +125,4 @@ def gpu_count() -> int:
         return 0
 
 
-__all__ = ["FLAGS", "GpuPlacement", "gpu_count", "place", "trainer_command", "visible_gpus"]
+__all__ = ["FLAGS", "GpuPlacement", "gpu_count", "place", "place_stack", "trainer_command", "visible_gpus"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from molt.stack.gpus import FLAGS, GpuPlacement, place, visible_gpus
+from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
 
@@ -429,11 +429,8 @@ def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress:
 def place_gpus(r: Routed, gpus: int) -> GpuPlacement | None:
     """Each local process's GPUs for ``r`` on a machine with ``gpus`` (None without): pods first, then the
     trainer, as ``molt.stack.gpus`` places them. ValueError when they do not fit, as Molt refuses at start-up."""
-    width = r.raw.get("vllm.tensor_parallel_size", ["1"])[:1] or ["1"]
     try:
-        return place(
-            visible_gpus(gpus), r.num_pods, _int("vllm.tensor_parallel_size", width), r.trainer_gpus, FLAGS["train-rl"]
-        )
+        return place_stack(gpus, r.num_pods, r.rollout, r.trainer_gpus, FLAGS["train-rl"])
     except ValueError as exc:
         raise ValueError(f"molt train-rl:\n  {exc}") from None
 

@@ -30,7 +30,7 @@ from typing import IO
 from molt import strict_json
 from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
-from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place, visible_gpus
+from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place_stack
 from molt.stack.procs import Supervisor
 from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
@@ -303,11 +303,10 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
 def gpu_placement(plan: StackPlan, count: int | None = None) -> GpuPlacement | None:
     """Each process's GPUs on this machine (None without GPUs); one line naming the flag (status 2) when the plan
     needs more than there are, before anything starts. ``count``: GPUs seen (default: torch's count)."""
-    width = flag_value(plan.rollout, "--vllm.tensor_parallel_size") or "1"
     flags = FLAGS["train-rl" if plan.name == "train-rl" else "up"]
-    gpus = visible_gpus(gpu_count() if count is None else count)
     try:
-        return place(gpus, plan.num_pods, int(width) if width.isdigit() else 1, plan.trainer_gpus, flags)
+        n = gpu_count() if count is None else count
+        return place_stack(n, plan.num_pods, plan.rollout, plan.trainer_gpus, flags)
     except ValueError as exc:
         print(f"molt: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
