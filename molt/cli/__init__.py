@@ -165,7 +165,7 @@ Flags that need hardware this machine lacks are refused with the reason; see doc
 def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     from molt.stack import train_rl as tr
     from molt.stack.gpus import gpu_count
-    from molt.stack.up import check_trainer_flags
+    from molt.stack.up import check_service_flags, check_trainer_flags
 
     own: dict[str, str | bool] = {}
     rest: list[str] = []
@@ -212,12 +212,13 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
         placement = tr.place_gpus(routed, gpus)
         for note in routed.notes:
             print(f"[molt train-rl] {note}")
-        if own.get("--dry-run"):  # a real run checks the trainer's flags in run_plan, before anything starts
-            check_trainer_flags(routed.trainer, str(routed.model), "agent")
-            print(tr.describe(routed, placement))
-            return 0
         run_dir = Path(str(own["--run-dir"])) if own.get("--run-dir") else None
         plan = tr.local_plan(routed, run_dir, str(own.get("--redis-url") or "") or None, not own.get("--no-progress"))
+        if own.get("--dry-run"):  # a real run makes the same checks in run_plan, before anything starts
+            check_trainer_flags(routed.trainer, plan.model, plan.agent)
+            check_service_flags(plan.model, plan.rollout, plan.gateway, plan.envs, plan.agents)
+            print(tr.describe(routed, placement))
+            return 0
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

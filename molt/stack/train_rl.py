@@ -47,6 +47,7 @@ POD_FLAGS = {
     "vllm.mm_encoder_attn_backend",
     "vllm.gdn_prefill_backend",
     "vllm.mamba_ssm_cache_dtype",
+    "vllm.compilation_config",
     "vllm.kv_cache_memory_bytes",  # not Molt's: the KV-cache size CPU pods need (see route)
 }
 

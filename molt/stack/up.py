@@ -32,7 +32,7 @@ from molt.net import free_port
 from molt.serve import CPU_ENV, redis_problem
 from molt.stack.gpus import FLAGS, GpuPlacement, gpu_count, place_stack
 from molt.stack.procs import Supervisor
-from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, write_prompts
+from molt.stack.recipes import RECIPES, ROOT, Recipe, flag_value, gateway_context_args, write_prompts
 from molt.stack.report import Progress, finish_report, scrape
 from molt.stack.services import TRAINER_STOP_GRACE_S, Services, pod_urls, url
 from molt.stack.watch import GatewayCount, launch, revive, settle, start_on_free_ports, stop_on_signals, wait_output
@@ -250,9 +250,10 @@ def check_run_dir(path: Path) -> None:
 
 
 def default_run_dir(name: str) -> Path:
-    """runs/<name>-<time>, created here: mkdir is atomic, so two runs started in the same second get their own
-    folders (-2, -3, ...) instead of one holding both."""
-    base = ROOT / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """runs/<name>-<time> under the working directory, where Molt's own outputs (``./ckpt``) land too, created
+    here: mkdir is atomic, so two runs started in the same second get their own folders (-2, -3, ...) instead
+    of one holding both."""
+    base = Path.cwd() / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     for n in range(1, 1000):
         path = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
@@ -298,6 +299,31 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
         check_datasets(s)
 
     parse_settings(TrainerSettings, [*wiring, *flags], prog="molt (the trainer's flags)", validate=validate)
+
+
+def check_service_flags(
+    model: Path | str, rollout: list[str], gateway: list[str], envs: list[str], agents: dict[str, Path]
+) -> None:
+    """The pods', gateway's and env workers' own flag checks (each service's parse and ``validate_settings``),
+    before anything starts: a bad `--vllm.*` value or `molt up --set` flag would otherwise end a pod or the
+    gateway only once Redis and the trainer are up. Exits 2 naming the flag. The wiring the stack adds (ports,
+    URLs, the stream) is stood in for, as in ``check_trainer_flags``."""
+    from molt.config import parse_settings
+    from services.envs.config import EnvsSettings, normalize_argv
+    from services.envs.config import validate_settings as envs_checks
+    from services.gateway.config import GatewaySettings
+    from services.gateway.config import validate_settings as gateway_checks
+    from services.rollout.config import RolloutSettings
+    from services.rollout.config import validate_settings as pod_checks
+
+    local = "http://127.0.0.1:1"
+    pod = ["--model.path", str(model), *rollout]
+    parse_settings(RolloutSettings, pod, prog="molt (the pods' flags)", validate=pod_checks)
+    gw = ["--model.path", str(model), "--rollout.urls", local, *gateway_context_args(rollout), *gateway]
+    parse_settings(GatewaySettings, gw, prog="molt (the gateway's flags)", validate=gateway_checks)
+    named = [f"{name}={path}" for name, path in agents.items()]
+    worker = normalize_argv(["--agent", *named, "--gateway.url", local, *envs])
+    parse_settings(EnvsSettings, worker, prog="molt (the env workers' flags)", validate=envs_checks)
 
 
 def gpu_placement(plan: StackPlan, count: int | None = None) -> GpuPlacement | None:
@@ -347,15 +373,18 @@ def run_stack(opts: UpOptions) -> dict:
     # A bad trainer flag fails in one line before the model is built (smollm2's is converted from GGUF);
     # run_plan checks again, with the built model.
     check_trainer_flags([*trainer, "--train.num_steps", str(steps)], model_dir(recipe, cache), recipe.name)
+    rollout, gateway = recipe.rollout + extra.get("rollout", []), recipe.gateway + extra.get("gateway", [])
+    envs = recipe.envs + extra.get("envs", [])
+    check_service_flags(model_dir(recipe, cache), rollout, gateway, envs, {recipe.name: ROOT / recipe.agent})
     plan = StackPlan(
         name=recipe.name,
         model=model_dir(recipe, cache),
         agents={recipe.name: ROOT / recipe.agent},
         agent=recipe.name,
         trainer=trainer,
-        rollout=recipe.rollout + extra.get("rollout", []),
-        gateway=recipe.gateway + extra.get("gateway", []),
-        envs=recipe.envs + extra.get("envs", []),
+        rollout=rollout,
+        gateway=gateway,
+        envs=envs,
         num_pods=opts.num_pods or recipe.num_pods,
         steps=steps,
         trainer_threads=recipe.trainer_threads,
@@ -378,6 +407,7 @@ def run_plan(plan: StackPlan, resume: bool = False) -> dict:
     if resume and os.getcwd() != plan.cwd:
         os.chdir(plan.cwd)  # the run's relative paths (its flags, its agents' own) mean what they meant
     check_trainer_flags([*plan.trainer, *steps], plan.model, plan.agent)
+    check_service_flags(plan.model, plan.rollout, plan.gateway, plan.envs, plan.agents)
     gpus = gpu_placement(plan)
     if resume:
         assert plan.run_dir is not None

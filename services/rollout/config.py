@@ -7,9 +7,10 @@ flag is dotted and unknown flags are errors.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from molt.config import GuardedServerConfig, ModelConfig, Section, parse_settings, port_range
 
@@ -71,6 +72,24 @@ class VllmKnobs(Section):
     mamba_ssm_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Dtype of recurrent (Mamba2 / GDN) state caches. float32 keeps a long rollout's log-probs close to the
     trainer's fp32 recompute; auto: the model's dtype."""
+    compilation_config: dict[str, Any] | None = None
+    """A JSON object passed to vLLM's CompilationConfig (e.g. '{"cudagraph_mode": "FULL_DECODE_ONLY"}'); its
+    keys are checked by vLLM when the engine is built. Unset: vLLM's defaults."""
+
+    @field_validator("compilation_config", mode="before")
+    @classmethod
+    def _json_object(cls, v: Any) -> Any:
+        # From the command line or MOLT_VLLM__COMPILATION_CONFIG it is JSON text; from Helm values an object.
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc.msg} at character {exc.pos})") from None
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(
+                'must be a JSON object of vLLM CompilationConfig fields, e.g. \'{"cudagraph_mode": "NONE"}\''
+            )
+        return v
 
 
 class RolloutSettingsBlock(Section):

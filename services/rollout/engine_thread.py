@@ -335,6 +335,8 @@ class EngineThread:
         for name in (*unset_is_vllms, "mm_encoder_attn_backend", "gdn_prefill_backend"):  # unset: vLLM decides
             if getattr(k, name) not in (None, ""):  # Molt's scripts pass an empty value for "vLLM's choice"
                 args[name] = getattr(k, name)
+        if k.compilation_config:
+            args["compilation_config"] = k.compilation_config
         if k.mtp_num_speculative_tokens:
             args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k.mtp_num_speculative_tokens}
         if on_cpu and k.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):

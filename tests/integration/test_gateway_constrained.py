@@ -52,9 +52,12 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
     # an empty backend is vLLM's own choice.
     engine = ["--vllm.block_size", "32", "--vllm.enable_chunked_prefill", "--vllm.mamba_ssm_cache_dtype", "float32"]
     engine += ["--vllm.attention_backend", "", "--vllm.disable_custom_all_reduce"]
+    engine += ["--vllm.compilation_config", '{"backend": "eager", "cudagraph_mode": "NONE"}']
     logs = tmp_path_factory.mktemp("gw")
     with pod_and_gateway(tiny_qwen3, logs, redis_url, "gateway-constrained", pod={"extra": engine}) as started:
         url, pod_url, stream = started
+        # vLLM prints the config it was built with: the JSON object reached its CompilationConfig.
+        assert "'backend': 'eager'" in (logs / "pod.log").read_text()
         yield {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream, "model": ChatModel(tiny_qwen3)}
 
 

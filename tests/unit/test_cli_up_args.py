@@ -123,11 +123,11 @@ def test_molt_export_names_a_missing_folder_and_a_folder_without_checkpoints(tmp
 def test_runs_started_in_the_same_second_get_their_own_default_folders(monkeypatch, tmp_path):
     from molt.stack import up
 
-    monkeypatch.setattr(up, "ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(up.time, "strftime", lambda fmt: "20261205-090000")
     first, second = up.default_run_dir("tiny"), up.default_run_dir("tiny")
     assert (first.name, second.name) == ("tiny-20261205-090000", "tiny-20261205-090000-2")
-    assert first.is_dir() and second.is_dir()
+    assert first.is_dir() and second.is_dir() and first.parent == tmp_path / "runs"  # the working directory's
 
 
 @pytest.mark.parametrize("command", [["up"], ["train-rl", "--dry-run"]])
@@ -159,3 +159,31 @@ def test_a_bad_trainer_flag_is_one_line_before_the_model_is_built(tmp_path, monk
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--train.bogus" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("service", "flags", "expected"),
+    [
+        ("rollout", ["--vllm.block_size", "big"], "molt (the pods' flags): error: --vllm.block_size: Input should"),
+        ("gateway", ["--session.bogus", "1"], "molt (the gateway's flags): error: unknown flag(s): --session.bogus"),
+        ("envs", ["--envs.max_concurrency", "0"], "molt (the env workers' flags): error: --envs.max_concurrency"),
+    ],
+)
+def test_a_bad_service_flag_of_set_is_one_line_before_the_model_is_built(
+    tmp_path, monkeypatch, capsys, service, flags, expected
+):
+    """`molt up --set SERVICE ...`: each service's own parse and checks run before anything starts, so a bad value
+    is not found by a pod or the gateway exiting once Redis and the trainer are up."""
+    from molt.stack import up
+
+    def no_build(*_):
+        raise AssertionError("the model was built before the services' flags were checked")
+
+    monkeypatch.setattr(up, "build_model", no_build)
+    monkeypatch.setattr(up, "check_redis", lambda url: None)
+    opts = up.UpOptions(recipe="smollm2", run_dir=tmp_path / "run", extra={service: flags})
+    with pytest.raises(SystemExit) as exc:
+        up.run_stack(opts)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected), err

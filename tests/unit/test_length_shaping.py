@@ -103,7 +103,10 @@ def test_bad_values_are_refused_with_the_flag_before_training(flags, message):
 
 def test_molt_train_rl_dry_run_refuses_a_bad_value_in_one_line(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
-    flags = "--actor.model_name_or_path /m --train.agent_path agent.py --data.prompt_dataset p.jsonl "
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # the dry run checks what a real run checks first
+    (tmp_path / "agent.py").write_text("")
+    flags = "--actor.model_name_or_path m --train.agent_path agent.py --data.prompt_dataset p.jsonl "
     flags += "--reward.stop_properly_penalty_coef 2"
     r = subprocess.run(
         [sys.executable, "-m", "molt.cli", "train-rl", "--dry-run", *flags.split()],

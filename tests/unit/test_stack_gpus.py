@@ -122,6 +122,7 @@ def test_each_service_is_started_with_its_gpus(tmp_path, monkeypatch):
 
     monkeypatch.setattr(up, "check_redis", lambda url: None)
     monkeypatch.setattr(up, "check_trainer_flags", lambda *a: None)
+    monkeypatch.setattr(up, "check_service_flags", lambda *a: None)
     monkeypatch.setattr(up, "launch", launch)
     monkeypatch.setattr(up, "settle", settle)
     monkeypatch.setattr(up, "start_on_free_ports", lambda sup, n, make, ready: (launch(sup, make, [9000]), [9000]))

@@ -240,6 +240,30 @@ def test_a_bad_trainer_flag_stops_train_rl_before_anything_starts(tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_pod_flag_stops_train_rl_before_anything_starts(tmp_path, capsys):
+    """The pods' flags get their own service's parse and checks, in the dry run as in a real run: before, a bad
+    --vllm.* value passed the dry run and ended a pod after Redis and the trainer had started."""
+    from molt import cli
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "agent.py").write_text("")
+    (tmp_path / "p.jsonl").write_text('{"input": "q"}\n')
+    argv = [
+        *("--actor.model_name_or_path", str(tmp_path / "model"), "--train.agent_path", str(tmp_path / "agent.py")),
+        *("--data.prompt_dataset", str(tmp_path / "p.jsonl"), "--vllm.compilation_config", "FULL_DECODE_ONLY"),
+    ]
+    for own in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as stop:
+            cli.train_rl([*own, *argv])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "molt (the pods' flags): error: --vllm.compilation_config FULL_DECODE_ONLY: not JSON (Expecting value "
+            "at character 0)"
+        ]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_bad_trainer_flag_stops_the_stack_before_anything_starts(tmp_path, capsys):
     from molt.stack.up import StackPlan, run_plan
 

@@ -225,6 +225,26 @@ def test_vllm_kernel_choices_reach_the_pods():
         _route("--fsdp.bf16_master_weights")
 
 
+def test_vllm_compilation_config_reaches_the_pods_as_an_object(capsys):
+    """Molt after 0.1.6 takes --vllm.compilation_config as JSON (vLLM's CompilationConfig); so do the pods, from
+    the command line, the environment and Helm values (an object there)."""
+    cc = '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}'
+    r = _route("--vllm.compilation_config", cc)
+    assert r.rollout[-2:] == ["--vllm.compilation_config", cc]
+    v = parse_settings(RolloutSettings, r.rollout, prog="rollout").vllm
+    assert v.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
+    env = {"MOLT_VLLM__COMPILATION_CONFIG": '{"mode": 0}'}
+    assert parse_settings(RolloutSettings, [], prog="rollout", environ=env).vllm.compilation_config == {"mode": 0}
+    helm = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", "--vllm.compilation_config", cc]
+    values = tr.helm_values(tr.route(helm, "helm"))
+    assert values["rollout"]["extraArgs"][-2:] == ["--vllm.compilation_config", cc]
+    assert RolloutSettings.model_validate({"vllm": {"compilation_config": {"mode": 0}}}).vllm.compilation_config
+    for bad, why in (("{mode: 0}", "not JSON"), ("[1, 2]", "must be a JSON object")):
+        with pytest.raises(SystemExit):
+            parse_settings(RolloutSettings, ["--vllm.compilation_config", bad], prog="rollout")
+        assert f"--vllm.compilation_config {bad}: {why}" in capsys.readouterr().err
+
+
 # The name of every option of Molt 0.1.6's `python -m molt.cli.train_rl_ray` (its argparse parser).
 MOLT_0_1_6_FLAGS = (
     "actor.aux_loss_coef actor.dual_clip actor.entropy_coef actor.eps_clip_low_high actor.freeze_moe_router "
