@@ -267,6 +267,26 @@ def _bool_value(raw: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {raw!r}")
 
 
+# Names other frameworks give Molt's learning rate (OpenRLHF's --actor_learning_rate, TRL's learning_rate).
+_LEAF_ALIASES = {"lr": "adam.lr", "learning_rate": "adam.lr"}
+
+
+def suggest_flag(name: str, known: typing.Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The flag an unknown dotted ``name`` most likely meant (both without dashes), or None. A known flag with
+    the same last part in another section comes first (--train.save_steps: --ckpt.save_steps), then the
+    learning rate's other names, then the closest spelling."""
+    known = sorted(known)
+    section, _, leaf = name.rpartition(".")
+    leaf = _LEAF_ALIASES.get(leaf, leaf)
+    same = [k for k in known if k == leaf or k.endswith("." + leaf)]
+    if same:  # several sections have it (train.seed, vllm.seed): the one nearest in spelling, actor's first
+        near = difflib.get_close_matches(name, same, n=1, cutoff=0.0)
+        ours = [k for k in same if k.startswith(section + ".")] or [k for k in same if k.startswith("actor.")]
+        return (ours or near or same)[0]
+    match = difflib.get_close_matches(name, known, n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a: Any, known: list[str], **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -278,8 +298,8 @@ class _Parser(argparse.ArgumentParser):
             bad = [t for t in message.split(":", 1)[1].split() if t.startswith("--")]
             hints = []
             for flag in bad:
-                match = difflib.get_close_matches(flag.split("=")[0], self._known, n=1, cutoff=0.5)
-                hints.append(f"{flag}: did you mean {match[0]}?" if match else f"{flag}: no such flag")
+                match = suggest_flag(flag.split("=")[0][2:], [k[2:] for k in self._known], cutoff=0.5)
+                hints.append(f"{flag}: did you mean --{match}?" if match else f"{flag}: no such flag")
             if hints:
                 message = "unknown flag(s): " + "; ".join(hints)
         # One line, not argparse's usage first: a service's usage runs to hundreds of lines and buries the error.

@@ -15,7 +15,6 @@ launch scripts against it.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from molt.config import suggest_flag
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
@@ -262,8 +262,8 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             if name == "train.full_determinism_enable" and _true(values):  # as Molt: vLLM's engine in-process
                 r.rollout += ["--vllm.multiprocessing", "false"]
         else:
-            match = difflib.get_close_matches(name, sorted(every), n=1, cutoff=0.6)
-            errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match[0]}?" if match else ""))
+            match = suggest_flag(name, every)
+            errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match}?" if match else ""))
     errors += _combination_errors(r.raw)
     if not r.model:
         errors.append("--actor.model_name_or_path is required: a local HF model directory")

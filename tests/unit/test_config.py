@@ -132,3 +132,23 @@ def test_short_flags_expand_only_where_the_target_exists():
         model: str = ""  # a flag of its own: left alone
 
     assert parse_settings(Push, ["--model", "/m"], environ={}).model == "/m"
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("actor.learning_rate", "actor.adam.lr"),  # OpenRLHF's and TRL's name
+        ("train.lr", "actor.adam.lr"),
+        ("critic.lr", "critic.adam.lr"),
+        ("train.save_steps", "ckpt.save_steps"),  # the right name in another section
+        ("rollout.temperatur", "rollout.temperature"),  # a typo
+        ("algo.advantage.estimtor", "algo.advantage.estimator"),
+        ("nothing.like_it_at_all", None),
+    ],
+)
+def test_an_unknown_flag_is_told_the_one_it_most_likely_meant(typed, meant):
+    from molt.config import iter_fields, suggest_flag
+    from services.trainer.config import TrainerSettings
+
+    known = [d for d, _, _ in iter_fields(TrainerSettings)]
+    assert suggest_flag(typed, known) == meant
