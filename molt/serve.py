@@ -4,7 +4,8 @@
 ``molt-X listening on http://HOST:PORT``), serve with uvicorn (uvloop, httptools) behind the slow-client
 guard (molt/serve_guard.py) and, but for the gateway, the request-body limit (molt/body_limit.py), print
 ``molt-X ready http://HOST:PORT`` once the app's start-up has run (then ``/readyz`` is the live answer), and on
-SIGTERM drain, then shut down gracefully and exit 0. A second SIGTERM, or SIGINT, stops at once.
+SIGTERM drain, then shut down gracefully and exit 0. SIGINT skips the drain; a second signal, or SIGINT during
+a drain, stops at once.
 
 ``wait_ready`` is the one way a supervisor (``molt up``), a test or a bench waits for a service: its
 ``/readyz`` answering 200 (``start_service`` starts one on a kernel-chosen port and waits for it).
@@ -369,7 +370,8 @@ class _Server(uvicorn.Server):
 
 
 def _signal_handling(srv: uvicorn.Server, drain: Drain | None) -> Callable[[int], None]:
-    """SIGTERM: drain, then the graceful shutdown; again, or SIGINT: now."""
+    """SIGTERM: drain, then the graceful shutdown. SIGINT: the graceful shutdown without the drain. A second
+    signal of either kind, or SIGINT during a drain (someone at the terminal wants out): now."""
     draining: list[asyncio.Task] = []
 
     async def drain_then_exit() -> None:
@@ -380,7 +382,7 @@ def _signal_handling(srv: uvicorn.Server, drain: Drain | None) -> Callable[[int]
 
     def on_signal(sig: int) -> None:
         if sig == signal.SIGINT:
-            srv.force_exit = bool(srv.should_exit)
+            srv.force_exit = bool(srv.should_exit or draining)
             srv.should_exit = True
         elif drain is not None and not draining:
             draining.append(asyncio.get_running_loop().create_task(drain_then_exit()))

@@ -221,11 +221,16 @@ def _image_token_id(path: Path) -> int | None:
 
 
 def _max_positions(path: Path) -> int | None:
+    """The model's context in positions. A vision-language config keeps it in its language model's section
+    (``text_config``, as vLLM reads it), not at the top."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return cfg.get("max_position_embeddings")
+    for section in (cfg, cfg.get("text_config"), cfg.get("llm_config")):
+        if isinstance(section, dict) and isinstance(section.get("max_position_embeddings"), int):
+            return section["max_position_embeddings"]
+    return None
 
 
 # ---- canonical messages

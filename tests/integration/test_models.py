@@ -68,3 +68,17 @@ def test_chat_template_appends_only(tiny_qwen3):
         assert text.startswith(prev)
         prev = text
     assert '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call><|im_end|>' in prev
+
+
+def test_the_cli_seed_and_no_tie_reach_the_model(tmp_path):
+    """README names `--seed N` and `--no-tie`: the command line, not only build_tiny, honours them."""
+    import json
+
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    for name, extra in (("base", []), ("other", ["--seed", "1", "--no-tie"])):
+        cmd = [sys.executable, "-m", "molt.models", "tiny", "--out", str(tmp_path / name), *extra]
+        subprocess.run(cmd, check=True, env=env)
+    base, other = (json.loads((tmp_path / n / "config.json").read_text()) for n in ("base", "other"))
+    assert base["tie_word_embeddings"] is True and other["tie_word_embeddings"] is False
+    weights = [(tmp_path / n / "model.safetensors").read_bytes() for n in ("base", "other")]
+    assert weights[0] != weights[1]

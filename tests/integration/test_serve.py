@@ -72,3 +72,41 @@ def test_a_sigterm_the_moment_a_service_listens_is_a_clean_stop():
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
         assert proc.returncode == 0, out
+
+
+SLOW_APP = """
+import asyncio
+from molt.config import ServerConfig
+from molt.serve import serve
+import tests.gateway_testlib as t
+
+async def app(scope, receive, send):
+    if scope["type"] == "http" and scope["path"] == "/slow":  # a turn still running when the signal comes
+        await asyncio.sleep(60)
+    await t._instant_pod(scope, receive, send)
+
+serve("draining", app, ServerConfig(log_level="warning"), drain=lambda: asyncio.sleep(60))
+"""
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_during_a_drain_stops_at_once(tmp_path, second):
+    """SIGTERM starts the drain (here one that would last a minute, as open sessions can, with a request in
+    flight); a second SIGTERM, or a Ctrl-C, ends the process at once with status 0 instead of waiting for them."""
+    import threading
+    import time
+
+    proc, url = start_service([sys.executable, "-c", SLOW_APP], log_path=tmp_path / "d.log", cwd=ROOT)
+    slow = threading.Thread(target=lambda: httpx.get(f"{url}/slow", timeout=90), daemon=True)
+    try:
+        slow.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None  # draining
+        sent = time.monotonic()
+        proc.send_signal(second)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - sent < 5
+    finally:
+        stop(proc)
