@@ -197,6 +197,8 @@ class Controller:
         trained = {d.trajectory.trajectory_id for d in self.uncommitted}
         repeats = [d for d in deliveries if d.trajectory.trajectory_id in trained]
         self.uncommitted.extend(repeats)
+        if repeats:
+            self.metrics["molt_trainer_trajectories_total"].labels("already_trained").inc(len(repeats))
         deliveries = [d for d in deliveries if d.trajectory.trajectory_id not in trained]
         unwanted = [d for d in deliveries if not self._wanted(d.trajectory.group_id)]
         for d in deliveries:

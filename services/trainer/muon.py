@@ -2,8 +2,9 @@
 
 The parameters are split as Molt splits them (after NeMo AutoModel's grouping): 2-D weight matrices go to
 Muon (``--muon.lr``, ``momentum``, ``weight_decay`` (unset: the AdamW one), ``ns_steps``, ``nesterov``);
-embeddings to AdamW at the AdamW learning rate without weight decay; the output head (``lm_head``) to AdamW at
-``muon.lr / sqrt(fan_in)`` without weight decay; biases, norms and other tensors to AdamW with ``--adam.*``.
+embeddings to AdamW at the AdamW learning rate without weight decay; the output head (``lm_head``, and a gae
+critic's ``value_head``) to AdamW at ``muon.lr / sqrt(fan_in)`` without weight decay; biases, norms and other
+tensors to AdamW with ``--adam.*``.
 
 The Muon update is ``torch.optim.Muon``'s (momentum as an EMA, Nesterov, Keller Jordan's quintic Newton-Schulz
 coefficients, the step scaled by ``sqrt(max(1, rows / cols))``) with two differences: each matrix is
@@ -41,7 +42,7 @@ def param_groups(model: nn.Module, cfg) -> tuple[list[dict[str, Any]], list[dict
         owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
         if isinstance(owner, nn.Embedding):
             embed.append(p)
-        elif "lm_head" in name:
+        elif "lm_head" in name or name == "value_head.weight":  # the policy's output head, or the critic's
             head.append(p)
         elif name.endswith("bias") or p.ndim < 2:
             vector.append(p)

@@ -327,3 +327,19 @@ def test_env_worker_image_holds_every_agent_the_deployments_name():
         assert (ROOT / src / image_path.relative_to(dst)).is_file(), agent
         assert f"!{agent.split('/')[0]}/" in ignore, f"{agent}: left out of the build context"
     assert not any(Path(workdir, "molt/__init__.py").is_relative_to(dst) for dst, _ in copies)
+
+
+def test_gpu_shm_and_rank_knobs_have_their_documented_defaults_and_overrides(compose):
+    """docs/deploy.md: GPU 0 for the pod, GPU 1 and one rank for the trainer, /dev/shm 16gb / 32gb; with
+    MOLT_TRAINER_GPU_IDS=1,2,3 MOLT_TRAINER_GPUS=3 the trainer reserves those GPUs and runs three ranks (Docker
+    joins a device request's ids with commas for the NVIDIA runtime, so one "1,2,3" entry names three GPUs)."""
+
+    def gpus(c: dict, name: str) -> list[str]:
+        return c["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+
+    services = compose["services"]
+    assert (gpus(compose, "rollout"), gpus(compose, "trainer")) == (["0"], ["1"])
+    assert (services["rollout"]["shm_size"], services["trainer"]["shm_size"]) == ("16gb", "32gb")
+    assert "--nproc-per-node=1" in services["trainer"]["command"]
+    wide = tools.load_compose({**ENV, "MOLT_TRAINER_GPU_IDS": "1,2,3", "MOLT_TRAINER_GPUS": "3"})
+    assert gpus(wide, "trainer") == ["1,2,3"] and "--nproc-per-node=3" in wide["services"]["trainer"]["command"]
