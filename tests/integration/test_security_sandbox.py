@@ -61,6 +61,24 @@ if __import__("platform").machine() == "x86_64":
         assert "x32 -1 1" in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the i386 ABI is x86_64's foreign one")
+async def test_the_i386_abi_and_memfd_secret_are_refused():
+    """An `int 0x80` call enters the kernel through the i386 ABI, whose syscall numbers the filter does not list
+    (i386 getpid is 20, x86_64's 20 is writev): the arch check refuses it whole. Outside the sandbox the same
+    code gets its pid and memfd_secret a file descriptor."""
+    code = r"""
+import ctypes, mmap
+buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+buf.write(b"\xb8\x14\x00\x00\x00\xcd\x80\xc3")  # mov eax, 20 (i386 getpid); int 0x80; ret
+print("i386", ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))())
+libc = ctypes.CDLL(None, use_errno=True)
+print("memfd_secret", libc.syscall(447, 0), ctypes.get_errno())
+"""
+    r = await run_python(code, timeout_s=20)
+    assert r.exit_code == 0, r.as_observation()
+    assert r.stdout.splitlines() == ["i386 -1", "memfd_secret -1 1"], r.stdout
+
+
 async def test_ordinary_tool_code_still_runs_under_the_filter():
     code = r"""
 import os, subprocess, threading, numpy

@@ -421,6 +421,28 @@ async def test_open_session_asks_again_after_a_503():
     assert err.value.status == 400 and not answers  # not asked again
 
 
+async def test_open_session_asks_again_when_the_gateway_refuses_the_connection():
+    """A gateway restarting refuses connections: nothing was opened, so the client asks again (after a second),
+    within open_retry_s; past it the refusal is raised."""
+    fake = FakeGateway()
+    inner = httpx.ASGITransport(app=fake.app)
+    refusals = [1]
+
+    class Restarting(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            if refusals:
+                refusals.pop()
+                raise httpx.ConnectError("connection refused", request=request)
+            return await inner.handle_async_request(request)
+
+    client = GatewayClient("http://fake", transport=Restarting(), open_retry_s=5.0)
+    s = await client.open_session(group_id="g")
+    assert s.id in fake.sessions and not refusals
+    refusals[:] = [1]
+    with pytest.raises(httpx.ConnectError):
+        await GatewayClient("http://fake", transport=Restarting(), open_retry_s=0.5).open_session(group_id="g")
+
+
 async def test_tensor_and_numpy_info_values_reach_the_trajectory_as_scalars():
     import numpy as np
     import torch
