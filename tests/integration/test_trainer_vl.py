@@ -116,6 +116,8 @@ def _step(model, trajectories, freeze: bool):
     info = init_distributed()
     try:
         learner = Learner(s, info)
+        # Shared-prefix packing (on by default) is off for a VL policy: images need the plain token layout.
+        assert s.train.pack_shared_prefix and learner.packing is False
         samples = [x for t in trajectories for x in samples_from_trajectory(t, s.data.max_len, learner.vision)]
         before = {k: v.clone() for k, v in full_state_dict(learner.actor).items()}
         learner.train_step(samples)  # its experience pass stores the pre-step logprobs as old_logp

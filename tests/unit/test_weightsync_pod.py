@@ -329,6 +329,31 @@ async def test_gloo_refused_begin_does_not_wedge_the_group():
         core.close()
 
 
+async def test_status_walks_receiving_staged_applying_idle():
+    """Status's state, as docs/weightsync.md lists it, through one sync: the engine's load is held open to read
+    "applying" while it runs."""
+    loading, release = asyncio.Event(), asyncio.Event()
+
+    class SlowEngine(FakeEngine):
+        async def apply_weights(self, tensors, version, keep, replace=False):
+            loading.set()
+            await release.wait()
+            return await super().apply_weights(tensors, version, keep, replace)
+
+    core = WeightSyncCore(SlowEngine(_state(0)))
+    layout, tensors = await _begin(core, _state(1), 1)
+    assert core.status()["state"] == "receiving"
+    await core.push(_chunks(_decoded(layout, tensors, "s1")))
+    assert core.status()["state"] == "staged"
+    commit = asyncio.ensure_future(core.commit("s1", 1))
+    await loading.wait()
+    assert core.status()["state"] == "applying"
+    release.set()
+    await commit
+    assert core.status()["state"] == "idle" and core.status()["version"] == 1
+    core.close()
+
+
 async def test_abort_drops_the_pending_sync():
     engine = FakeEngine(_state(0))
     core = WeightSyncCore(engine)
