@@ -3,7 +3,8 @@
 Pushes a saved model dir's weights to running rollout pods over the weight-sync path the trainer
 uses (operators roll a fleet back to a checkpoint with it). The pods' gRPC port is the rollout
 service's ``--grpc.port`` (shown on its ``/readyz``). Without ``--version`` the weights become
-version max(pod versions) + 1. Exits 0 when every pod committed, 1 otherwise (the report says why).
+version max(pod versions) + 1. Exits 0 when every pod committed, 1 otherwise (the report says why), 2 with one error
+line and no report when a pod cannot be reached or refuses the token.
 The pods' weight-sync token comes from ``MOLT_WEIGHTS_TOKEN`` (as for the trainer; never a flag).
 """
 
