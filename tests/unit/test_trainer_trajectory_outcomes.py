@@ -1,6 +1,7 @@
 """The trainer's ``molt_trainer_trajectories_total{outcome}`` counter beyond trained/invalid: a pending entry the
-checkpoint already trained is counted ``already_trained``, a rollout of another run ``not_this_run``, and a group
-dropped by dynamic filtering ``filtered`` (docs/trainer.md, Observability)."""
+checkpoint already trained, or a repeat of one trained in a step not durable yet, is counted ``already_trained``,
+a rollout of another run ``not_this_run``, and a group dropped by dynamic filtering ``filtered`` (docs/trainer.md,
+Observability)."""
 
 from __future__ import annotations
 
@@ -9,34 +10,13 @@ import asyncio
 import numpy as np
 
 from molt.bus.memory import MemoryTrajectoryQueue
-from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
-from services.trainer.config import TrainerSettings
 from services.trainer.controller import Controller
-from services.trainer.metrics import trainer_metrics
+from tests.unit.test_trainer_controller import _controller
 
 
 def _traj(tid: str, group: str, sample: int, reward: float) -> Trajectory:
     return Trajectory(tid, group, sample, [Segment([1, 2, 3], [[1, 3]], [-1.0, -1.0], np.zeros(2))], reward)
-
-
-def _controller(queue, *flags) -> Controller:
-    s = parse_settings(
-        TrainerSettings,
-        [
-            "--actor.model_name_or_path",
-            "m",
-            "--train.dispatch",
-            "false",
-            "--rollout.n_samples_per_prompt",
-            "2",
-            "--train.read_block_s",
-            "0.01",
-            *flags,
-        ],
-        environ={},
-    )
-    return Controller(s, queue, trainer_metrics())
 
 
 def _count(c: Controller, outcome: str) -> float:
