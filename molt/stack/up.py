@@ -316,9 +316,14 @@ def check_service_flags(
     from services.rollout.config import RolloutSettings
     from services.rollout.config import validate_settings as pod_checks
 
+    def pod_as_started(s: RolloutSettings) -> None:
+        # run_plan hands every pod a weights token, which this process lacks: weight changes stay guarded on
+        # any --server.host, so that rule is met here as it will be there.
+        pod_checks(s.model_copy(update={"weights": s.weights.model_copy(update={"allow_unauthenticated": True})}))
+
     local = "http://127.0.0.1:1"
     pod = ["--model.path", str(model), *rollout]
-    parse_settings(RolloutSettings, pod, prog="molt (the pods' flags)", validate=pod_checks)
+    parse_settings(RolloutSettings, pod, prog="molt (the pods' flags)", validate=pod_as_started)
     gw = ["--model.path", str(model), "--rollout.urls", local, *gateway_context_args(rollout), *gateway]
     parse_settings(GatewaySettings, gw, prog="molt (the gateway's flags)", validate=gateway_checks)
     named = [f"{name}={path}" for name, path in agents.items()]

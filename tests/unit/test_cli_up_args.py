@@ -187,3 +187,18 @@ def test_a_bad_service_flag_of_set_is_one_line_before_the_model_is_built(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(expected), err
+
+
+def test_the_pods_check_sees_the_weights_token_molt_up_hands_them(tmp_path, monkeypatch):
+    """run_plan gives every pod a weights token this process lacks: a pod opened to the network with
+    --server.allow_unauthenticated (generation) passes the check, as it starts; without it the check refuses."""
+    from molt.stack import up
+
+    monkeypatch.delenv("MOLT_WEIGHTS_TOKEN", raising=False)
+    monkeypatch.delenv("MOLT_INTERNAL_TOKEN", raising=False)
+    agent = tmp_path / "a.py"
+    agent.write_text("")
+    exposed = ["--server.host", "0.0.0.0"]
+    up.check_service_flags(tmp_path, [*exposed, "--server.allow_unauthenticated"], [], [], {"a": agent})
+    with pytest.raises(SystemExit):
+        up.check_service_flags(tmp_path, exposed, [], [], {"a": agent})
