@@ -67,6 +67,20 @@ async def test_push_model_dir_to_pod(tmp_path, capsys):
     assert all(torch.equal(engine.loaded[n], t) for n, t in tensors.items())
 
 
+async def test_frozen_tensors_are_not_sent_and_the_pod_keeps_its_own(tmp_path, capsys):
+    """--frozen NAME (docs/weightsync.md): e.g. a frozen MoE router; the pod is told to keep its copy."""
+    tensors = _model_dir(tmp_path, tie=False)
+    engine = _Engine(tensors)
+    server, port = await start_weightsync_server(engine, "127.0.0.1", 0)
+    argv = ["--model", str(tmp_path), "--pods", f"127.0.0.1:{port}", "--frozen", "model.norm.weight"]
+    try:
+        code = await asyncio.to_thread(push.main, argv)
+    finally:
+        await server.stop(0)
+    assert code == 0 and json.loads(capsys.readouterr().out)["ok"]
+    assert sorted(engine.loaded) == ["lm_head.weight", "model.embed_tokens.weight"]
+
+
 def test_tied_config_drops_lm_head(tmp_path):
     _model_dir(tmp_path, tie=True)
     tensors, tie = push.load_model_dir(tmp_path)
