@@ -4,33 +4,15 @@ the Muon group, embeddings, norms and biases with AdamW), while the actor keeps 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from molt.config import parse_settings
-from molt.schema import Segment, Trajectory
-from services.trainer.batch import samples_from_trajectory
 from services.trainer.config import TrainerSettings, validate_settings
 from services.trainer.learner import Learner
 from services.trainer.model import DistInfo
 from services.trainer.muon import MuonAdamW
-
-
-def _samples():
-    """Four one-segment trajectories in two groups of two, rewards 0 and 1 in each (as test_trainer_algos)."""
-    rng = np.random.default_rng(0)
-    trajs = [
-        Trajectory(
-            f"t{i}",
-            f"g{i // 2}",
-            i % 2,
-            [Segment(rng.integers(3, 1000, 9 + i), [[4, 9 + i]], -rng.uniform(0.5, 3, 5 + i), np.zeros(5 + i, int))],
-            float(i % 2),
-        )
-        for i in range(4)
-    ]
-    return [x for t in trajs for x in samples_from_trajectory(t, 100)]
+from tests.integration.test_trainer_algos import _samples
 
 
 @pytest.fixture(scope="module")
