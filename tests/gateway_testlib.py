@@ -145,12 +145,12 @@ def scripted_gateway(model, script: Script, pods: list[str], **sections: dict) -
     return app, fake, http
 
 
-def queued_gateway(model, pods: list[str]) -> tuple:
+def queued_gateway(model, pods: list[str], **sections: dict) -> tuple:
     """``scripted_gateway`` whose pod answers the next text a test puts in the queue (then "Done."):
-    (app, the FakePods, the queue, an httpx client over ASGI)."""
+    (app, the FakePods, the queue, an httpx client over ASGI). ``sections``: as scripted_gateway's."""
     queue: list[str] = []
     app, fake, http = scripted_gateway(
-        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), pods
+        model, lambda prompt, sp: model.encode(queue.pop(0) if queue else "Done.<|im_end|>"), pods, **sections
     )
     return app, fake, queue, http
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -127,6 +127,13 @@ class FetchConfig(Section):
     addresses are all public (loopback, private and link-local ones, cloud metadata included, are refused)."""
 
 
+class WireConfig(FetchConfig):
+    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
+    """Field of an OpenAI chat reply (and of its stream's deltas) that holds the think block:
+    ``reasoning_content`` as DeepSeek's API and SGLang name it, or ``reasoning`` as vLLM's server names it
+    since it deprecated ``reasoning_content``. Only one is sent: a client that reads both would show it twice."""
+
+
 class GatewaySettings(Section):
     """OpenAI/Anthropic-compatible gateway that records token-exact trajectories to a Redis stream."""
 
@@ -139,7 +146,7 @@ class GatewaySettings(Section):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     session: SessionConfig = Field(default_factory=SessionConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
-    gateway: FetchConfig = Field(default_factory=FetchConfig)
+    gateway: WireConfig = Field(default_factory=WireConfig)
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:

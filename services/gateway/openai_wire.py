@@ -257,12 +257,19 @@ def _usage(results: list[TurnResult]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_response(results: list[TurnResult], req: ChatRequest, model: ChatModel, model_name: str) -> dict:
+def chat_response(
+    results: list[TurnResult],
+    req: ChatRequest,
+    model: ChatModel,
+    model_name: str,
+    reasoning_field: str = "reasoning_content",
+) -> dict:
+    """``reasoning_field``: the message's field for the think block (``--gateway.reasoning_field``)."""
     choices = []
     for i, r in enumerate(results):
         msg: dict[str, Any] = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
         if r.reasoning:
-            msg["reasoning_content"] = r.reasoning
+            msg[reasoning_field] = r.reasoning
         if r.tool_calls:
             msg["tool_calls"] = r.tool_calls
         choices.append(
@@ -295,9 +302,15 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 async def chat_stream(
-    task: asyncio.Future, req: ChatRequest, model: ChatModel, model_name: str, state: Any, feed: TextFeed | None = None
+    task: asyncio.Future,
+    req: ChatRequest,
+    model: ChatModel,
+    model_name: str,
+    state: Any,
+    feed: TextFeed | None = None,
+    reasoning_field: str = "reasoning_content",
 ) -> AsyncIterator[bytes]:
-    """SSE: a role chunk at once, then the reasoning (``reasoning_content`` deltas, the non-streamed message's
+    """SSE: a role chunk at once, then the reasoning (deltas in ``reasoning_field``, the non-streamed message's
     field) and the content as the pod generates them (``feed``; without one, once the pod answered), the rest
     (held-back text and reasoning, tool calls, logprobs) and the finish when the turn is done."""
     base = {
@@ -316,7 +329,7 @@ async def chat_stream(
                 continue
             if kind == "reasoning":
                 thought += piece
-            name = "reasoning_content" if kind == "reasoning" else "content"
+            name = reasoning_field if kind == "reasoning" else "content"
             yield _sse({**base, "choices": [{"index": 0, "delta": {name: piece}, "finish_reason": None}]})
     try:
         r: TurnResult = await asyncio.shield(task)
@@ -331,7 +344,7 @@ async def chat_stream(
     # open (the feed holds a tag's possible start). The feed sends the whole block before any text.
     rest = r.reasoning[len(thought) :] if r.reasoning.startswith(thought) else ""
     if rest:
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"reasoning_content": rest}, "finish_reason": None}]})
+        yield _sse({**base, "choices": [{"index": 0, "delta": {reasoning_field: rest}, "finish_reason": None}]})
     if lp is not None and not text:
         yield _sse(
             {**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": lp}, "finish_reason": None}]}

@@ -87,6 +87,7 @@ class Handlers:
         self.keys = [k.encode() for k in gw.settings.auth.api_keys]
         self.max_body = gw.settings.session.max_body_bytes
         self.model_name = gw.settings.served_model_name
+        self.reasoning_field = gw.settings.gateway.reasoning_field
         self.fetcher = ImageFetcher(gw.settings.gateway) if gw.settings.gateway.fetch_images else None
         self.turns: set[asyncio.Task] = set()
 
@@ -420,17 +421,20 @@ class Handlers:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(results[0])
                 return StreamingResponse(
-                    oa.chat_stream(fut, req, self.gw.model, self.model_name, request.state),
+                    oa.chat_stream(
+                        fut, req, self.gw.model, self.model_name, request.state, reasoning_field=self.reasoning_field
+                    ),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                 )
-            return TurnJSON(oa.chat_response(results, req, self.gw.model, self.model_name), results[0].policy_version)
+            body = oa.chat_response(results, req, self.gw.model, self.model_name, self.reasoning_field)
+            return TurnJSON(body, results[0].policy_version)
         s = await self.gw.session(sid, owner)
         if req.stream:
             feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides, first_attempt(request))
             await ready
             return StreamingResponse(
-                oa.chat_stream(done, req, self.gw.model, self.model_name, request.state, feed),
+                oa.chat_stream(done, req, self.gw.model, self.model_name, request.state, feed, self.reasoning_field),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -440,7 +444,8 @@ class Handlers:
         # batch of 64 at once, the last reply left only after all 64 turns had been committed.
         r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
         request.scope["state"]["pod_wait_s"] = r.pod_wait_s
-        return TurnJSON(oa.chat_response([r], req, self.gw.model, self.model_name), r.policy_version)
+        body = oa.chat_response([r], req, self.gw.model, self.model_name, self.reasoning_field)
+        return TurnJSON(body, r.policy_version)
 
     async def completions(self, request: Request) -> Response:
         owner = self.owner(request)
