@@ -98,6 +98,20 @@ def split_list(values: Any) -> Any:
     return [v for item in values for v in str(item).replace(",", " ").split()]
 
 
+def json_object(value: Any, example: str, of_what: str = "") -> Any:
+    """A JSON-object flag for a ``mode="before"`` field validator: JSON text from the command line or an
+    environment variable, an object from a config or Helm values; blank is None. Anything but an object is
+    refused with ``example``, a valid value, in the message (``of_what``: what its keys are)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg} at character {exc.pos})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object{' of ' + of_what if of_what else ''}, e.g. '{example}'")
+    return value
+
+
 def redis_url(url: str) -> str:
     """A URL redis-py connects with (checked by its own parser), or ``memory://`` (the in-process queue of one
     process). A malformed URL is final: waiting for such a Redis to answer could never end well."""

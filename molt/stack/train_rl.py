@@ -81,6 +81,16 @@ NEUTRAL = {
     "data.disable_fast_tokenizer": "false",
 }
 
+# Molt flags that are the gateway's here: it renders every prompt and turn with the model's chat template.
+GATEWAY_FLAGS = {"data.chat_template_kwargs": "gateway.default_chat_template_kwargs"}
+
+# Molt's other spelling of the LoRA flags (train_rl_ray.py's own, beside common_args' --actor.lora.*).
+ALIASES = {
+    "actor.lora_dim": "actor.lora.rank",
+    "actor.lora_alpha": "actor.lora.alpha",
+    "actor.lora_target_modules": "actor.lora.target_modules",
+}
+
 # The trainer's nodes and GPUs: its ranks on a local GPU machine (molt.stack.gpus), Helm's trainer placement.
 TRAINER_PLACEMENT = {"actor.num_nodes", "actor.num_gpus_per_node"}
 WIRING = {"actor.model_name_or_path", "train.agent_path", "vllm.num_engines", "rollout.num_runners"}
@@ -212,13 +222,14 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
     known = trainer_flag_names()
     every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING
-    every |= TRAINER_PLACEMENT
+    every |= TRAINER_PLACEMENT | set(GATEWAY_FLAGS) | set(ALIASES)
     r = Routed()
     errors: list[str] = []
     flags = [
         (name[3:], ["false"]) if name.startswith("no-") and name[3:] in NEGATABLE and not values else (name, values)
         for name, values in split_flags(argv)
     ]
+    flags = [(ALIASES.get(name, name), values) for name, values in flags]
     muon = any(n == "actor.optim" and v[:1] == ["muon"] for n, v in flags)
     for name, values in flags:
         r.raw[name] = values
@@ -245,6 +256,8 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             r.rollout += ["--" + name, *values]
         elif name in PLACEMENT:
             r.notes.append(f"--{name}: {PLACEMENT[name]}")
+        elif name in GATEWAY_FLAGS:
+            r.gateway += ["--" + GATEWAY_FLAGS[name], *values]
         elif name == "actor.num_gpus_per_node" and target == "local" and gpus > 0:
             r.trainer_gpus = _int(name, values)
         elif name in ("actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node"):

@@ -16,6 +16,7 @@ from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings
 from services.gateway.core import Gateway
 from services.gateway.edge import Edge, http_error
+from services.gateway.errors import GatewayError
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import RedisOpenSessions
 from services.gateway.metrics import gateway_metrics
@@ -40,6 +41,13 @@ def build_app(
         if not settings.model.path:
             raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
         model = ChatModel(settings.model.path)
+    if settings.gateway.default_chat_template_kwargs:  # every render's base; a request's own kwargs go over them
+        try:
+            model = model.with_kwargs(
+                settings.gateway.default_chat_template_kwargs, "--gateway.default_chat_template_kwargs"
+            )
+        except GatewayError as exc:
+            raise ValueError(exc.message) from None
     metrics = gateway_metrics()
     rc = settings.rollout
     # Pods guarded by the service token (MOLT_INTERNAL_TOKEN) need it on every generate call.

@@ -203,6 +203,27 @@ def _template_variables(template: str) -> frozenset[str]:
     return frozenset(found - set_by_render - set(DEFAULT_NAMESPACE))
 
 
+def template_variables_in(model_dir: str | Path) -> frozenset[str] | None:
+    """What ``chat_template_kwargs`` may set in a model dir's template, read from its files without loading the
+    tokenizer (start-up checks and dry runs); None when no template is found there. The special tokens the
+    tokenizer's config names are set by every render, as ``ChatModel.template_variables`` leaves them out."""
+    path = Path(model_dir)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one renders chats
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = path / "chat_template.jinja"
+    if jinja.exists():
+        template = jinja.read_text()
+    if not isinstance(template, str):
+        return None
+    special = {k for k in config if k.endswith("_token")} | {"additional_special_tokens"}
+    return _template_variables(template) - special
+
+
 def _files_hash(path: Path, names: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for name in names:

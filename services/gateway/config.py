@@ -7,7 +7,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from molt.config import ModelConfig, RedisConfig, Section, ServerConfig, ServiceUrl, http_url, split_list
+from molt.config import (
+    ModelConfig,
+    RedisConfig,
+    Section,
+    ServerConfig,
+    ServiceUrl,
+    http_url,
+    json_object,
+    split_list,
+)
 
 
 class RolloutClientConfig(Section):
@@ -132,6 +141,15 @@ class WireConfig(FetchConfig):
     """Field of an OpenAI chat reply (and of its stream's deltas) that holds the think block:
     ``reasoning_content`` as DeepSeek's API and SGLang name it, or ``reasoning`` as vLLM's server names it
     since it deprecated ``reasoning_content``. Only one is sent: a client that reads both would show it twice."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Template variables every render sees unless a request's ``chat_template_kwargs`` sets them (vLLM's
+    --default-chat-template-kwargs), a JSON object: '{"enable_thinking": false}' renders Qwen3 without think
+    blocks, session prompts and an env's rendered prompt included. Only variables the template reads."""
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs_object(cls, v: Any) -> Any:
+        return json_object(v, '{"enable_thinking": false}', "chat template variables") or {}
 
 
 class GatewaySettings(Section):
@@ -170,6 +188,17 @@ def validate_settings(settings: GatewaySettings) -> None:
     """The gateway's start-up checks beyond each field's own (``ValueError``), run by --dry-run alike."""
     if not settings.model.path:
         raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
+    defaults = settings.gateway.default_chat_template_kwargs
+    if defaults:
+        from services.gateway.chat import template_variables_in
+
+        reads = template_variables_in(settings.model.path)
+        unknown = sorted(k for k in defaults if reads is not None and k not in reads)
+        if unknown:
+            raise ValueError(
+                f"--gateway.default_chat_template_kwargs: the model's chat template does not read {unknown}; "
+                f"it reads {sorted(reads or ())}"
+            )
 
 
 def _is_loopback(host: str) -> bool:

@@ -7,12 +7,11 @@ flag is dotted and unknown flags are errors.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from molt.config import GuardedServerConfig, ModelConfig, Section, parse_settings, port_range
+from molt.config import GuardedServerConfig, ModelConfig, Section, json_object, parse_settings, port_range
 
 
 class VllmKnobs(Section):
@@ -80,16 +79,7 @@ class VllmKnobs(Section):
     @classmethod
     def _json_object(cls, v: Any) -> Any:
         # From the command line or MOLT_VLLM__COMPILATION_CONFIG it is JSON text; from Helm values an object.
-        if isinstance(v, str):
-            try:
-                v = json.loads(v) if v.strip() else None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not JSON ({exc.msg} at character {exc.pos})") from None
-        if v is not None and not isinstance(v, dict):
-            raise ValueError(
-                'must be a JSON object of vLLM CompilationConfig fields, e.g. \'{"cudagraph_mode": "NONE"}\''
-            )
-        return v
+        return json_object(v, '{"cudagraph_mode": "NONE"}', "vLLM CompilationConfig fields")
 
 
 class RolloutSettingsBlock(Section):

@@ -24,6 +24,8 @@ def known_flags() -> set[str]:
         *train_rl.TRAINER_PLACEMENT,
         *train_rl.MISSING,
         *train_rl.POD_FLAGS,
+        *train_rl.GATEWAY_FLAGS,
+        *train_rl.ALIASES,
     }
     return {"--" + dotted for s in settings for dotted, _, _ in iter_fields(s)} | {"--" + n for n in named}
 
