@@ -27,6 +27,7 @@ import msgspec
 
 from molt.vocab import vocab_fingerprint
 from services.gateway.errors import GatewayError
+from services.gateway.templates import template_variables
 
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -86,7 +87,7 @@ class ChatModel:
         """The template knows think blocks: a reply's think block is its reasoning, not content (thinking.py)."""
         self.template_kwargs: dict[str, Any] = {}
         """A request's ``chat_template_kwargs`` (``with_kwargs``): extra variables every render of it sees."""
-        self.template_variables = _template_variables(self.template) - set(self._template_vars)
+        self.template_variables = template_variables(self.template) - set(self._template_vars)
         """The variables the template reads that the gateway does not set: what ``chat_template_kwargs`` may set."""
 
     def with_kwargs(self, kwargs: Any, param: str = "chat_template_kwargs") -> ChatModel:
@@ -186,42 +187,6 @@ class ChatModel:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip_special)
         assert isinstance(text, str)  # one sequence in, one string out
         return text
-
-
-def _template_variables(template: str) -> frozenset[str]:
-    """The undeclared variables of a jinja template, less the ones every render sets (messages, tools, jinja's
-    and transformers' globals): jinja's own analysis of the source."""
-    import jinja2
-    from jinja2 import meta
-    from jinja2.defaults import DEFAULT_NAMESPACE
-
-    try:
-        found = meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateError:
-        return frozenset()
-    set_by_render = {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
-    return frozenset(found - set_by_render - set(DEFAULT_NAMESPACE))
-
-
-def template_variables_in(model_dir: str | Path) -> frozenset[str] | None:
-    """What ``chat_template_kwargs`` may set in a model dir's template, read from its files without loading the
-    tokenizer (start-up checks and dry runs); None when no template is found there. The special tokens the
-    tokenizer's config names are set by every render, as ``ChatModel.template_variables`` leaves them out."""
-    path = Path(model_dir)
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one renders chats
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    jinja = path / "chat_template.jinja"
-    if jinja.exists():
-        template = jinja.read_text()
-    if not isinstance(template, str):
-        return None
-    special = {k for k in config if k.endswith("_token")} | {"additional_special_tokens"}
-    return _template_variables(template) - special
 
 
 def _files_hash(path: Path, names: tuple[str, ...]) -> str:

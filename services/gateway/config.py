@@ -17,6 +17,7 @@ from molt.config import (
     json_object,
     split_list,
 )
+from services.gateway.templates import template_variables_in
 
 
 class RolloutClientConfig(Section):
@@ -190,8 +191,6 @@ def validate_settings(settings: GatewaySettings) -> None:
         raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
     defaults = settings.gateway.default_chat_template_kwargs
     if defaults:
-        from services.gateway.chat import template_variables_in
-
         reads = template_variables_in(settings.model.path)
         unknown = sorted(k for k in defaults if reads is not None and k not in reads)
         if unknown:

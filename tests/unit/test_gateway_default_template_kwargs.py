@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from molt.config import parse_settings
-from services.gateway.chat import ChatModel, template_variables_in
+from services.gateway.chat import ChatModel
 from services.gateway.config import GatewaySettings, validate_settings
+from services.gateway.templates import template_variables_in
 from tests.gateway_testlib import queued_gateway, thinking_switch_model
 
 PODS = ["http://pod-a:1"]
