@@ -13,6 +13,10 @@ Alignment, per segment (checked on decode, a bad record is rejected with a messa
 - ``logprobs``: float32[A], the rollout logprob of each action token, A = sum of span lengths.
 - ``versions``: int32[A], the policy version that generated each action token.
 - ``routed_experts``: optional int16[T, L, K], MoE top-k expert ids per token and layer (-1: unknown).
+- ``top_ids`` / ``top_logprobs``: optional int32[A, K] / float32[A, K], for each action token (in ``logprobs``'
+  order) the sampler's K most likely tokens, best first, and their logprobs over the whole vocabulary, as the
+  sampled token's ``logprobs`` are (the gateway's --rollout.top_logprobs K; both or neither). A logprob may be
+  -inf (a token the sampling settings rule out); the trainer's score centering reads them.
 - ``images``: the sha256 of each image in the segment, in the order their token runs appear in
   ``token_ids`` (vision-language models; ``token_ids`` holds each image's tokens expanded, exactly as the
   model saw them). The image files themselves are in ``Trajectory.images``, keyed by sha256, stored once
@@ -74,6 +78,10 @@ class Segment:
     routed_experts: np.ndarray | None = None
     images: list[str] = field(default_factory=list)
     """sha256 hex of each image shown in this segment, in token order (keys of Trajectory.images)."""
+    top_ids: np.ndarray | None = None
+    """int32[A, K]: each action token's K most likely tokens under the sampler, best first."""
+    top_logprobs: np.ndarray | None = None
+    """float32[A, K]: their logprobs (the whole vocabulary's normalisation, as ``logprobs``)."""
 
     def __post_init__(self) -> None:
         self.token_ids = _arr(self.token_ids, "<i4")
@@ -82,6 +90,10 @@ class Segment:
         self.versions = _arr(self.versions, "<i4")
         if self.routed_experts is not None:
             self.routed_experts = _arr(self.routed_experts, "<i2")
+        if self.top_ids is not None:
+            self.top_ids = _arr(self.top_ids, "<i4")
+        if self.top_logprobs is not None:
+            self.top_logprobs = _arr(self.top_logprobs, "<f4")
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +152,14 @@ class Segment:
         experts = self.routed_experts
         if experts is not None and (experts.ndim != 3 or experts.shape[0] != t):
             raise SchemaError(f"{where}.routed_experts", f"shape {experts.shape} is not (tokens={t}, layers, top_k)")
+        ids, top = self.top_ids, self.top_logprobs
+        if (ids is None) != (top is None):
+            raise SchemaError(f"{where}.top_ids", "top_ids and top_logprobs come together")
+        if ids is not None and top is not None:
+            if ids.ndim != 2 or ids.shape[0] != a or ids.shape[1] < 1:
+                raise SchemaError(f"{where}.top_ids", f"shape {ids.shape} is not (action tokens={a}, k >= 1)")
+            if top.shape != ids.shape:
+                raise SchemaError(f"{where}.top_logprobs", f"shape {top.shape} is not top_ids' {ids.shape}")
 
     def check_values(self, where: str = "segment") -> None:
         """The value ranges (one numpy reduction each); ``check_values_many`` does a whole batch at once."""
@@ -149,6 +169,11 @@ class Segment:
             raise SchemaError(f"{where}.logprobs", "logprobs must be finite and <= 0")
         if self.versions.min() < 0:
             raise SchemaError(f"{where}.versions", "negative policy version")
+        if self.top_ids is not None and self.top_ids.min() < 0:
+            raise SchemaError(f"{where}.top_ids", "negative token id")
+        top = self.top_logprobs
+        if top is not None and not (top.max() <= 1e-4 and not np.isnan(top).any()):
+            raise SchemaError(f"{where}.top_logprobs", "logprobs must be <= 0 (-inf allowed), never NaN")
 
 
 def _logprobs_ok(lp: np.ndarray) -> bool:
@@ -171,6 +196,12 @@ def check_values_many(segments: list[Segment]) -> bool:
         ints = np.concatenate([a for s in chunk for a in (s.token_ids, s.versions)])
         if ints.min() < 0 or not _logprobs_ok(np.concatenate([s.logprobs for s in chunk])):
             return False
+        if any(s.top_ids is not None for s in chunk):  # rare (--rollout.top_logprobs): checked one by one
+            try:
+                for s in chunk:
+                    s.check_values()
+            except SchemaError:
+                return False
         start, size = k + 1, 0
     return True
 
@@ -291,6 +322,9 @@ class _SegmentWire(msgspec.Struct, omit_defaults=True, gc=False):
     routed_experts: bytes | None = None  # <i2[T, L, K]
     routed_experts_shape: tuple[int, int, int] | None = None
     images: list[str] | None = None  # sha256 hex, in token order
+    top_ids: bytes | None = None  # <i4[A, K]
+    top_logprobs: bytes | None = None  # <f4[A, K]
+    top_k: int | None = None
 
 
 class _TrajectoryWire(msgspec.Struct, omit_defaults=True, gc=False):
@@ -328,7 +362,7 @@ def encode(traj: Trajectory, validate: bool = True) -> bytes:
         traj.validate()
     segs = []
     for s in traj.segments:
-        experts = s.routed_experts
+        experts, top_ids, top = s.routed_experts, s.top_ids, s.top_logprobs
         segs.append(
             _SegmentWire(
                 _wire_bytes(s.token_ids, _I4),
@@ -338,6 +372,9 @@ def encode(traj: Trajectory, validate: bool = True) -> bytes:
                 None if experts is None else _wire_bytes(experts, _I2),
                 None if experts is None else experts.shape,
                 list(s.images) or None,
+                None if top_ids is None else _wire_bytes(top_ids, _I4),
+                None if top is None else _wire_bytes(top, _F4),
+                None if top_ids is None else int(top_ids.shape[1]),
             )
         )
     return _ENCODER.encode(
@@ -458,6 +495,11 @@ def _segment_from_wire(w: _SegmentWire, i: int) -> Segment:
             None if w.routed_experts is None else np.frombuffer(w.routed_experts, _I2).reshape(w.routed_experts_shape)
         )
         seg.images = w.images or []
+        seg.top_ids = seg.top_logprobs = None
+        if w.top_ids is not None or w.top_logprobs is not None:
+            k = w.top_k or 1
+            seg.top_ids = None if w.top_ids is None else np.frombuffer(w.top_ids, _I4).reshape(-1, k)
+            seg.top_logprobs = None if w.top_logprobs is None else np.frombuffer(w.top_logprobs, _F4).reshape(-1, k)
     except (TypeError, ValueError):
         sizes = {
             "token_ids": (w.token_ids, 4),
@@ -465,7 +507,7 @@ def _segment_from_wire(w: _SegmentWire, i: int) -> Segment:
             "logprobs": (w.logprobs, 4),
             "versions": (w.versions, 4),
         }
-        name = next((k for k, (b, n) in sizes.items() if len(b) % n), "routed_experts")
+        name = next((k for k, (b, n) in sizes.items() if len(b) % n), "routed_experts or top_ids")
         raise SchemaError(f"segments[{i}].{name}", "byte length does not match the dtype and shape") from None
     seg.check_layout(f"segments[{i}]")
     return seg
