@@ -34,6 +34,15 @@ def fake_logprob(token_id: int, position: int) -> float:
     return -0.01 - ((token_id * 7 + position * 13) % 97) / 50.0
 
 
+def fake_top_logprobs(token_id: int, position: int, k: int) -> list[list]:
+    """A fake pod's ``k`` best ``[id, logprob]`` at ``position``, best first: the sampled token first (with its
+    ``fake_logprob``), then others; one short at every fourth position, as a pod leaves out tokens the sampling
+    settings rule out."""
+    own = fake_logprob(token_id, position)
+    m = k - 1 if position % 4 == 3 else k
+    return [[token_id if j == 0 else 1000 + (token_id * 31 + j) % 5000, own - 0.25 * j] for j in range(m)]
+
+
 @dataclass
 class FakePod:
     script: Script
@@ -51,6 +60,8 @@ class FakePods(PodTransport):
 
     def __init__(self, urls: list[str], script: Script) -> None:
         self.pods = {u: FakePod(script) for u in urls}
+        self.top_logprobs = False
+        """Answer a call's ``top_logprobs`` with ``fake_top_logprobs`` rows; off: none, as a pod that ignores it."""
 
     def _pod(self, url: str) -> tuple[FakePod, str]:
         base, _, path = url.partition("://")[2].partition("/")
@@ -84,6 +95,8 @@ class FakePods(PodTransport):
                     "policy_version": pod.version,
                 }
             )
+            if self.top_logprobs and sp.get("top_logprobs"):
+                outputs[-1]["top_logprobs"] = [fake_top_logprobs(t, i, sp["top_logprobs"]) for i, t in enumerate(ids)]
         answer: dict = {"outputs": outputs, "policy_version": pod.version}
         if req.get("images"):  # a real pod answers with the prompt as its processor expanded it
             answer["prompt_token_ids"] = list(prompt)

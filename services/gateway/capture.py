@@ -51,6 +51,11 @@ class SegmentState:
     routed_experts: np.ndarray | None = None
     """int16 [tokens, layers, top_k] MoE routing of the segment (-1: not recorded), when the pods return it: each
     turn's answer covers its whole prompt, which is the segment so far, so the latest one replaces the last."""
+    top_ids: np.ndarray | None = None
+    """int32 [action tokens, K]: the sampler's K most likely tokens at each action token, best first
+    (--rollout.top_logprobs); None when not recorded for every action token of the segment."""
+    top_logprobs: np.ndarray | None = None
+    """float32 [action tokens, K]: their logprobs (-inf pads a row the pod returned short)."""
 
     @property
     def sent_ids(self) -> list[int]:
@@ -64,7 +69,44 @@ class SegmentState:
             versions=np.asarray(self.versions, dtype="<i4"),
             routed_experts=self.routed_experts,
             images=list(self.images),
+            top_ids=self.top_ids,
+            top_logprobs=self.top_logprobs,
         )
+
+    def extend_top(self, acted: int, rows: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Append a turn's top-k ``rows`` after the segment's first ``acted`` action tokens. Both or neither per
+        segment: a turn without rows (or after earlier tokens without them) leaves the segment with none, and
+        rows of another K (a session adopted from a replica with another flag) keep the narrower, best first."""
+        if rows is None or (acted and self.top_ids is None):
+            self.top_ids = self.top_logprobs = None
+        elif not acted or self.top_ids is None or self.top_logprobs is None:
+            self.top_ids, self.top_logprobs = rows
+        else:
+            k = min(self.top_ids.shape[1], rows[0].shape[1])
+            self.top_ids = np.concatenate([self.top_ids[:, :k], rows[0][:, :k]])
+            self.top_logprobs = np.concatenate([self.top_logprobs[:, :k], rows[1][:, :k]])
+
+
+_PAD = [[0, -np.inf]]
+
+
+def top_rows(raw: object, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` rows of a pod's ``top_logprobs`` (per token, ``[id, logprob]`` pairs best first) as int32
+    / float32 [n, k]; a row shorter than ``k`` (tokens the sampling settings rule out are left out) is padded
+    with id 0 and -inf. Raises ValueError for rows that are not that (the pod's answer is then not recorded)."""
+    if not isinstance(raw, list) or len(raw) < n:
+        raise ValueError(f"{len(raw) if isinstance(raw, list) else 0} top_logprobs rows for {n} tokens")
+    try:  # one conversion in C for the whole turn; the pairs' shape and types are checked by it
+        rows = [r[:k] if len(r) >= k else r + _PAD * (k - len(r)) for r in raw[:n]]
+        pairs = np.asarray(rows, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed top_logprobs: {exc}") from None
+    if pairs.shape != (n, k, 2):
+        raise ValueError(f"top_logprobs rows of shape {pairs.shape[1:]}, not {k} [id, logprob] pairs")
+    ids, lps = pairs[..., 0], pairs[..., 1]
+    if n and not (ids.min() >= 0 and (ids == np.floor(ids)).all() and lps.max() <= 1e-4 and not np.isnan(lps).any()):
+        raise ValueError("top_logprobs rows need token ids >= 0 and logprobs <= 0")
+    return ids.astype(np.int32), lps.astype(np.float32)
 
 
 def _fit_rows(rows: np.ndarray, tokens: int) -> np.ndarray:
@@ -388,12 +430,21 @@ class Capture:
         plan.image_tokens = length - len(plan.prompt_ids)
         return self.check_room(plan, hard) > 0
 
-    def commit(self, plan: TurnPlan, gen: Generation, events: list[dict]) -> SegmentState:
+    def commit(self, plan: TurnPlan, gen: Generation, events: list[dict], top_k: int = 0) -> SegmentState:
+        """``top_k``: record the pod's K most likely tokens at each generated token (--rollout.top_logprobs)."""
         seen = gen.extra.get("prompt_token_ids") if plan.images else None
         if plan.images and seen is None and gen.token_ids:
             raise GatewayError(
                 502, "the rollout pod did not return the expanded prompt of a request with images", code="pod_error"
             )
+        top = None
+        if top_k and gen.token_ids:
+            # The rows of the tokens kept: a stop string or the session's max_length cut a prefix of what the
+            # pod sampled, and its rows are in the same order. Converted before anything is mutated.
+            try:
+                top = top_rows(gen.extra.get("top_logprobs"), len(gen.token_ids), top_k)
+            except ValueError as exc:
+                raise GatewayError(502, f"the rollout pod's answer is not recorded: {exc}", code="pod_error") from None
         new_digests = [p["sha256"] for p in plan.images[len(plan.images) - plan.new_images :]]
         if plan.new_segment:
             self.segments.append(
@@ -434,6 +485,8 @@ class Capture:
                 seg.wire_ids.extend(gen.token_ids)
             seg.token_ids.extend(gen.token_ids)
             seg.spans.append((start, len(seg.token_ids)))
+            if top is not None or seg.top_ids is not None:
+                seg.extend_top(len(seg.logprobs), top)
             seg.logprobs.extend(gen.logprobs)
             seg.versions.extend([gen.policy_version] * len(gen.token_ids))
         if gen.routed_experts is not None:

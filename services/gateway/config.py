@@ -17,6 +17,7 @@ from molt.config import (
     json_object,
     split_list,
 )
+from molt.sampling import MAX_TOP_LOGPROBS
 from services.gateway.templates import template_variables_in
 
 
@@ -40,11 +41,25 @@ class RolloutClientConfig(Section):
     """Ask the pods for each token's MoE routed experts and record them in the trajectory (``routed_experts``),
     for the trainer's --train.routing_replay. Costs a recording pass per turn on pods where vLLM cannot return
     them itself (CPU)."""
+    top_logprobs: int = 0
+    """Ask the pods for the K most likely tokens at each generated token of a captured turn and record them in
+    the trajectory (``top_ids`` / ``top_logprobs``, one row per action token), for the trainer's score centering
+    (--actor.score_centering). 0: off. At most the pods' bound on ``top_logprobs``."""
 
     @field_validator("urls", mode="before")
     @classmethod
     def _split(cls, urls: Any) -> Any:
         return split_list(urls)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_in_bounds(cls, k: int) -> int:
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"must be in [0, {MAX_TOP_LOGPROBS}]: the rollout pods return at most {MAX_TOP_LOGPROBS} "
+                "alternatives per token (0: record none)"
+            )
+        return k
 
 
 class AuthConfig(Section):

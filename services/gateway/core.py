@@ -251,7 +251,7 @@ class Gateway(SessionLifecycle):
                 )
                 if fitted is None:
                     return self._context_full(s, plan)
-                seg = s.capture.commit(plan, fitted, events)
+                seg = s.capture.commit(plan, fitted, events, self.settings.rollout.top_logprobs)
                 n = len(seg.token_ids)
                 raw = s.replies == "raw"
                 result = self._result(
@@ -297,6 +297,7 @@ class Gateway(SessionLifecycle):
         and a streamed client then gets that refusal as the HTTP status, as from vLLM, not a 200 and an error
         event."""
         events: list[dict] = []
+        top_k = self.settings.rollout.top_logprobs
         push = on_tokens
         if on_tokens is not None and ready is not None:
             client_tokens = on_tokens
@@ -310,6 +311,8 @@ class Gateway(SessionLifecycle):
             if remaining <= 0:
                 return None
             sp = self._sampling(s, overrides, remaining)
+            if top_k:  # the capture records the top-k; the client's answer keeps only what it asked for
+                sp["top_logprobs"] = max(int(sp.get("top_logprobs") or 0), top_k)
             try:
                 gen, more = await self._generate(s, plan.prompt_ids, sp, push, plan.image_files)
             except GatewayError as exc:
@@ -438,7 +441,7 @@ class Gateway(SessionLifecycle):
             if fitted is None:  # contract: no room left -> finish "length" with no tokens; nothing is committed
                 return self._context_full(s, plan)
             gen = fitted
-            seg = s.capture.commit(plan, gen, events)
+            seg = s.capture.commit(plan, gen, events, self.settings.rollout.top_logprobs)
             raw = self.model.decode(gen.token_ids, skip_special=False)
             # As vLLM: the tokens keep the one that completed the stop string, the text ends before it.
             cuts = [raw.find(x) for x in stop or [] if x and x in raw] if gen.extra.get("stop_string") else []
@@ -499,7 +502,7 @@ class Gateway(SessionLifecycle):
             if fitted is None:
                 return self._context_full(s, plan)
             gen = fitted
-            seg = s.capture.commit(plan, gen, events)
+            seg = s.capture.commit(plan, gen, events, self.settings.rollout.top_logprobs)
             n = len(seg.token_ids)
             result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop, as_generated=True)
             if isinstance(prompt, str):

@@ -18,6 +18,7 @@ out. With the trajectory stream on Redis (and ``--session.handoff``, the default
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -90,22 +91,33 @@ def parked_state(s: Session) -> dict[str, bytes]:
 
 
 def _segment_fields(seg: SegmentState) -> dict:
-    """A segment's fields; MoE routing as nested lists of ints, and only where there is some (so replicas that
-    predate it still read the sessions without)."""
+    """A segment's fields; MoE routing as nested lists of ints, the sampler's top-k as ids and little-endian
+    float32 bytes (JSON has no -inf), each only where there is some (so replicas that predate them still read
+    the sessions without)."""
     fields = _fields(seg)
     routed = fields.pop("routed_experts")
     if routed is not None:
         fields["routed_experts"] = routed.tolist()
+    top_ids, top = fields.pop("top_ids"), fields.pop("top_logprobs")
+    if top_ids is not None and top is not None:
+        fields["top_ids"] = top_ids.tolist()
+        fields["top_logprobs"] = base64.b64encode(np.ascontiguousarray(top, "<f4").tobytes()).decode("ascii")
     return fields
 
 
 def _segment(fields: dict) -> SegmentState:
     routed = fields.get("routed_experts")
+    top_ids = top = None
+    if fields.get("top_ids") is not None and fields.get("top_logprobs") is not None:
+        top_ids = np.asarray(fields["top_ids"], dtype=np.int32)
+        top = np.frombuffer(base64.b64decode(fields["top_logprobs"]), "<f4").reshape(top_ids.shape).copy()
     return SegmentState(
         **dict(
             fields,
             spans=[tuple(x) for x in fields["spans"]],
             routed_experts=None if routed is None else np.asarray(routed, dtype=np.int16),
+            top_ids=top_ids,
+            top_logprobs=top,
         )
     )
 

@@ -257,8 +257,11 @@ class PodPool:
                     )
                 )
             for gen, out in zip(gens, data["outputs"]):
-                if out.get("top_logprobs") is not None:
-                    gen.extra["top_logprobs"] = out["top_logprobs"]
+                top = out.get("top_logprobs")
+                if top is not None:
+                    if type(top) is not list or len(top) != len(gen.token_ids):  # rows the capture cannot align
+                        raise ValueError(f"top_logprobs must be one row per token ({len(gen.token_ids)})")
+                    gen.extra["top_logprobs"] = top
             if not gens:
                 raise ValueError("no outputs")
             if images:
