@@ -22,6 +22,8 @@ Stable entry points (the trainer service codes against these signatures)::
 
     # every micro-batch of an optimizer-step window with N action tokens over all micro-batches and ranks
     out = policy_loss(logp, old_logp, advantages, mask, num_window_tokens=N, dp_size=dp, rollout_logp=rlp)
+    # (--actor.score_centering: also head=SamplerHead(head_logp, sampler_head_logp, head_mask, old_head_logp),
+    #  [B, T, K] each: the policy's log-probs of the sampler's recorded top-k ids, from the same forward)
     total = out.loss                                                  # global token-mean share
     # (--actor.loss_agg_mode seq-/prompt-mean-token-mean: pass row_scale=row_scales(mode, n_actions, groups)
     #  per window, and aggregate the other terms with scaled_sum)
@@ -83,6 +85,7 @@ from molt.algorithms.loss import (
     policy_loss_names,
     register_policy_loss,
 )
+from molt.algorithms.score_centering import SamplerHead, check_score_centering, head_correction
 from molt.algorithms.tensor_ops import entropy_from_logits, masked_mean, sanitize_log_ratio, scaled_sum, token_mean
 from molt.algorithms.value_loss import ValueLossOutput, value_loss
 
@@ -104,6 +107,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossOutput",
     "RewardConfig",
+    "SamplerHead",
     "SurrogateInputs",
     "ValueLossOutput",
     "advantage_estimator_names",
@@ -112,6 +116,7 @@ __all__ = [
     "build_policy_loss",
     "check_is_correction",
     "check_policy_loss",
+    "check_score_centering",
     "compute_advantages",
     "entropy_from_logits",
     "filter_group",
@@ -121,6 +126,7 @@ __all__ = [
     "group_mean",
     "group_size",
     "group_std",
+    "head_correction",
     "is_correction",
     "masked_mean",
     "policy_loss_names",

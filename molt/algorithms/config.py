@@ -21,6 +21,7 @@ from molt.algorithms.advantages import get_advantage_estimator
 from molt.algorithms.is_correction import LEVEL_FLAG, check_is_correction
 from molt.algorithms.kl import KLController
 from molt.algorithms.loss import PolicyLoss, check_policy_loss
+from molt.algorithms.score_centering import check_score_centering
 from molt.config import Section
 
 DEFAULT_EPS_CLIP = (0.2, 0.2)
@@ -117,6 +118,9 @@ class ActorLossConfig(Section):
     """How the actor's per-token losses are averaged over a step: every token weighs the same (token-mean),
     every trajectory segment (seq-mean-token-mean: token mean per segment, then mean) or every prompt group
     (prompt-mean-token-mean)."""
+    score_centering: bool = False
+    """REINFORCE only: centre each sampled token's score on the sampler's distribution, using the top-k
+    log-probs the gateway records (--rollout.top_logprobs K); IS correction off or token level with the ratio."""
 
     def resolved_eps_clip(self) -> tuple[float, float]:
         eps = self.eps_clip_low_high
@@ -217,6 +221,8 @@ def validate_algo(
         adv.is_correction_level, adv.is_correction_mode, adv.is_correction_threshold, adv.is_correction_gating
     )
     check_policy_loss(actor.loss_mode, actor.resolved_eps_clip(), actor.dual_clip)
+    if actor.score_centering:
+        check_score_centering(actor.loss_mode, adv.is_correction_level, adv.is_correction_gating)
     if actor.loss_mode == "reinforce" and actor.eps_clip_low_high is not None:
         hints.append("--actor.eps_clip_low_high has no effect with --actor.loss_mode reinforce (nothing is clipped)")
     return hints
@@ -232,6 +238,7 @@ def build_policy_loss(actor: ActorLossConfig, algo: AlgoConfig) -> PolicyLoss:
         is_mode=algo.advantage.is_correction_mode,
         is_threshold=algo.advantage.is_correction_threshold,
         is_gating=algo.advantage.is_correction_gating,
+        score_centering=actor.score_centering,
     )
 
 

@@ -14,13 +14,16 @@ start-up) and called once per micro-batch on step-axis tensors:
    - ``cispo``: -sg(min(r, eps_high)) * A * logp with ``eps_high`` an absolute ceiling >= 1;
    - ``reinforce``: -A * logp (pi_old unused, nothing clipped);
 3. the IS coefficient (``is_correction.py``) multiplies the per-token loss;
-4. ``loss`` = global token-mean share (``tensor_ops.token_mean``), or the rows weighted by ``row_scale``
+4. ``--actor.score_centering`` (``score_centering.py``, reinforce only): + A * the sampler-head correction,
+   after the IS coefficient (which weighs the sampled token's term only);
+5. ``loss`` = global token-mean share (``tensor_ops.token_mean``), or the rows weighted by ``row_scale``
    (``--actor.loss_agg_mode``, see ``aggregation``): backprop it as is.
 
 Metrics are detached 0-dim tensors (reduce across ranks before ``.item()``): ``policy_loss`` (plain
 masked mean of the per-token loss, not the gradient quantity), ``policy_clip_ratio``, ``policy_kl``
 (masked mean of log pi_old - log pi_theta), ``vllm_kl`` and ``is_filter_ratio`` (IS on only),
-``entropy_loss`` (when per-token entropy is passed in).
+``entropy_loss`` (when per-token entropy is passed in), ``score_centering_sampler_head_mass`` /
+``score_centering_policy_head_mass`` (mean sum over the head of q / of p; score centering on).
 
 A new surrogate is one decorated function; ``--actor.loss_mode my_loss`` then works::
 
@@ -39,6 +42,13 @@ import torch
 from torch import Tensor
 
 from molt.algorithms.is_correction import check_is_correction, is_correction
+from molt.algorithms.score_centering import (
+    SCORE_CENTERING_FLAG,
+    HeadCorrection,
+    SamplerHead,
+    check_score_centering,
+    head_correction,
+)
 from molt.algorithms.tensor_ops import (
     LOG_RATIO_LIMIT,
     as_bool_mask,
@@ -210,9 +220,13 @@ class PolicyLoss:
         is_mode: str = "mask",
         is_threshold: Sequence[float] = (0.5, 5.0),
         is_gating: str = "ratio",
+        score_centering: bool = False,
     ) -> None:
         check_policy_loss(loss_mode, eps_clip, dual_clip)
         check_is_correction(is_level, is_mode, is_threshold, is_gating)
+        if score_centering:
+            check_score_centering(loss_mode, is_level, is_gating)
+        self.score_centering = score_centering
         self.spec = get_policy_loss(loss_mode)
         self.eps_low, self.eps_high = float(eps_clip[0]), float(eps_clip[1])
         self.dual_clip = dual_clip
@@ -231,14 +245,17 @@ class PolicyLoss:
         rollout_logp: Tensor | None = None,
         entropy: Tensor | None = None,
         row_scale: Tensor | None = None,
+        head: SamplerHead | None = None,
     ) -> PolicyLossOutput:
         """Per-micro-batch loss; ``num_window_tokens`` counts the action tokens of the whole
         optimizer-step window over micro-batches and DP ranks (see ``tensor_ops.token_mean``). With
         ``row_scale`` [B] (``aggregation.row_scales`` of another ``--actor.loss_agg_mode``) the rows are
-        weighted by it instead of the global token mean."""
+        weighted by it instead of the global token mean. ``head`` (required with score centering, ignored
+        otherwise): the sampler's top-k head and the policy's log-probs of it, [B, T, K]."""
         mask = as_bool_mask(action_mask)
         logp = at_least_fp32(logp)  # ratios of bf16 log-probs are too coarse; the cast keeps the graph
         zeros = torch.zeros_like(logp)
+        old_logp_given = old_logp is not None
         # force-on-policy: pi_old is this forward, detached
         old_logp = logp.detach() if old_logp is None else at_least_fp32(old_logp)
         log_ratio = torch.where(mask, sanitize_log_ratio(logp - old_logp), zeros)
@@ -275,6 +292,11 @@ class PolicyLoss:
             token_loss = token_loss * is_coef
             metrics["vllm_kl"] = correction.vllm_kl
             metrics["is_filter_ratio"] = correction.filter_ratio
+        if self.score_centering:
+            centred = self._head_correction(head, old_logp_given, mask)
+            token_loss = token_loss + inputs.advantages * centred.correction.to(token_loss.dtype)
+            metrics["score_centering_sampler_head_mass"] = centred.sampler_head_mass
+            metrics["score_centering_policy_head_mass"] = centred.policy_head_mass
         token_loss = torch.where(mask, token_loss, torch.zeros_like(token_loss))
         if row_scale is None:
             loss = token_mean(token_loss, mask, num_window_tokens=num_window_tokens, dp_size=dp_size)
@@ -288,10 +310,27 @@ class PolicyLoss:
                 metrics["entropy_loss"] = masked_mean(entropy.detach(), mask)
         return PolicyLossOutput(loss=loss, token_loss=token_loss, is_coef=is_coef, metrics=metrics)
 
+    def _head_correction(self, head: SamplerHead | None, old_logp_given: bool, mask: Tensor) -> HeadCorrection:
+        if head is None:
+            raise ValueError(
+                f"{SCORE_CENTERING_FLAG} is on but the batch has no sampler top-k head; the gateway records it "
+                "with --rollout.top_logprobs K"
+            )
+        is_on = self.is_level != "off"
+        if is_on and old_logp_given and head.old_logp is None:
+            # The sampled token's IS weight compares pi_old with the sampler; the head's must compare the same
+            # policy, or the correction no longer cancels the weighted term's mean.
+            raise ValueError(
+                f"{SCORE_CENTERING_FLAG} with IS correction: pass pi_old's head log-probs (SamplerHead.old_logp) "
+                "along with old_logp"
+            )
+        return head_correction(head, mask, is_mode=self.is_mode if is_on else None, threshold=self.is_threshold)
+
     def __repr__(self) -> str:
+        centred = ", score_centering" if self.score_centering else ""
         return (
             f"PolicyLoss({self.spec.name}, eps=({self.eps_low}, {self.eps_high}), dual_clip={self.dual_clip}, "
-            f"is={self.is_level}/{self.is_mode}/{self.is_gating}{list(self.is_threshold)})"
+            f"is={self.is_level}/{self.is_mode}/{self.is_gating}{list(self.is_threshold)}{centred})"
         )
 
 

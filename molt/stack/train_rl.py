@@ -82,7 +82,10 @@ NEUTRAL = {
 }
 
 # Molt flags that are the gateway's here: it renders every prompt and turn with the model's chat template.
-GATEWAY_FLAGS = {"data.chat_template_kwargs": "gateway.default_chat_template_kwargs"}
+GATEWAY_FLAGS = {
+    "data.chat_template_kwargs": "gateway.default_chat_template_kwargs",
+    "rollout.top_logprobs": "rollout.top_logprobs",  # the gateway asks the pods and records them
+}
 
 # Molt's other spelling of the LoRA flags (train_rl_ray.py's own, beside common_args' --actor.lora.*).
 ALIASES = {
@@ -215,6 +218,13 @@ def _combination_errors(raw: dict[str, list[str]]) -> list[str]:
             "--vllm.mtp_num_speculative_tokens is incompatible with --vllm.enable_prefix_caching: speculative "
             "decoding corrupts rollout log-probs when prefix-cached blocks are reused; enable at most one"
         )
+    if "actor.score_centering" in raw and _true(raw["actor.score_centering"]):
+        k = (raw.get("rollout.top_logprobs") or ["0"])[0]
+        if not (k.isdigit() and int(k) > 0):
+            errors.append(
+                "--actor.score_centering needs the sampler's top-k log-probs in every trajectory: pass "
+                "--rollout.top_logprobs K >= 1 (e.g. 8)"
+            )
     return errors
 
 

@@ -7,14 +7,16 @@ policy generated; the loss lives on the *step axis* of length T-1, where step k 
     rollout_logp[k] = the rollout's logprob of token k+1 (0 off the mask)
     versions[k]     = the policy version that generated token k+1 (-1 off the mask)
 
-so a token at position 0 can never be trained (nothing predicts it). Sequences longer than
-``--data.max_len`` are cut (Molt does the same). Routed experts stay on the token axis ([T, L, K]):
-the training forward routes tokens, not steps. A vision-language segment carries its image files in
-token order; a cut never splits an image's token run (services/trainer/vision.py).
+so a token at position 0 can never be trained (nothing predicts it). The sampler's top-k of each action token
+(``Segment.top_ids`` / ``top_logprobs``: ``--rollout.top_logprobs K``, read by ``--actor.score_centering``) go
+to the same step: ``top_ids[k]`` / ``top_logprobs[k]`` hold token k+1's row, id -1 and logprob -inf off the
+mask. Sequences longer than ``--data.max_len`` are cut (Molt does the same). Routed experts stay on the
+token axis ([T, L, K]): the training forward routes tokens, not steps. A vision-language segment carries its
+image files in token order; a cut never splits an image's token run (services/trainer/vision.py).
 
-``collate`` right-pads a list of samples into a ``MicroBatch`` (pad 0, routed experts pad -1);
-``partition`` spreads a window's samples over data-parallel ranks (balanced counts and tokens) and
-``plan_windows`` splits a rollout batch into optimizer-step windows.
+``collate`` right-pads a list of samples into a ``MicroBatch`` (pad 0, routed experts and top-k ids pad -1,
+top-k logprobs -inf; a batch's K is its largest); ``partition`` spreads a window's samples over data-parallel
+ranks (balanced counts and tokens) and ``plan_windows`` splits a rollout batch into optimizer-step windows.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from molt.schema import SchemaError, Trajectory
+from molt.schema import SchemaError, Segment, Trajectory
 
 if TYPE_CHECKING:
     from services.trainer.vision import VisionInputs
@@ -68,12 +71,18 @@ class Sample:
     """Image files shown in ``tokens``, in the order of their token runs (vision-language models)."""
     truncated: bool = False
     """The trajectory's status is truncated (a turn cut by the length limit, or the env / agent said so)."""
+    top_ids: Tensor | None = None
+    """int64 [T-1, K], step axis: the sampler's top-k ids of token k+1 (-1: no entry), or None if not recorded."""
+    top_logprobs: Tensor | None = None
+    """float32 [T-1, K], step axis: their sampler logprobs (-inf where the id is -1, or ruled out by sampling)."""
     # Filled by the learner's experience pass (step axis, [T-1]).
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    old_head_logp: Tensor | None = None
+    """[T-1, K] pi_old's log-probs of ``top_ids`` (score centering with IS correction)."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -83,6 +92,25 @@ class Sample:
     @property
     def num_actions(self) -> int:
         return int(self.action_mask.sum())
+
+    @property
+    def has_top_k(self) -> bool:
+        return self.top_ids is not None and self.top_logprobs is not None
+
+
+def _step_top_k(seg: Segment, t: int) -> tuple[Tensor, Tensor] | None:
+    """The segment's top-k rows on the step axis of its first ``t`` tokens, or None when it has none."""
+    if seg.top_ids is None or seg.top_logprobs is None:
+        return None
+    k = seg.top_ids.shape[1]
+    # Rows come in action-token order; placed on the token axis first, the step shift is the same [1:t] slice
+    # as for the rollout logprobs, and a cut at --data.max_len drops the rows past it.
+    ids = np.full((seg.num_tokens, k), -1, dtype=np.int64)
+    logprobs = np.full((seg.num_tokens, k), -np.inf, dtype=np.float32)
+    actions = seg.action_mask()
+    ids[actions] = seg.top_ids
+    logprobs[actions] = seg.top_logprobs
+    return torch.from_numpy(ids[1:t].copy()), torch.from_numpy(logprobs[1:t].copy())
 
 
 def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs | None = None) -> list[Sample]:
@@ -105,6 +133,7 @@ def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs
         routed = None
         if seg.routed_experts is not None:
             routed = torch.from_numpy(seg.routed_experts[:t].copy())
+        top_ids, top_logprobs = _step_top_k(seg, t) or (None, None)
         out.append(
             Sample(
                 traj.trajectory_id,
@@ -120,6 +149,8 @@ def samples_from_trajectory(traj: Trajectory, max_len: int, vision: VisionInputs
                 routed,
                 images,
                 traj.status == "truncated",
+                top_ids=top_ids,
+                top_logprobs=top_logprobs,
             )
         )
     return out
@@ -174,6 +205,12 @@ class MicroBatch:
     """[B, T, L, K] int16 padded with -1, or None when no sample carries routing."""
     images: list[bytes] = field(default_factory=list)
     """The samples' image files, row after row, each row's in token order."""
+    top_ids: Tensor | None = None
+    """[B, T-1, K] int64, -1 = no entry (padding, a step or sample without top-k); None when no sample has top-k."""
+    top_logprobs: Tensor | None = None
+    """[B, T-1, K] float32, -inf where ``top_ids`` is -1."""
+    old_head_logp: Tensor | None = None
+    """[B, T-1, K] pi_old's log-probs of ``top_ids`` (0 on padding), when every sample carries them."""
 
     @property
     def num_actions(self) -> int:
@@ -224,6 +261,10 @@ def collate(samples: list[Sample], pad_to_multiple: int = 1) -> MicroBatch:
             for s in samples
         ]
         routed = _pad(rows, t, -1)
+    top_ids = top_logprobs = old_head = None
+    ks = [s.top_ids.shape[1] for s in samples if s.top_ids is not None and s.top_logprobs is not None]
+    if ks:
+        top_ids, top_logprobs, old_head = _collate_top_k(samples, t - 1, max(ks))
     return MicroBatch(
         input_ids=_pad([s.tokens for s in samples], t, 0),
         attention_mask=_pad([torch.ones(s.num_tokens, dtype=torch.long) for s in samples], t, 0),
@@ -236,7 +277,28 @@ def collate(samples: list[Sample], pad_to_multiple: int = 1) -> MicroBatch:
         returns=_pad_opt(samples, "returns", t - 1),
         routed_experts=routed,
         images=[image for s in samples for image in s.images],
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+        old_head_logp=old_head,
     )
+
+
+def _collate_top_k(samples: list[Sample], steps: int, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Top-k ids / logprobs [B, steps, k] (a smaller K, and a sample without top-k, padded with -1 / -inf, which
+    the head mask leaves out) and pi_old's head log-probs when every sample with top-k has them."""
+    ids = torch.full((len(samples), steps, k), -1, dtype=torch.long)
+    logprobs = torch.full((len(samples), steps, k), -torch.inf, dtype=torch.float32)
+    olds = [s.old_head_logp for s in samples if s.has_top_k]
+    old = torch.zeros((len(samples), steps, k)) if all(o is not None for o in olds) else None
+    for i, s in enumerate(samples):
+        if s.top_ids is None or s.top_logprobs is None:
+            continue
+        n, ki = s.top_ids.shape
+        ids[i, :n, :ki] = s.top_ids
+        logprobs[i, :n, :ki] = s.top_logprobs
+        if old is not None and s.old_head_logp is not None:
+            old[i, :n, :ki] = s.old_head_logp
+    return ids, logprobs, old
 
 
 def partition(lengths: list[int], world_size: int) -> list[list[int]]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from molt.algorithms import (
+    SamplerHead,
     approx_kl,
     build_kl_controller,
     build_policy_loss,
@@ -104,6 +105,27 @@ def build_optimizer(model: nn.Module, cfg, total_steps: int):
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float):
     """(log-prob of each next token [B, T-1], entropy [B, T-1]) on logits / temperature."""
     return logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def token_and_head_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, head_ids: torch.Tensor, temperature: float):
+    """``token_logprobs`` plus the log-probs of ``head_ids`` [B, T-1, K] (-1: padding, read as id 0) from the same
+    log-softmax over the whole vocabulary, for ``--actor.score_centering``."""
+    # One log-softmax for both: a second one would hold another [B, T-1, vocab] fp32 tensor for the backward.
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return picked, entropy, logp_all.gather(-1, head_ids.clamp(min=0))
+
+
+def head_inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's top-k ids, sampler logprobs and pi_old's head log-probs, [B, T-1, K] each (score centering).
+    A micro-batch without top-k can only be one without action tokens (a rank's padding sample; ``train_step``
+    refuses the others): it gets one masked entry per step, so it runs the same forward and loss as the rest."""
+    if mb.top_ids is not None and mb.top_logprobs is not None:
+        return mb.top_ids, mb.top_logprobs, mb.old_head_logp
+    shape, device = (*mb.action_mask.shape, 1), mb.action_mask.device
+    old = None if mb.old_logp is None else torch.zeros(shape, device=device)
+    return torch.full(shape, -1, dtype=torch.long, device=device), torch.full(shape, -torch.inf, device=device), old
 
 
 # Key of the staleness-free mismatch accumulator inside the per-pod sums (never a pod name).
@@ -220,6 +242,8 @@ class Learner:
             why = "routing replay needs the plain token layout"
         elif self.s.actor.aux_loss_coef > 0:
             why = "the MoE aux loss needs the plain token layout"
+        elif self.s.actor.score_centering:
+            why = "--actor.score_centering reads the sampler's top-k columns of the full logits (plain token layout)"
         if why:
             log.info("--train.pack_shared_prefix: off (%s)", why)
         return why is None
@@ -233,14 +257,23 @@ class Learner:
             rows = pack(chunk, self.s.train.pack_max_tokens)
             logp, entropy = packed_token_logprobs(model, rows, len(chunk), mb.action_mask.shape[1], self.temperature)
             return logp, entropy, None
+        out = self._forward(model, mb, replay)
+        logp, entropy = token_logprobs(out.logits, mb.input_ids, self.temperature)
+        return logp, entropy, getattr(out, "aux_loss", None)
+
+    def _logp_and_head(self, model, mb: MicroBatch, replay: bool, head_ids: torch.Tensor):
+        """``_logp`` (plain layout: packing is off under score centering) plus the log-probs of ``head_ids``."""
+        out = self._forward(model, mb, replay)
+        logp, entropy, head = token_and_head_logprobs(out.logits, mb.input_ids, head_ids, self.temperature)
+        return logp, entropy, getattr(out, "aux_loss", None), head
+
+    def _forward(self, model, mb: MicroBatch, replay: bool):
         ctx = self._replaying(mb) if replay else contextlib.nullcontext()
         kwargs: dict[str, object] = dict(self._pixel_inputs(mb))
         if model is self.actor and self.s.actor.aux_loss_coef > 0:
             kwargs["output_router_logits"] = True
         with ctx:
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
-        logp, entropy = token_logprobs(out.logits, mb.input_ids, self.temperature)
-        return logp, entropy, getattr(out, "aux_loss", None)
+            return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
 
     def _pixel_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The micro-batch's images as the model's pixel arguments; a blank image on an image-less micro-batch
@@ -285,6 +318,8 @@ class Learner:
         s = self.s
         beta = self.kl_ctl.value
         want_old = not (s.train.force_on_policy and beta == 0)
+        # Score centering's head IS weights compare pi_old with the sampler, as the sampled token's do.
+        want_old_head = want_old and self.policy_loss.score_centering and s.algo.advantage.is_correction_level != "off"
         mine: dict[int, dict] = {}
         # Dropout off for the recorded log-probs and values (Molt's eval()); training passes run in train mode.
         with eval_mode(self.actor, self.critic):
@@ -292,7 +327,10 @@ class Learner:
                 batch = [samples[i] for i in chunk] or [padding_sample()]
                 mb = collate(batch, self.pad_to).to(self.info.device)
                 res = {}
-                if want_old:
+                if want_old_head:
+                    old = self._logp_and_head(self.actor, mb, replay=True, head_ids=head_inputs(mb)[0])
+                    res["old_logp"], res["old_head_logp"] = old[0], old[3]
+                elif want_old:
                     res["old_logp"] = self._logp(self.actor, mb, replay=True, chunk=batch)[0]
                 if self.ref is not None:
                     res["ref_logp"] = self._logp(self.ref, mb, replay=False, chunk=batch)[0]
@@ -301,6 +339,10 @@ class Learner:
                 for row, i in enumerate(chunk):
                     n = samples[i].num_tokens - 1
                     mine[i] = {k: v[row, :n].detach().float().cpu() for k, v in res.items()}
+                    # The micro-batch's K is its largest: each sample keeps the columns of its own K.
+                    old_head, top = mine[i].pop("old_head_logp", None), samples[i].top_ids
+                    if old_head is not None and top is not None:
+                        mine[i]["old_head_logp"] = old_head[:, : top.shape[1]]
         gathered: list[dict[int, dict[str, torch.Tensor]]] = [{}] * self.info.world_size
         dist.all_gather_object(gathered, mine)
         for part in gathered:
@@ -361,6 +403,13 @@ class Learner:
                 "--train.routing_replay is on but the trajectories carry no routed_experts: live routing is "
                 "used (enable routing capture on the rollout pods)"
             )
+        if self.policy_loss.score_centering:
+            bare = sum(1 for x in samples if x.num_actions > 0 and not x.has_top_k)
+            if bare:  # the trainer acks these untrained; reaching here, they would train without the correction
+                raise ValueError(
+                    f"--actor.score_centering: {bare} sample(s) without the sampler's top-k (the gateway's "
+                    "--rollout.top_logprobs K)"
+                )
         self.make_experience(samples)
         sums: dict[str, float] = defaultdict(float)
         pods: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -437,7 +486,13 @@ class Learner:
         s, world = self.s, self.dp_size
         n_window, row_scale = window
         set_grad_sync(self.actor, last)
-        logp, entropy, aux = self._logp(self.actor, mb, replay=True, chunk=batch)
+        head = None
+        if self.policy_loss.score_centering:
+            ids, sampler, old_head = head_inputs(mb)
+            logp, entropy, aux, head_logp = self._logp_and_head(self.actor, mb, replay=True, head_ids=ids)
+            head = SamplerHead(head_logp, sampler, ids >= 0, old_head)
+        else:
+            logp, entropy, aux = self._logp(self.actor, mb, replay=True, chunk=batch)
         mask = mb.action_mask
 
         def aggregate(tok: torch.Tensor) -> torch.Tensor:  # every actor loss term, by --actor.loss_agg_mode
@@ -455,6 +510,7 @@ class Learner:
             rollout_logp=mb.rollout_logp,
             entropy=entropy.detach(),
             row_scale=row_scale,
+            head=head,
         )
         loss = out.loss
         if self.ref is not None and s.algo.kl.use_loss:

@@ -306,7 +306,8 @@ class Trainer:
 
     def _usable(self, traj) -> bool:
         """Token ids outside the policy's vocabulary (a producer on another model), or images for a text-only
-        policy, would crash every rank's forward: such a trajectory is logged, counted and acked untrained."""
+        policy, would crash every rank's forward, and one without the sampler's top-k cannot take score
+        centering's correction: such a trajectory is logged, counted and acked untrained."""
         vocab = self.vocab_size
         if vocab and any(int(seg.token_ids.max()) >= vocab for seg in traj.segments):
             log.error(
@@ -326,6 +327,30 @@ class Trainer:
             )
             self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
             return False
+        if self.s.actor.score_centering and any(
+            seg.num_action_tokens and (seg.top_ids is None or seg.top_logprobs is None) for seg in traj.segments
+        ):
+            log.error(
+                "trajectory %s has no sampler top-k log-probs, which --actor.score_centering needs: not trained "
+                "(start the gateway with --rollout.top_logprobs K, e.g. 8)",
+                traj.trajectory_id,
+            )
+            self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
+            return False
+        if self.s.actor.score_centering and vocab:  # the learner gathers the policy's log-probs at these ids
+            if any(
+                seg.top_ids is not None and seg.top_ids.size and int(seg.top_ids.max()) >= vocab
+                for seg in traj.segments
+            ):
+                log.error(
+                    "trajectory %s has sampler top-k ids >= the vocabulary size %d of %s: not trained (check the "
+                    "gateway's --model.path)",
+                    traj.trajectory_id,
+                    vocab,
+                    self.s.actor.model_name_or_path,
+                )
+                self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
+                return False
         return True
 
     def _one_step(self) -> bool:

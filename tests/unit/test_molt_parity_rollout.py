@@ -255,6 +255,8 @@ def test_batches_pad_routing_with_the_live_sentinel_seq_aligned():
             returns=None,
             routed_experts=routed,
             images=[],
+            top_ids=None,
+            top_logprobs=None,
         )
 
     have = sample(2, torch.zeros(2, 3, 2, dtype=torch.int16))

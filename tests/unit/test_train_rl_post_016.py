@@ -3,6 +3,8 @@ reaches the service that owns it, so a script written for a newer Molt runs here
 
 from __future__ import annotations
 
+import pytest
+
 from molt.config import parse_settings
 from molt.stack import train_rl as tr
 from services.gateway.config import GatewaySettings
@@ -50,3 +52,18 @@ def test_chat_template_kwargs_become_the_gateways_defaults():
     gw = parse_settings(GatewaySettings, r.gateway, prog="gateway")
     assert gw.gateway.default_chat_template_kwargs == {"enable_thinking": False}
     assert tr.helm_values(r)["gateway"]["extraArgs"] == r.gateway
+
+
+def test_score_centering_takes_the_gateways_top_logprobs_and_is_refused_without():
+    """Molt's --actor.score_centering (REINFORCE) needs the sampler's top-k in every trajectory, which the
+    gateway records with --rollout.top_logprobs K; without it the run is refused before anything starts."""
+    flags = ["--actor.loss_mode", "reinforce", "--actor.score_centering"]
+    r = tr.route(BASE + flags + ["--rollout.top_logprobs", "8"], "helm")
+    assert r.gateway == ["--rollout.top_logprobs", "8"] and r.trainer[2:] == flags
+    assert parse_settings(GatewaySettings, r.gateway, prog="gateway").rollout.top_logprobs == 8
+    assert parse_settings(
+        TrainerSettings, ["--actor.model_name_or_path", "/m", *flags], prog="t"
+    ).actor.score_centering
+    for extra in ([], ["--rollout.top_logprobs", "0"]):
+        with pytest.raises(ValueError, match="--actor.score_centering needs .* --rollout.top_logprobs K >= 1"):
+            tr.route(BASE + flags + extra, "helm")
