@@ -61,6 +61,7 @@ from services.trainer.muon import MuonAdamW
 from services.trainer.packing import (
     budget_chunks,
     logprobs_and_entropy,
+    logprobs_entropy_and_head,
     no_4d_mask,
     pack,
     packed_token_logprobs,
@@ -105,16 +106,6 @@ def build_optimizer(model: nn.Module, cfg, total_steps: int):
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float):
     """(log-prob of each next token [B, T-1], entropy [B, T-1]) on logits / temperature."""
     return logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature)
-
-
-def token_and_head_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, head_ids: torch.Tensor, temperature: float):
-    """``token_logprobs`` plus the log-probs of ``head_ids`` [B, T-1, K] (-1: padding, read as id 0) from the same
-    log-softmax over the whole vocabulary, for ``--actor.score_centering``."""
-    # One log-softmax for both: a second one would hold another [B, T-1, vocab] fp32 tensor for the backward.
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return picked, entropy, logp_all.gather(-1, head_ids.clamp(min=0))
 
 
 def head_inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -264,7 +255,8 @@ class Learner:
     def _logp_and_head(self, model, mb: MicroBatch, replay: bool, head_ids: torch.Tensor):
         """``_logp`` (plain layout: packing is off under score centering) plus the log-probs of ``head_ids``."""
         out = self._forward(model, mb, replay)
-        logp, entropy, head = token_and_head_logprobs(out.logits, mb.input_ids, head_ids, self.temperature)
+        logits, targets = out.logits[:, :-1], mb.input_ids[:, 1:]
+        logp, entropy, head = logprobs_entropy_and_head(logits, targets, head_ids, self.temperature)
         return logp, entropy, getattr(out, "aux_loss", None), head
 
     def _forward(self, model, mb: MicroBatch, replay: bool):

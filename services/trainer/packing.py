@@ -160,7 +160,20 @@ def pack(samples: list[Sample], max_row_tokens: int) -> PackedRows:
 
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """(log-prob of ``targets``, entropy), both shaped like ``targets``, on fp32 logits / temperature."""
+    return _picked_and_entropy(torch.log_softmax(logits.float() / temperature, dim=-1), targets)
+
+
+def logprobs_entropy_and_head(
+    logits: Tensor, targets: Tensor, head_ids: Tensor, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``logprobs_and_entropy`` plus the log-probs of ``head_ids`` [..., K] (-1: padding, read as id 0), for
+    --actor.score_centering. One log-softmax for all three: a second would keep another fp32 [..., vocab]
+    tensor alive for the backward."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return (*_picked_and_entropy(logp_all, targets), logp_all.gather(-1, head_ids.clamp(min=0)))
+
+
+def _picked_and_entropy(logp_all: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     picked = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked, -(logp_all.exp() * logp_all).sum(-1)
 

@@ -308,50 +308,31 @@ class Trainer:
         """Token ids outside the policy's vocabulary (a producer on another model), or images for a text-only
         policy, would crash every rank's forward, and one without the sampler's top-k cannot take score
         centering's correction: such a trajectory is logged, counted and acked untrained."""
-        vocab = self.vocab_size
+        why = self._unusable(traj)
+        if why is None:
+            return True
+        log.error("trajectory %s %s: not trained", traj.trajectory_id, why)
+        self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
+        return False
+
+    def _unusable(self, traj) -> str | None:
+        vocab, model = self.vocab_size, self.s.actor.model_name_or_path
         if vocab and any(int(seg.token_ids.max()) >= vocab for seg in traj.segments):
-            log.error(
-                "trajectory %s has token ids >= the vocabulary size %d of %s: not trained (check the "
-                "gateway's --model.path)",
-                traj.trajectory_id,
-                vocab,
-                self.s.actor.model_name_or_path,
-            )
-            self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
-            return False
+            return f"has token ids >= the vocabulary size {vocab} of {model} (check the gateway's --model.path)"
         if traj.images and self.learner.vision is None:
-            log.error(
-                "trajectory %s shows images but %s is a text-only model: not trained",
-                traj.trajectory_id,
-                self.s.actor.model_name_or_path,
+            return f"shows images but {model} is a text-only model"
+        if not self.s.actor.score_centering:
+            return None
+        acting = [seg for seg in traj.segments if seg.num_action_tokens]
+        if any(seg.top_ids is None or seg.top_logprobs is None for seg in acting):
+            return (
+                "has no sampler top-k log-probs, which --actor.score_centering needs (start the gateway with "
+                "--rollout.top_logprobs K, e.g. 8)"
             )
-            self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
-            return False
-        if self.s.actor.score_centering and any(
-            seg.num_action_tokens and (seg.top_ids is None or seg.top_logprobs is None) for seg in traj.segments
-        ):
-            log.error(
-                "trajectory %s has no sampler top-k log-probs, which --actor.score_centering needs: not trained "
-                "(start the gateway with --rollout.top_logprobs K, e.g. 8)",
-                traj.trajectory_id,
-            )
-            self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
-            return False
-        if self.s.actor.score_centering and vocab:  # the learner gathers the policy's log-probs at these ids
-            if any(
-                seg.top_ids is not None and seg.top_ids.size and int(seg.top_ids.max()) >= vocab
-                for seg in traj.segments
-            ):
-                log.error(
-                    "trajectory %s has sampler top-k ids >= the vocabulary size %d of %s: not trained (check the "
-                    "gateway's --model.path)",
-                    traj.trajectory_id,
-                    vocab,
-                    self.s.actor.model_name_or_path,
-                )
-                self.metrics["molt_trainer_trajectories_total"].labels("invalid").inc()
-                return False
-        return True
+        if vocab and any(seg.top_ids.size and int(seg.top_ids.max()) >= vocab for seg in acting):
+            # The learner gathers the policy's log-probs at these ids.
+            return f"has sampler top-k ids >= the vocabulary size {vocab} of {model} (check the gateway's model)"
+        return None
 
     def _one_step(self) -> bool:
         box = [self._plan() if self.info.is_main else None]

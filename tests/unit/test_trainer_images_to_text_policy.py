@@ -33,20 +33,13 @@ def _traj(tid: str, group: str, sample: int, image: bool) -> Trajectory:
     return Trajectory(tid, group, sample, [seg], float(sample), images={SHA: PNG} if image else {})
 
 
-def _trainer(queue) -> Trainer:
+def _trainer(queue, *flags: str, vocab_size: int | None = None) -> Trainer:
+    """A Trainer of a text-only policy over ``queue``, without a model: only its batch planning runs."""
     s = parse_settings(
         TrainerSettings,
         [
-            "--actor.model_name_or_path",
-            "m",
-            "--train.dispatch",
-            "false",
-            "--rollout.n_samples_per_prompt",
-            "2",
-            "--rollout.batch_size",
-            "1",
-            "--train.read_block_s",
-            "0.01",
+            *("--actor.model_name_or_path", "m", "--train.dispatch", "false", *flags),
+            *("--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "1", "--train.read_block_s", "0.01"),
         ],
         environ={},
     )
@@ -57,7 +50,7 @@ def _trainer(queue) -> Trainer:
     t._io = LoopThread()
     t._batch = None
     t.publishing = False
-    t.vocab_size = None
+    t.vocab_size = vocab_size
     t.learner = types.SimpleNamespace(global_step=0, vision=None)  # a text-only policy
     return t
 

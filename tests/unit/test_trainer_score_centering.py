@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 from collections import defaultdict
 
 import numpy as np
@@ -19,11 +18,10 @@ from molt.config import parse_settings
 from molt.schema import Segment, Trajectory, decode
 from services.trainer.batch import collate, padding_sample, samples_from_trajectory
 from services.trainer.config import TrainerSettings, validate_settings
-from services.trainer.controller import Controller, LoopThread
-from services.trainer.learner import Learner, token_and_head_logprobs
-from services.trainer.metrics import trainer_metrics
+from services.trainer.learner import Learner
 from services.trainer.model import DistInfo, full_state_dict
-from services.trainer.trainer import Trainer
+from services.trainer.packing import logprobs_entropy_and_head
+from tests.unit.test_trainer_images_to_text_policy import _count, _trainer
 
 CENTRED = ("--actor.loss_mode", "reinforce", "--actor.score_centering")
 
@@ -175,7 +173,7 @@ def _as_own_sampler(learner: Learner, trajs: list[Trajectory], k: int) -> list[T
         with torch.no_grad():
             logits = learner.actor(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
             top = torch.log_softmax(logits[:, :-1].float(), -1).topk(k, dim=-1).indices
-            logp, _, head = token_and_head_logprobs(logits, ids, top, 1.0)
+            logp, _, head = logprobs_entropy_and_head(logits[:, :-1], ids[:, 1:], top, 1.0)
         steps = torch.from_numpy(seg.action_mask()[1:])
         own = Segment(seg.token_ids, seg.action_spans, logp[0, steps].numpy(), seg.versions)
         own.top_ids, own.top_logprobs = top[0, steps].numpy(), head[0, steps].numpy()
@@ -197,39 +195,12 @@ def test_a_sampler_matching_the_policy_on_its_head_trains_as_plain_reinforce(wor
 # ---- the trainer's batch planning (no model)
 
 
-def _trainer(queue) -> Trainer:
-    s = parse_settings(
-        TrainerSettings,
-        [
-            *("--actor.model_name_or_path", "m", "--train.dispatch", "false", *CENTRED),
-            *("--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "1", "--train.read_block_s", "0.01"),
-        ],
-        environ={},
-    )
-    t = object.__new__(Trainer)
-    t.s = s
-    t.metrics = trainer_metrics()
-    t._controller = Controller(s, queue, t.metrics)
-    t._io = LoopThread()
-    t._batch = None
-    t.publishing = False
-    t.vocab_size = 1024
-    t.learner = types.SimpleNamespace(global_step=0, vision=None)
-    return t
-
-
-def _count(t: Trainer, outcome: str) -> float:
-    prefix = f'molt_trainer_trajectories_total{{outcome="{outcome}"}} '
-    lines = [x for x in t.metrics.render()[0].decode().splitlines() if x.startswith(prefix)]
-    return float(lines[0][len(prefix) :]) if lines else 0.0
-
-
 def test_without_top_k_a_trajectory_is_logged_counted_invalid_and_acked_untrained(caplog):
     def traj(tid, group, i, k):
         return Trajectory(tid, group, i, [_segment(np.arange(3, 9), [[2, 6]], k)], float(i))
 
     q = MemoryTrajectoryQueue()
-    t = _trainer(q)
+    t = _trainer(q, *CENTRED, vocab_size=1024)
     try:
         t._io.run(q.put_many([traj("a0", "A", 0, None), traj("a1", "A", 1, None)]))
         t._io.run(q.put_many([traj("b0", "B", 0, 3), traj("b1", "B", 1, 3)]))
