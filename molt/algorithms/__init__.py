@@ -18,7 +18,7 @@ Stable entry points (the trainer service codes against these signatures)::
     advantages, returns = compute_advantages(
         algo.advantage.estimator, rewards, action_mask, group_ids=..., rollout_ids=..., kl=kl, values=values,
         gamma=..., lam=..., kl_coef=kl_ctl.value, whiten=not algo.advantage.no_whiten,
-        reward_clip=tuple(reward.clip_range))
+        std_norm=not algo.advantage.no_std_norm, reward_clip=tuple(reward.clip_range))
 
     # every micro-batch of an optimizer-step window with N action tokens over all micro-batches and ranks
     out = policy_loss(logp, old_logp, advantages, mask, num_window_tokens=N, dp_size=dp, rollout_logp=rlp)

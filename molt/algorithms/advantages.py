@@ -11,7 +11,8 @@ estimator:
    its segments. The other estimators treat each sample as its own rollout and group;
 3. the estimator returns ``(advantages, returns)`` with ``returns`` = advantages before whitening;
 4. estimators registered with ``whitens=True`` (``reinforce``, ``reinforce_baseline``, ``gae``) are
-   whitened over all action tokens of the batch unless ``whiten=False`` (``--algo.advantage.no_whiten``).
+   whitened over all action tokens of the batch unless ``whiten=False`` (``--algo.advantage.no_whiten``);
+   ``std_norm=False`` (``--algo.advantage.no_std_norm``) keeps the mean subtraction and skips the division.
 
 Both outputs are zero off the action mask (Molt leaves whitened values at masked positions; the loss
 ignores them either way, zeros keep masked means honest). A new estimator is one decorated function::
@@ -140,13 +141,16 @@ def group_std(values: Tensor, group: Tensor) -> Tensor:
     return torch.where(n > 1, (sq_sums / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(values))
 
 
-def whiten_advantages(advantages: Tensor, action_mask: Tensor) -> Tensor:
-    """(a - mu) / sigma over all action tokens of the batch (token-weighted, population variance)."""
+def whiten_advantages(advantages: Tensor, action_mask: Tensor, std_norm: bool = True) -> Tensor:
+    """(a - mu) / sigma over all action tokens of the batch (token-weighted, population variance); a - mu
+    alone when ``std_norm`` is False."""
     mask = as_bool_mask(action_mask).to(advantages.dtype)
     count = mask.sum()
     if count == 0:
         return torch.zeros_like(advantages)
     mean = (advantages * mask).sum() / count
+    if not std_norm:
+        return (advantages - mean) * mask
     var = (((advantages - mean) ** 2) * mask).sum() / count
     return (advantages - mean) / var.clamp(min=WHITEN_VAR_FLOOR).sqrt() * mask
 
@@ -201,6 +205,7 @@ def compute_advantages(
     lam: float = 1.0,
     kl_coef: float = 0.0,
     whiten: bool = True,
+    std_norm: bool = True,
     reward_clip: tuple[float, float] | None = (-10.0, 10.0),
 ) -> tuple[Tensor, Tensor]:
     """``(advantages [B, T], returns [B, T])`` for ``rewards [B]`` on the step-axis ``action_mask``.
@@ -208,7 +213,8 @@ def compute_advantages(
     ``kl``: per-token KL (reference or teacher) used by ``reinforce``, ``gae`` and
     ``on_policy_distill`` with coefficient ``kl_coef``; ``values``: critic values (``gae``).
     ``group_ids`` / ``rollout_ids`` (one per sample) drive the grouped estimators; unset, each sample
-    is its own group / rollout. ``whiten=False`` is ``--algo.advantage.no_whiten``;
+    is its own group / rollout. ``whiten=False`` is ``--algo.advantage.no_whiten``, ``std_norm=False``
+    ``--algo.advantage.no_std_norm`` (subtract the mean only);
     ``reward_clip=None`` disables clipping. Inputs are not modified.
     """
     spec = get_advantage_estimator(estimator)
@@ -250,5 +256,5 @@ def compute_advantages(
     advantages, returns = spec.fn(batch)
     advantages, returns = advantages * mask, returns * mask
     if spec.whitens and whiten:
-        advantages = whiten_advantages(advantages, mask)
+        advantages = whiten_advantages(advantages, mask, std_norm)
     return advantages, returns

@@ -45,6 +45,8 @@ class AdvantageConfig(Section):
     """GAE lambda."""
     no_whiten: bool = False
     """Skip whitening advantages over the batch (affects reinforce, reinforce_baseline, gae)."""
+    no_std_norm: bool = False
+    """Whiten by subtracting the batch mean only, without dividing by the std (the same estimators)."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "off"
     """Train/rollout mismatch IS correction: off, token, seq (product over tokens) or geo (geometric mean)."""
     is_correction_mode: Literal["mask", "clip", "trunc"] = "mask"
@@ -177,6 +179,13 @@ def validate_algo(
         kl.estimator, kl.use_loss = "k1", False
     if kl.init_coef is None:
         kl.init_coef = algo.resolved_kl_coef()
+    if adv.no_whiten and adv.no_std_norm:
+        raise ValueError(
+            "--algo.advantage.no_whiten skips whitening altogether, --algo.advantage.no_std_norm keeps its mean "
+            "subtraction: pass one of them"
+        )
+    if adv.no_std_norm and not estimator.whitens:
+        hints.append(f"--algo.advantage.no_std_norm has no effect: {adv.estimator} advantages are not whitened")
     if estimator.grouped and rollout_n_samples <= 1 and not eval_only:
         raise ValueError(
             f"--algo.advantage.estimator {adv.estimator} compares rollouts of the same prompt and needs "

@@ -94,6 +94,40 @@ ALIASES = {
     "actor.lora_target_modules": "actor.lora.target_modules",
 }
 
+# Molt's earlier IS-correction switch: --algo.advantage.is_correction_enable with a type, where later releases
+# name the level and the bound treatment; each type is the level and mode that compute the same weights.
+LEGACY_IS_TYPES = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("geo", "mask")}
+LEGACY_IS_ENABLE, LEGACY_IS_TYPE = "algo.advantage.is_correction_enable", "algo.advantage.is_correction_type"
+IS_LEVEL, IS_MODE = "algo.advantage.is_correction_level", "algo.advantage.is_correction_mode"
+
+
+def legacy_is_flags(
+    flags: list[tuple[str, list[str]]], notes: list[str]
+) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """``flags`` with the earlier enable/type pair as ``is_correction_level`` / ``mode``, and the errors;
+    what the pair became is added to ``notes``."""
+    given = {name: values for name, values in flags}
+    if LEGACY_IS_ENABLE not in given and LEGACY_IS_TYPE not in given:
+        return flags, []
+    kind = (given.get(LEGACY_IS_TYPE) or ["tis"])[0]
+    if kind not in LEGACY_IS_TYPES:
+        return flags, [f"--{LEGACY_IS_TYPE} {kind}: choose one of {', '.join(LEGACY_IS_TYPES)}"]
+    if LEGACY_IS_ENABLE in given and {IS_LEVEL, IS_MODE} & given.keys():
+        return flags, [
+            f"--{LEGACY_IS_ENABLE} and --{IS_LEVEL} / --{IS_MODE} both set the IS correction: pass one spelling "
+            f"(--{LEGACY_IS_TYPE} {kind} is --{IS_LEVEL} {LEGACY_IS_TYPES[kind][0]} --{IS_MODE} "
+            f"{LEGACY_IS_TYPES[kind][1]})"
+        ]
+    out = [(n, v) for n, v in flags if n not in (LEGACY_IS_ENABLE, LEGACY_IS_TYPE)]
+    if _true(given.get(LEGACY_IS_ENABLE, ["false"])):
+        level, mode = LEGACY_IS_TYPES[kind]
+        out += [(IS_LEVEL, [level]), (IS_MODE, [mode])]
+        notes.append(f"--{LEGACY_IS_ENABLE} (type {kind}): --{IS_LEVEL} {level} --{IS_MODE} {mode}")
+    else:  # as in Molt: the type alone turns nothing on
+        notes.append(f"--{LEGACY_IS_TYPE} {kind}: no effect without --{LEGACY_IS_ENABLE}")
+    return out, []
+
+
 # The trainer's nodes and GPUs: its ranks on a local GPU machine (molt.stack.gpus), Helm's trainer placement.
 TRAINER_PLACEMENT = {"actor.num_nodes", "actor.num_gpus_per_node"}
 WIRING = {"actor.model_name_or_path", "train.agent_path", "vllm.num_engines", "rollout.num_runners"}
@@ -232,14 +266,14 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
     known = trainer_flag_names()
     every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING
-    every |= TRAINER_PLACEMENT | set(GATEWAY_FLAGS) | set(ALIASES)
+    every |= TRAINER_PLACEMENT | set(GATEWAY_FLAGS) | set(ALIASES) | {LEGACY_IS_ENABLE, LEGACY_IS_TYPE}
     r = Routed()
-    errors: list[str] = []
     flags = [
         (name[3:], ["false"]) if name.startswith("no-") and name[3:] in NEGATABLE and not values else (name, values)
         for name, values in split_flags(argv)
     ]
     flags = [(ALIASES.get(name, name), values) for name, values in flags]
+    flags, errors = legacy_is_flags(flags, r.notes)
     muon = any(n == "actor.optim" and v[:1] == ["muon"] for n, v in flags)
     for name, values in flags:
         r.raw[name] = values

@@ -359,6 +359,7 @@ class Learner:
             lam=s.algo.advantage.lam,
             kl_coef=beta,
             whiten=not s.algo.advantage.no_whiten,
+            std_norm=not s.algo.advantage.no_std_norm,
             reward_clip=(s.reward.clip_range[0], s.reward.clip_range[1]),
         )
         for i, x in enumerate(samples):

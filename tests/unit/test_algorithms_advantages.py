@@ -73,6 +73,20 @@ def test_returns_are_advantages_before_whitening():
     assert adv == pytest.approx(ret)
 
 
+def test_no_std_norm_subtracts_the_token_weighted_mean_only():
+    """--algo.advantage.no_std_norm: Rewards [1, 0] in one group, 3 and 1 action tokens: returns [0.5, -0.5]
+    broadcast, mu = 0.25 over the 4 action tokens -> [0.25, -0.75], no division; zero off the mask."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv, ret = compute_advantages(
+        "reinforce_baseline", torch.tensor([1.0, 0.0]), mask, group_ids=["g", "g"], std_norm=False
+    )
+    torch.testing.assert_close(adv, torch.tensor([[0.25, 0.25, 0.25], [-0.75, 0.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.5, 0.5, 0.5], [-0.5, 0.0, 0.0]]))
+    # no_whiten wins over it where both reach compute_advantages (validate_algo refuses the pair)
+    adv, ret = compute_advantages("reinforce", torch.tensor([1.0, 0.0]), mask, whiten=False, std_norm=False)
+    torch.testing.assert_close(adv, ret)
+
+
 def test_two_groups_in_one_batch_have_independent_baselines_and_shared_whitening():
     rewards = torch.tensor(GROUP_A + GROUP_B)
     mask = torch.ones(8, 2)

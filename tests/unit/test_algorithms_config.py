@@ -168,3 +168,12 @@ def test_accepted_async_recipe_and_builders():
     assert isinstance(ctl, KLController) and ctl.adaptive and (ctl.value, ctl.horizon) == (0.01, 500)
     cispo = ActorLossConfig(loss_mode="cispo", eps_clip_low_high=[0.2, 5.0])
     _validate(actor=cispo)
+
+
+def test_no_std_norm_is_refused_beside_no_whiten_and_hinted_where_nothing_is_whitened():
+    with pytest.raises(ValueError, match="no_whiten skips whitening altogether.*no_std_norm"):
+        _validate(AlgoConfig.model_validate({"advantage": {"no_whiten": True, "no_std_norm": True}}))
+    hints, _, _ = _validate(AlgoConfig.model_validate({"advantage": {"estimator": "grpo", "no_std_norm": True}}))
+    assert any("no_std_norm has no effect: grpo" in h for h in hints)
+    hints, _, _ = _validate(AlgoConfig.model_validate({"advantage": {"no_std_norm": True}}))
+    assert not any("no_std_norm" in h for h in hints)

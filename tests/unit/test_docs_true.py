@@ -26,6 +26,8 @@ def known_flags() -> set[str]:
         *train_rl.POD_FLAGS,
         *train_rl.GATEWAY_FLAGS,
         *train_rl.ALIASES,
+        train_rl.LEGACY_IS_ENABLE,
+        train_rl.LEGACY_IS_TYPE,
     }
     return {"--" + dotted for s in settings for dotted, _, _ in iter_fields(s)} | {"--" + n for n in named}
 

@@ -1,0 +1,55 @@
+"""Flags of Molt's other branches and earlier releases that `molt train-rl` takes: the advantage's mean-only
+whitening (--algo.advantage.no_std_norm) and the earlier IS-correction switch (--algo.advantage.is_correction_enable
+with --algo.advantage.is_correction_type), which becomes the level and mode that compute the same weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from molt.algorithms import PolicyLoss, build_policy_loss, validate_algo
+from molt.config import parse_settings
+from molt.stack import train_rl as tr
+from services.trainer.config import TrainerSettings
+
+BASE = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py"]
+
+
+def _trainer(r: tr.Routed) -> TrainerSettings:
+    return parse_settings(TrainerSettings, r.trainer, prog="trainer")
+
+
+def test_no_std_norm_reaches_the_trainer():
+    r = tr.route(BASE + ["--algo.advantage.no_std_norm"], "helm")
+    assert _trainer(r).algo.advantage.no_std_norm
+
+
+@pytest.mark.parametrize(
+    ("kind", "level", "mode"), [("tis", "token", "clip"), ("icepop", "token", "mask"), ("seq-mask-tis", "geo", "mask")]
+)
+def test_the_earlier_is_switch_becomes_level_and_mode(kind, level, mode):
+    flags = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind]
+    flags += ["--algo.advantage.is_correction_threshold", "0.5", "2.0"]
+    r = tr.route(BASE + flags, "helm")
+    adv = _trainer(r).algo.advantage
+    assert (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_threshold) == (level, mode, [0.5, 2])
+    assert any(f"--algo.advantage.is_correction_level {level}" in n for n in r.notes)
+    s = _trainer(r)
+    validate_algo(s.algo, s.actor, 8)
+    assert isinstance(build_policy_loss(s.actor, s.algo), PolicyLoss)
+
+
+def test_the_switch_alone_is_tis_and_the_type_alone_does_nothing():
+    adv = _trainer(tr.route(BASE + ["--algo.advantage.is_correction_enable"], "helm")).algo.advantage
+    assert (adv.is_correction_level, adv.is_correction_mode) == ("token", "clip")
+    r = tr.route(BASE + ["--algo.advantage.is_correction_type", "icepop"], "helm")
+    assert _trainer(r).algo.advantage.is_correction_level == "off"
+    assert any("no effect without --algo.advantage.is_correction_enable" in n for n in r.notes)
+
+
+def test_both_spellings_or_an_unknown_type_are_refused():
+    both = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_level", "geo"]
+    with pytest.raises(ValueError, match="both set the IS correction"):
+        tr.route(BASE + both, "helm")
+    bad = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "reinforce_pro"]
+    with pytest.raises(ValueError, match="choose one of tis, icepop, seq-mask-tis"):
+        tr.route(BASE + bad, "helm")
