@@ -32,6 +32,8 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 # Non-negative bounds on purpose: prometheus_client drops a histogram's _sum when any bound is
 # negative, and the dashboard needs _sum/_count for mean reward. Negative rewards land in le="0".
 REWARD_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2, 5)
+# Logprob differences: exact (0) and float32 rounding up to a distribution that changed.
+LOGPROB_GAP_BUCKETS = (0, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,23 @@ CATALOG: dict[str, MetricSpec] = {
             "molt_gateway_prompts_truncated_total",
             "counter",
             "Env first observations left-truncated to leave room to generate (truncate_prompt).",
+        ),
+        _m(
+            "molt_gateway_rescored_segments_total",
+            "counter",
+            "Segments whose action logprobs were re-read by a prefill pass (--rollout.rescore_logprobs).",
+        ),
+        _m(
+            "molt_gateway_rescore_kept_segments_total",
+            "counter",
+            "Segments that kept their decode logprobs under --rollout.rescore_logprobs, by reason.",
+            ("reason",),
+        ),
+        _m(
+            "molt_gateway_rescore_max_abs_diff",
+            "histogram",
+            "Largest |decode - prefill| action-token logprob difference of each rescored segment.",
+            buckets=LOGPROB_GAP_BUCKETS,
         ),
         # ---- env workers
         _m("molt_envs_episodes_total", "counter", "Episodes by agent and status.", ("agent", "status")),

@@ -50,6 +50,8 @@ class FakePod:
     down: bool = False
     vocab: str = ""
     """The vocabulary fingerprint its /readyz reports ("": none)."""
+    max_logprobs: int | None = None
+    """The bound on top_logprobs its /readyz reports (None: none)."""
     calls: list[tuple[list[int], dict]] = field(default_factory=list)
     images: list[list | None] = field(default_factory=list)
     """Each call's ``images`` (None: the request had none)."""
@@ -72,7 +74,8 @@ class FakePods(PodTransport):
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         pod, _ = self._pod(url)
-        return 200, json.dumps({"ready": True, "vocab": pod.vocab}).encode()
+        bound = {} if pod.max_logprobs is None else {"max_logprobs": pod.max_logprobs}
+        return 200, json.dumps({"ready": True, "vocab": pod.vocab, **bound}).encode()
 
     async def post_json(self, url: str, body: bytes) -> tuple[int, bytes, float]:
         pod, _ = self._pod(url)

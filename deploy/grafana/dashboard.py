@@ -310,6 +310,18 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 ],
                 "",
             ),
+            (
+                "Prefill rescoring (--rollout.rescore_logprobs)",
+                "short",
+                "timeseries",
+                [
+                    q("sum(rate(molt_gateway_rescored_segments_total{}[RI]))", "rescored/s"),
+                    q("sum by (reason) (rate(molt_gateway_rescore_kept_segments_total{}[RI]))", "kept/s {{reason}}"),
+                    *quantiles("molt_gateway_rescore_max_abs_diff_bucket", "", "max |decode - prefill|"),
+                ],
+                "Segments whose logprobs a prefill pass re-read, those that kept their decode logprobs (by reason), "
+                "and the largest decode/prefill gap per segment: the engine noise the flag removes.",
+            ),
         ],
     ),
     (

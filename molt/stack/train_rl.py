@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from molt.config import suggest_flag
+from molt.sampling import MAX_TOP_LOGPROBS
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
@@ -49,10 +50,16 @@ POD_FLAGS = {
     "vllm.mamba_ssm_cache_dtype",
     "vllm.compilation_config",
     "vllm.kv_cache_memory_bytes",  # not Molt's: the KV-cache size CPU pods need (see route)
+    "vllm.max_logprobs",  # not Molt's: the pods' bound on --rollout.top_logprobs (see route)
 }
 
-# Pod flags Molt declares with argparse's BooleanOptionalAction: --no-<flag> turns them off.
-NEGATABLE = {"vllm.enable_prefix_caching", "vllm.enable_chunked_prefill", "vllm.async_scheduling"}
+# Flags Molt declares with argparse's BooleanOptionalAction: --no-<flag> turns them off.
+NEGATABLE = {
+    "vllm.enable_prefix_caching",
+    "vllm.enable_chunked_prefill",
+    "vllm.async_scheduling",
+    "rollout.rescore_logprobs",
+}
 
 # Molt flags about Ray placement, and what each means for the services.
 PLACEMENT = {
@@ -85,6 +92,7 @@ NEUTRAL = {
 GATEWAY_FLAGS = {
     "data.chat_template_kwargs": "gateway.default_chat_template_kwargs",
     "rollout.top_logprobs": "rollout.top_logprobs",  # the gateway asks the pods and records them
+    "rollout.rescore_logprobs": "rollout.rescore_logprobs",  # the gateway re-reads them at finish
 }
 
 # Molt's other spelling of the LoRA flags (train_rl_ray.py's own, beside common_args' --actor.lora.*).
@@ -252,14 +260,25 @@ def _combination_errors(raw: dict[str, list[str]]) -> list[str]:
             "--vllm.mtp_num_speculative_tokens is incompatible with --vllm.enable_prefix_caching: speculative "
             "decoding corrupts rollout log-probs when prefix-cached blocks are reused; enable at most one"
         )
-    if "actor.score_centering" in raw and _true(raw["actor.score_centering"]):
-        k = (raw.get("rollout.top_logprobs") or ["0"])[0]
-        if not (k.isdigit() and int(k) > 0):
-            errors.append(
-                "--actor.score_centering needs the sampler's top-k log-probs in every trajectory: pass "
-                "--rollout.top_logprobs K >= 1 (e.g. 8)"
-            )
+    head = _top_logprobs(raw)
+    if "actor.score_centering" in raw and _true(raw["actor.score_centering"]) and head < 1:
+        errors.append(
+            "--actor.score_centering needs the sampler's top-k log-probs in every trajectory: pass "
+            "--rollout.top_logprobs K >= 1 (e.g. 8)"
+        )
+    bound = (raw.get("vllm.max_logprobs") or [""])[0]
+    if bound.isdigit() and int(bound) < head:
+        errors.append(
+            f"--vllm.max_logprobs {bound} is below --rollout.top_logprobs {head}: the pods would refuse every "
+            f"turn; raise it to {head} or drop it (molt train-rl then sets it)"
+        )
     return errors
+
+
+def _top_logprobs(raw: dict[str, list[str]]) -> int:
+    """--rollout.top_logprobs K (0 when absent or not a count; the gateway's own parse names a bad value)."""
+    k = (raw.get("rollout.top_logprobs") or ["0"])[0]
+    return int(k) if k.isdigit() else 0
 
 
 def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
@@ -322,6 +341,9 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             match = suggest_flag(name, every)
             errors.append(f"--{name}: unknown flag" + (f"; did you mean --{match}?" if match else ""))
     errors += _combination_errors(r.raw)
+    head = _top_logprobs(r.raw)
+    if head > MAX_TOP_LOGPROBS and "vllm.max_logprobs" not in r.raw:  # the pods must return a head that wide
+        r.rollout += ["--vllm.max_logprobs", str(head)]
     if not r.model:
         errors.append("--actor.model_name_or_path is required: a local HF model directory")
     estimator = r.raw.get("algo.advantage.estimator", [""])[:1]

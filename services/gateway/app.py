@@ -54,7 +54,16 @@ def build_app(
     client = transport or HttpTransport(
         rc.max_connections, rc.timeout_s, rc.connect_timeout_s, pod_token=internal_token_from_env()
     )
-    pool = PodPool(rc.urls, client, metrics, rc.health_interval_s, rc.stream, rc.return_routed_experts, model.vocab)
+    pool = PodPool(
+        rc.urls,
+        client,
+        metrics,
+        rc.health_interval_s,
+        rc.stream,
+        rc.return_routed_experts,
+        model.vocab,
+        rc.top_logprobs,
+    )
     queue = queue or open_queue(settings.redis, metrics)
     replicas = Replicas(
         settings.replica.public_url, settings.auth.api_keys, client if isinstance(client, HttpTransport) else None

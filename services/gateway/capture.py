@@ -56,6 +56,9 @@ class SegmentState:
     (--rollout.top_logprobs); None when not recorded for every action token of the segment."""
     top_logprobs: np.ndarray | None = None
     """float32 [action tokens, K]: their logprobs (-inf pads a row the pod returned short)."""
+    plain: bool = True
+    """Every turn of the segment sampled from the model's own distribution (``rescore.plain_sampling``): its
+    decode logprobs then mean what a prefill pass computes (--rollout.rescore_logprobs)."""
 
     @property
     def sent_ids(self) -> list[int]:
@@ -489,6 +492,7 @@ class Capture:
                 seg.extend_top(len(seg.logprobs), top)
             seg.logprobs.extend(gen.logprobs)
             seg.versions.extend([gen.policy_version] * len(gen.token_ids))
+            seg.plain = seg.plain and gen.extra.get("plain") is True  # set where the turn's params are known
         if gen.routed_experts is not None:
             rows = _fit_rows(gen.routed_experts, len(seg.token_ids))
             if seg.routed_experts is not None:

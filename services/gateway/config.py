@@ -17,8 +17,10 @@ from molt.config import (
     json_object,
     split_list,
 )
-from molt.sampling import MAX_TOP_LOGPROBS
 from services.gateway.templates import template_variables_in
+
+# The widest head the gateway records (score centering's K); the wire's own top_logprobs stay OpenAI's 20.
+MAX_RECORDED_TOP_LOGPROBS = 256
 
 
 class RolloutClientConfig(Section):
@@ -44,7 +46,12 @@ class RolloutClientConfig(Section):
     top_logprobs: int = 0
     """Ask the pods for the K most likely tokens at each generated token of a captured turn and record them in
     the trajectory (``top_ids`` / ``top_logprobs``, one row per action token), for the trainer's score centering
-    (--actor.score_centering). 0: off. At most the pods' bound on ``top_logprobs``."""
+    (--actor.score_centering). 0: off. Above 20, the pods need --vllm.max_logprobs K (a pod with less is not
+    routed to)."""
+    rescore_logprobs: bool = False
+    """At finish, re-read each trainable segment's action logprobs through one prefill pass on a pod and record
+    those (the trainer's recompute is prefill-like; decode kernels may differ, e.g. Qwen3.x GDN). Costs one
+    prefill per segment; segments that cannot be rescored exactly keep theirs, counted (docs/gateway.md)."""
 
     @field_validator("urls", mode="before")
     @classmethod
@@ -54,10 +61,10 @@ class RolloutClientConfig(Section):
     @field_validator("top_logprobs")
     @classmethod
     def _top_in_bounds(cls, k: int) -> int:
-        if not 0 <= k <= MAX_TOP_LOGPROBS:
+        if not 0 <= k <= MAX_RECORDED_TOP_LOGPROBS:
             raise ValueError(
-                f"must be in [0, {MAX_TOP_LOGPROBS}]: the rollout pods return at most {MAX_TOP_LOGPROBS} "
-                "alternatives per token (0: record none)"
+                f"must be in [0, {MAX_RECORDED_TOP_LOGPROBS}] (0: record none): each row costs 8 bytes per action "
+                "token in every trajectory"
             )
         return k
 
@@ -204,6 +211,11 @@ def validate_settings(settings: GatewaySettings) -> None:
     """The gateway's start-up checks beyond each field's own (``ValueError``), run by --dry-run alike."""
     if not settings.model.path:
         raise ValueError("no model: pass --model.path DIR (the tokenizer and chat template come from it)")
+    if settings.rollout.rescore_logprobs and settings.rollout.top_logprobs:
+        raise ValueError(
+            "--rollout.rescore_logprobs and --rollout.top_logprobs K > 0 do not go together: the rescored tokens' "
+            "logprobs would come from the prefill pass and their top-K rows from decoding; drop one of them"
+        )
     defaults = settings.gateway.default_chat_template_kwargs
     if defaults:
         reads = template_variables_in(settings.model.path)

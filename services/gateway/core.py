@@ -27,6 +27,7 @@ from services.gateway.chat import (
 from services.gateway.errors import ContextLengthExceeded, GatewayError
 from services.gateway.lifecycle import SessionLifecycle
 from services.gateway.pods import Generation, Pod, PodFailed
+from services.gateway.rescore import plain_sampling
 from services.gateway.session import Session, TurnResult
 from services.gateway.thinking import split_reasoning, think_opened
 
@@ -321,6 +322,7 @@ class Gateway(SessionLifecycle):
                     raise
                 s.capture.expanded(model, plan, length, hard)  # the pod's context is full: a 400 when hard
                 return None
+            gen.extra["plain"] = plain_sampling(sp)  # the capture records it per segment (rescore.py)
             events.extend(more)
             stopped = self._apply_stop(gen, stop)
             fitted = s.capture.fit(model, plan, stopped, hard)

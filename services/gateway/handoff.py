@@ -118,6 +118,7 @@ def _segment(fields: dict) -> SegmentState:
             routed_experts=None if routed is None else np.asarray(routed, dtype=np.int16),
             top_ids=top_ids,
             top_logprobs=top,
+            plain=fields.get("plain") is True,  # unknown (parked by a replica that predates it): not plain
         )
     )
 

@@ -23,6 +23,7 @@ from services.gateway.errors import GatewayError, UnreadableParkedSession
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import PodPool
+from services.gateway.rescore import rescore
 from services.gateway.session import CONTEXT_FULL, REPLIES, Session
 
 log = logging.getLogger("molt.gateway")
@@ -464,6 +465,8 @@ class SessionLifecycle:
                         "status": exc.status,
                         "error": {"message": exc.message, "code": exc.code},
                     }
+            if self.settings.rollout.rescore_logprobs:  # a retried finish rebuilds and rescores its trajectories
+                await rescore(self.pool, self.metrics, [(s, t) for _, s, t in todo if t is not None])
             trajs = [t for _, _, t in todo if t is not None]
             entry_ids: list[str] = []
             if trajs:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from molt.metrics import Metrics
@@ -141,14 +142,16 @@ def _routed_experts(raw: object) -> np.ndarray | None:
     return np.frombuffer(base64.b64decode(raw["data"]), "<i2").reshape(shape)
 
 
-def _reported_vocab(body: bytes) -> str:
-    """The vocabulary fingerprint a pod's /readyz reports ("" when it reports none)."""
+def _readyz(body: bytes) -> tuple[str, int | None]:
+    """The vocabulary fingerprint ("" when none) and the bound on top_logprobs (None when none) a pod's /readyz
+    reports."""
     try:
         data = json.loads(body)
     except ValueError:
-        return ""
-    vocab = data.get("vocab") if isinstance(data, dict) else None
-    return vocab if isinstance(vocab, str) else ""
+        return "", None
+    data = data if isinstance(data, dict) else {}
+    vocab, bound = data.get("vocab"), data.get("max_logprobs")
+    return vocab if isinstance(vocab, str) else "", bound if type(bound) is int else None
 
 
 class PodPool:
@@ -161,10 +164,13 @@ class PodPool:
         stream: bool = True,
         return_routed_experts: bool = False,
         vocab: str = "",
+        top_logprobs: int = 0,
     ) -> None:
         self.pods = {u: Pod(u) for u in urls}
         self.vocab = vocab
         """The gateway's ``molt.vocab.vocab_fingerprint``: a pod whose /readyz reports another is never routed to."""
+        self.top_logprobs = top_logprobs
+        """--rollout.top_logprobs: a pod whose /readyz reports a lower bound would refuse every captured turn."""
         self.return_routed_experts = return_routed_experts
         self.client = client
         self.metrics = metrics
@@ -230,12 +236,7 @@ class PodPool:
         finally:
             pod.inflight -= 1
         wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
-        if status >= 500 or status == 401:  # 401: this gateway lacks the pod's service token, not the caller's fault
-            self.set_health(pod, False, f"HTTP {status}")
-            raise PodFailed(pod, f"HTTP {status}: {_error_text(answer)}")
-        if status >= 400:
-            code, param = _pod_error_fields(answer)
-            raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code=code, param=param)
+        self._check_status(pod, status, answer)
         try:
             data = json_loads(answer) if isinstance(answer, bytes) else answer
             version = int(data.get("policy_version", 0))
@@ -276,6 +277,43 @@ class PodPool:
         self.policy_version = max(self.policy_version, version)
         return gens
 
+    def _check_status(self, pod: Pod, status: int, answer: dict | bytes) -> None:
+        """PodFailed (and the pod marked unhealthy) for a pod's own failure, a 400 GatewayError for a request it
+        refused."""
+        if status >= 500 or status == 401:  # 401: this gateway lacks the pod's service token, not the caller's fault
+            self.set_health(pod, False, f"HTTP {status}")
+            raise PodFailed(pod, f"HTTP {status}: {_error_text(answer)}")
+        if status >= 400:
+            code, param = _pod_error_fields(answer)
+            raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code=code, param=param)
+
+    async def prompt_logprobs(self, pod: Pod, token_ids: list[int]) -> tuple[list[float], int]:
+        """One prefill pass over ``token_ids`` (POST /v1/prompt_logprobs): log p(t_i | t_<i) for i >= 1, and the
+        policy version that computed them. Fails as ``generate`` does: PodFailed for the pod's own failure
+        (marked unhealthy until its next good probe), a 400 GatewayError for a request it refuses."""
+        body = b'{"token_ids":' + msgspec.json.encode(token_ids) + b"}"
+        pod.inflight += 1
+        try:
+            status, answer, _ = await self.client.post_json(pod.url + "/v1/prompt_logprobs", body)
+        except PodConnectionError as exc:
+            self.set_health(pod, False, str(exc))
+            raise PodFailed(pod, str(exc)) from None
+        finally:
+            pod.inflight -= 1
+        self._check_status(pod, status, answer)
+        try:
+            data = json_loads(answer)
+            version = data["policy_version"]
+            if type(version) is not int or version < 0:
+                raise ValueError(f"policy_version {version!r}")
+            logprobs = _logprob_list(data["logprobs"], token_ids[1:])
+            if logprobs and max(logprobs) > 1e-4:  # the schema's bound: a record the trainer would refuse
+                raise ValueError(f"a logprob above 0 ({max(logprobs)})")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.set_health(pod, False, f"malformed answer: {exc}")
+            raise PodFailed(pod, f"malformed /v1/prompt_logprobs answer ({exc})") from None
+        return logprobs, version
+
     def close(self) -> None:
         for pod in self.pods.values():
             if pod.channel is not None:
@@ -289,12 +327,19 @@ class PodPool:
             ok, why = status == 200, f"readyz HTTP {status}"
         except PodConnectionError as exc:
             ok, why = False, str(exc)
-        if ok and self.vocab and (theirs := _reported_vocab(body)) not in ("", self.vocab):
+        theirs, bound = _readyz(body) if ok else ("", None)
+        if self.vocab and theirs not in ("", self.vocab):
             ok = False
             why = (
                 f"it serves another vocabulary than the gateway's --model.path (fingerprint {theirs}, the "
                 f"gateway's {self.vocab}): the ids the gateway sends would mean other tokens there; start the "
                 "pod and the gateway on the same model"
+            )
+        elif bound is not None and bound < self.top_logprobs:
+            ok = False
+            why = (
+                f"it returns at most {bound} alternatives per token, fewer than the gateway's --rollout.top_logprobs "
+                f"{self.top_logprobs}: start the pod with --vllm.max_logprobs {self.top_logprobs}"
             )
         self.set_health(pod, ok, "" if ok else why)
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from molt.config import GuardedServerConfig, ModelConfig, Section, json_object, parse_settings, port_range
+from molt.sampling import MAX_TOP_LOGPROBS
 
 
 class VllmKnobs(Section):
@@ -45,6 +46,9 @@ class VllmKnobs(Section):
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs"
     """Which logprob of a sampled token is returned: processed = after temperature/top-k/top-p (the
     distribution actually sampled from, what importance sampling needs); raw = the model's log-softmax."""
+    max_logprobs: int = Field(MAX_TOP_LOGPROBS, ge=0)
+    """Most alternatives per token a request may ask for (vLLM's max_logprobs). The default is OpenAI's bound;
+    a gateway recording a larger head (--rollout.top_logprobs K, for score centering) needs pods with K here."""
     enable_return_routed_experts: bool = False
     """Return per-token routed expert ids of MoE models (needs vLLM's model runner V2; not on CPU)."""
     multiprocessing: bool | None = None

@@ -228,6 +228,7 @@ class EngineThread:
             max_model_len=cfg.max_model_len,
             max_n=self.settings.rollout.max_n,
             max_prompt_tokens=self.settings.rollout.max_prompt_tokens,
+            max_logprobs=self.settings.vllm.max_logprobs,
         )
         if cfg.is_multimodal_model:
             r = self.settings.rollout
@@ -320,6 +321,7 @@ class EngineThread:
             enable_prefix_caching=k.enable_prefix_caching,
             seed=k.seed,
             logprobs_mode=k.logprobs_mode,
+            max_logprobs=k.max_logprobs,
             enable_return_routed_experts=k.enable_return_routed_experts or None,
             distributed_executor_backend=backend,
             disable_custom_all_reduce=k.disable_custom_all_reduce,

@@ -39,6 +39,7 @@ class Limits:
     max_model_len: int
     max_n: int
     max_prompt_tokens: int | None = None
+    max_logprobs: int = MAX_TOP_LOGPROBS
 
 
 # Wire name -> (type, default). Anything else in sampling_params is an error.
@@ -118,7 +119,12 @@ def check_sampling(params: Any, prompt_len: int, limits: Limits) -> dict[str, An
     try:
         out = check_params(out, prefix="sampling_params.")
         out["stop_token_ids"] = check_token_ids(out["stop_token_ids"] or [], "stop_token_ids", limits.vocab_size)
-        k = check_number("top_logprobs", out["top_logprobs"], Rule(True, 0, MAX_TOP_LOGPROBS), "top_logprobs")
+        k = check_number("top_logprobs", out["top_logprobs"], Rule(True, 0, None), "top_logprobs")
+        if k and k > limits.max_logprobs:
+            raise SamplingError(
+                f"top_logprobs = {k} is above this pod's bound {limits.max_logprobs} (its --vllm.max_logprobs)",
+                "top_logprobs",
+            )
         if k and not out["logprobs"]:
             raise SamplingError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if out["logit_bias"] is not None:

@@ -117,11 +117,10 @@ def _array(values, dtype: str) -> dict:
 
 @router.post("/v1/prompt_logprobs")
 async def prompt_logprobs(request: Request) -> Response:
-    """{"token_ids": [...]} -> {"logprobs": [log p(t_i | t_<i) for i >= 1], "policy_version"} (weight probes)."""
+    """{"token_ids": [...]} -> {"logprobs": [log p(t_i | t_<i) for i >= 1], "policy_version"}: weight probes, and
+    the gateway's --rollout.rescore_logprobs (the version is that of the weights that computed them)."""
     body = await _body(request)
-    engine = request.app.state.engine
-    version = engine.policy_version
-    lps = await engine.prompt_logprobs(body.get("token_ids"))
+    lps, version = await request.app.state.engine.versioned_prompt_logprobs(body.get("token_ids"))
     return _json({"logprobs": lps, "policy_version": version})
 
 
@@ -188,6 +187,7 @@ async def readyz(request: Request) -> Response:
         "policy_version": engine.policy_version,
         "grpc_port": request.app.state.grpc_port,
         "vocab": engine.vocab,
+        "max_logprobs": request.app.state.settings.vllm.max_logprobs,
     }
     return _json(body, 200 if engine.ready else 503)
 

@@ -24,9 +24,9 @@ def stack(tiny_qwen3, redis_url, tmp_path_factory):
         yield {"url": url, "redis": redis_url, "stream": stream}
 
 
-def _check_rows(seg) -> None:
+def _check_rows(seg, k: int = K) -> None:
     a = seg.num_action_tokens
-    assert a > 0 and seg.top_ids.shape == seg.top_logprobs.shape == (a, K)
+    assert a > 0 and seg.top_ids.shape == seg.top_logprobs.shape == (a, k)
     top = seg.top_logprobs.astype(np.float64)
     assert (top[:, :-1] >= top[:, 1:]).all() and (top <= 0).all()  # best first, logprobs
     sampled = seg.token_ids[seg.action_mask()]
@@ -89,3 +89,22 @@ def test_token_level_turns_record_rows_too(stack):
         np.isfinite(seg.top_logprobs[first_turn:, :2]).all() and np.isneginf(seg.top_logprobs[first_turn:, 2:]).all()
     )
     assert (seg.top_ids[first_turn:, 2:] == 0).all()
+
+
+def test_a_head_wider_than_20_with_pods_raised_to_it(tiny_qwen3, redis_url, tmp_path):
+    """K = 24 (above OpenAI's 20): pods started with --vllm.max_logprobs 24 return that many rows, and the
+    trajectory holds them; a client still gets at most its own 20."""
+    flags = ["--rollout.top_logprobs", "24"]
+    pod = {"extra": ["--vllm.max_logprobs", "24"]}
+    with pod_and_gateway(tiny_qwen3, tmp_path, redis_url, "gateway-wide-head", pod=pod, gateway=flags) as stack:
+        url, _pod, stream = stack
+        s = httpx.post(url + "/v1/sessions", json={"sampling_params": {"max_tokens": 8}}).json()
+        client = openai.OpenAI(base_url=s["openai_base_url"], api_key="EMPTY")
+        msgs = [{"role": "user", "content": "Name a color."}]
+        r = client.chat.completions.create(model="policy", messages=msgs, seed=5, logprobs=True, top_logprobs=20)
+        assert all(len(t.top_logprobs) == 20 for t in r.choices[0].logprobs.content)
+        assert httpx.post(f"{url}/v1/sessions/{s['session_id']}/finish", json={"reward": 1.0}).json()["written"]
+        [traj] = [t for t in read_trajectories(redis_url, stream) if t.trajectory_id == s["session_id"]]
+        [seg] = traj.segments
+        _check_rows(seg, 24)
+        assert np.isfinite(seg.top_logprobs).all()  # the pod filled every row: nothing padded

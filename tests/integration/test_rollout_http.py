@@ -150,6 +150,7 @@ def test_probes_health_and_weight_reload(pod, tiny_qwen3, tiny_qwen3_b):
         "policy_version": app.state.engine.policy_version,
         "grpc_port": None,
         "vocab": vocab,
+        "max_logprobs": 20,
     }
     assert httpx.get(f"{url}/healthz").status_code == 200
     expected = httpx.get(f"{url}/v1/weights/expected").json()["parameters"]

@@ -233,14 +233,31 @@ async def test_a_pod_that_sends_no_rows_is_not_recorded(model):
     assert (await http.post(f"/v1/sessions/{s['session_id']}/finish", json={"reward": 1.0})).json()["written"] is False
 
 
-def test_the_flag_is_bounded_by_what_the_pods_accept(capsys):
-    for bad in ("21", "-1"):
+def test_the_flag_is_bounded(capsys):
+    for bad in ("257", "-1"):
         with pytest.raises(SystemExit) as exc:
             parse_settings(GatewaySettings, ["--model", "m", "--rollout.top_logprobs", bad], environ={})
         assert exc.value.code == 2
-        assert f"--rollout.top_logprobs {bad}: must be in [0, 20]" in capsys.readouterr().err
-    assert parse_settings(GatewaySettings, ["--rollout.top_logprobs", "20"], environ={}).rollout.top_logprobs == 20
+        assert f"--rollout.top_logprobs {bad}: must be in [0, 256]" in capsys.readouterr().err
+    assert parse_settings(GatewaySettings, ["--rollout.top_logprobs", "64"], environ={}).rollout.top_logprobs == 64
     assert GatewaySettings().rollout.top_logprobs == 0
+
+
+async def test_a_pod_whose_bound_is_below_k_is_not_routed_to(model, caplog):
+    """A head wider than OpenAI's 20 needs pods started with --vllm.max_logprobs K; one that reports less on
+    /readyz would refuse every captured turn, so the probe marks it unhealthy with the fix."""
+    app, fake, queue, http = _gateway(model, 24)
+    fake.pods[PODS[0]].max_logprobs, fake.pods[PODS[1]].max_logprobs = 20, 24
+    pool = app.gateway.pool
+    for pod in pool.pods.values():
+        await pool.probe(pod)
+    assert [p.url for p in pool.pods.values() if p.healthy] == [PODS[1]]
+    assert "start the pod with --vllm.max_logprobs 24" in pool.pods[PODS[0]].last_error
+    s = await _open(http)
+    queue.append(TEXTS[0])
+    r = await http.post(f"/s/{s['session_id']}/v1/chat/completions", json={"model": "policy", "messages": ASK})
+    assert r.status_code == 200 and fake.pods[PODS[0]].calls == []
+    assert fake.pods[PODS[1]].calls[0][1]["top_logprobs"] == 24
 
 
 def _rows(n: int, k: int, at: int = 0) -> tuple[np.ndarray, np.ndarray]:

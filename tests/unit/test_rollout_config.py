@@ -74,7 +74,8 @@ def test_sampling_defaults_and_limits():
         ({"stop_token_ids": [2000]}, "[0, 1024)"),
         ({"beam_width": 2}, "unknown sampling param"),
         ({"min_tokens": 20}, "min_tokens"),
-        ({"top_logprobs": 21}, "'top_logprobs' must be in [0, 20]"),
+        ({"top_logprobs": 21}, "top_logprobs = 21 is above this pod's bound 20 (its --vllm.max_logprobs)"),
+        ({"top_logprobs": -1}, "'top_logprobs' must be in [0, inf)"),
         ({"top_logprobs": 2, "logprobs": False}, "needs 'logprobs'"),
         ({"logit_bias": {"1024": 1}}, "[0, 1024)"),
         ({"structured_outputs": {"json": {}, "regex": "a"}}, "exactly one of"),
@@ -84,6 +85,17 @@ def test_sampling_defaults_and_limits():
             check_sampling(params, prompt_len=5, limits=LIMITS)
         assert needle in str(exc.value), (params, str(exc.value))
         assert exc.value.param and exc.value.code
+
+
+def test_max_logprobs_raises_the_pods_bound_on_top_logprobs():
+    """--vllm.max_logprobs (vLLM's engine bound) is the pod's: a gateway recording a head of K > 20 for score
+    centering needs pods started with K, and the default stays OpenAI's 20."""
+    assert parse(["--model", "/m"]).vllm.max_logprobs == 20
+    assert parse(["--model", "/m", "--vllm.max_logprobs", "64"]).vllm.max_logprobs == 64
+    wide = Limits(vocab_size=1024, max_model_len=256, max_n=8, max_logprobs=64)
+    assert check_sampling({"top_logprobs": 64}, 5, wide)["top_logprobs"] == 64
+    with pytest.raises(RolloutInputError, match="bound 64"):
+        check_sampling({"top_logprobs": 65}, 5, wide)
 
 
 def test_prompt_checks():

@@ -81,7 +81,7 @@ def test_errors_use_the_openai_body(client):
 
 
 def test_probes_and_metrics(client):
-    ready = {"ready": True, "policy_version": 3, "grpc_port": None, "vocab": "0123456789abcdef"}
+    ready = {"ready": True, "policy_version": 3, "grpc_port": None, "vocab": "0123456789abcdef", "max_logprobs": 20}
     assert client.get("/readyz").json() == ready
     assert client.get("/v1/version").json()["policy_version"] == 3
     assert client.get("/v1/weights/expected").json() == {"parameters": {"w": {"shape": [2, 3], "dtype": "float32"}}}

@@ -197,7 +197,7 @@ def test_every_flag_molts_rl_and_sft_parsers_declare_is_known():
     assert sorted(set(MOLT_CLI["train_sft"]) - {name for name, _, _ in iter_fields(SftSettings)}) == []
 
 
-@pytest.mark.parametrize("flag", sorted(tr.NEGATABLE))
+@pytest.mark.parametrize("flag", sorted(tr.NEGATABLE & tr.POD_FLAGS))
 def test_molts_no_form_of_a_pod_switch_turns_it_off(flag):
     from molt.config import parse_settings
     from services.rollout.config import RolloutSettings

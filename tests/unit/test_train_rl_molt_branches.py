@@ -9,6 +9,7 @@ import pytest
 from molt.algorithms import PolicyLoss, build_policy_loss, validate_algo
 from molt.config import parse_settings
 from molt.stack import train_rl as tr
+from services.gateway.config import GatewaySettings
 from services.trainer.config import TrainerSettings
 
 BASE = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py"]
@@ -53,3 +54,16 @@ def test_both_spellings_or_an_unknown_type_are_refused():
     bad = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "reinforce_pro"]
     with pytest.raises(ValueError, match="choose one of tis, icepop, seq-mask-tis"):
         tr.route(BASE + bad, "helm")
+
+
+@pytest.mark.parametrize(
+    ("flag", "on"), [("--rollout.rescore_logprobs", True), ("--no-rollout.rescore_logprobs", False)]
+)
+def test_rescore_logprobs_is_the_gateways(flag, on):
+    """Molt's --rollout.rescore_logprobs (a BooleanOptionalAction) re-reads the action logprobs through a prefill
+    pass: here the gateway does it at finish (docs/gateway.md)."""
+    r = tr.route(BASE + [flag], "helm")
+    assert "--rollout.rescore_logprobs" in r.gateway and not any("rescore" in a for a in r.trainer)
+    assert (
+        parse_settings(GatewaySettings, ["--model", "/m", *r.gateway], prog="gateway").rollout.rescore_logprobs is on
+    )

@@ -67,3 +67,16 @@ def test_score_centering_takes_the_gateways_top_logprobs_and_is_refused_without(
     for extra in ([], ["--rollout.top_logprobs", "0"]):
         with pytest.raises(ValueError, match="--actor.score_centering needs .* --rollout.top_logprobs K >= 1"):
             tr.route(BASE + flags + extra, "helm")
+
+
+def test_a_head_wider_than_20_raises_the_pods_max_logprobs():
+    """Molt raises vLLM's max_logprobs for a score-centering head above OpenAI's 20; here the pods get
+    --vllm.max_logprobs K unless the script set it, and a bound below K is refused before anything starts."""
+    flags = ["--actor.loss_mode", "reinforce", "--actor.score_centering", "--rollout.top_logprobs", "32"]
+    r = tr.route(BASE + flags, "helm")
+    assert r.gateway == ["--rollout.top_logprobs", "32"] and r.rollout[-2:] == ["--vllm.max_logprobs", "32"]
+    assert parse_settings(GatewaySettings, r.gateway, prog="gateway").rollout.top_logprobs == 32
+    assert "--vllm.max_logprobs" not in tr.route(BASE + ["--rollout.top_logprobs", "8"], "helm").rollout
+    assert tr.route(BASE + flags + ["--vllm.max_logprobs", "64"], "helm").rollout == ["--vllm.max_logprobs", "64"]
+    with pytest.raises(ValueError, match="--vllm.max_logprobs 16 is below --rollout.top_logprobs 32"):
+        tr.route(BASE + flags + ["--vllm.max_logprobs", "16"], "helm")
