@@ -24,6 +24,7 @@ from typing import Literal
 
 from molt.config import suggest_flag
 from molt.sampling import MAX_TOP_LOGPROBS
+from molt.stack.agent_env import forwarded_env
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
@@ -438,6 +439,9 @@ def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
     wandb = [{"name": n, "value": env[n]} for n in WANDB_ENV if env.get(n)]
     if wandb:
         values["trainer"]["extraEnv"] = wandb
+    forwarded, _ = forwarded_env(r.agent_path, env) if r.agent_path else ([], [])
+    if forwarded:  # Molt's Ray workers inherit the launching shell; the chart's env workers get them here
+        values["envs"]["extraEnv"] = forwarded
     return values
 
 
@@ -463,6 +467,17 @@ def write_helm_values(r: Routed, path: Path, environ: Mapping[str, str] | None =
         "where mounted (model.existingClaim or model.hostPath under model.mountPath, or extraVolumes and "
         "extraVolumeMounts; docs/deploy.md); the chart refuses a model.path outside every mount"
     ]
+    forwarded, withheld = forwarded_env(r.agent_path, env) if r.agent_path else ([], [])
+    if forwarded:
+        notes.append(
+            "envs.extraEnv: " + ", ".join(e["name"] for e in forwarded) + " (set in this shell and read by the "
+            "agent's code, as Molt's workers inherit them)"
+        )
+    if withheld:
+        notes.append(
+            f"{', '.join(withheld)}: read by the agent's code but not written to the values file (a secret); give "
+            "them from a Secret: envs.extraEnv [{name: NAME, valueFrom: {secretKeyRef: {name: ..., key: ...}}}]"
+        )
     if not given:
         return notes
     return notes + [
