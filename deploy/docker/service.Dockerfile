@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1.7
 # Slim image for the CPU services: the gateway (OpenAI/Anthropic API) and env workers. No torch.
+# Env workers whose agent imports torch or vLLM (Molt's examples) run in the rollout image instead.
 # Build from the repository root:  docker build -f deploy/docker/service.Dockerfile -t molt-service .
 # Run: python -m services.gateway ...   or   python -m services.envs --agent NAME=examples/agents/NAME.py ...
 ARG PYTHON_VERSION=3.12

@@ -24,7 +24,7 @@ from typing import Literal
 
 from molt.config import suggest_flag
 from molt.sampling import MAX_TOP_LOGPROBS
-from molt.stack.agent_env import forwarded_env
+from molt.stack.agent_env import engine_imports, forwarded_env
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
@@ -389,6 +389,8 @@ CHART_OWNED = {
 
 # Molt hands these to every worker from the launching shell; the local stack's processes inherit them. The
 # W&B key (flag or variable) is a secret and stays out of a values file: write_helm_values says how to pass it.
+# The chart's rollout image (torch, transformers and vLLM), for env workers whose agent imports them.
+ENGINE_IMAGE = "molt-rollout"
 WANDB_ENV = ("WANDB_ENTITY", "WANDB_MODE")
 SECRET_FLAGS = {"logger.wandb.key"}
 
@@ -442,6 +444,8 @@ def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
     forwarded, _ = forwarded_env(r.agent_path, env) if r.agent_path else ([], [])
     if forwarded:  # Molt's Ray workers inherit the launching shell; the chart's env workers get them here
         values["envs"]["extraEnv"] = forwarded
+    if r.agent_path and engine_imports(r.agent_path):  # the slim image would fail the agent's import
+        values["envs"]["image"] = {"repository": ENGINE_IMAGE}
     return values
 
 
@@ -472,6 +476,12 @@ def write_helm_values(r: Routed, path: Path, environ: Mapping[str, str] | None =
         notes.append(
             "envs.extraEnv: " + ", ".join(e["name"] for e in forwarded) + " (set in this shell and read by the "
             "agent's code, as Molt's workers inherit them)"
+        )
+    imports = sorted(engine_imports(r.agent_path)) if r.agent_path else []
+    if imports:
+        notes.append(
+            f"envs.image.repository: {ENGINE_IMAGE}, as the agent imports {' and '.join(imports)}, which the slim "
+            "env-worker image (molt-service) lacks; the rollout image has them and imports them without a GPU"
         )
     if withheld:
         notes.append(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from deploy import tools
 from molt.stack import train_rl as tr
-from molt.stack.agent_env import forwarded_env, read_names
+from molt.stack.agent_env import engine_imports, forwarded_env, read_names
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples"
 GEO3K = EXAMPLES / "agents" / "geo3k.py"
@@ -50,6 +50,29 @@ def test_the_values_file_gives_the_env_workers_the_shells_settings(tmp_path):
     ]
     assert envs["MAX_AGENT_TURNS"] == "10" and envs["PYTHON_EXECUTOR_TIMEOUT"] == "5"
     assert tr.helm_values(r, {})["envs"].get("extraEnv") is None
+
+
+def test_an_agent_that_imports_torch_or_vllm_runs_in_the_rollout_image(tmp_path):
+    """Molt's examples import torch at load (geo3k also vLLM's tool parser, by a dotted class path): the slim
+    env-worker image lacks both, so the emitted values run the env workers in the rollout image."""
+    assert engine_imports(GEO3K) == {"torch", "vllm"} and engine_imports(EXAMPLES / "agents" / "math.py") == {"torch"}
+    assert engine_imports(Path(__file__).resolve().parents[2] / "examples" / "agents" / "judge.py") == set()
+    r = tr.route(["--actor.model_name_or_path", "/models/m", "--train.agent_path", str(GEO3K)], "helm")
+    assert tr.helm_values(r, {})["envs"]["image"] == {"repository": "molt-rollout"}
+    notes = tr.write_helm_values(r, tmp_path / "values.yaml", environ={})
+    assert any(n.startswith("envs.image.repository: molt-rollout, as the agent imports torch and vllm") for n in notes)
+    [image] = [
+        c["image"]
+        for d in tools.render(str(tmp_path / "values.yaml"))
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-envs")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+    assert image.startswith("molt-rollout:")
+    slim = tmp_path / "agents" / "plain.py"
+    slim.parent.mkdir()
+    slim.write_text("from molt.agents import Env\nPARSER = 'json.decoder.JSONDecoder'\n")
+    r = tr.route(["--actor.model_name_or_path", "/models/m", "--train.agent_path", str(slim)], "helm")
+    assert "image" not in tr.helm_values(r, {})["envs"]
 
 
 def test_a_secret_the_agent_reads_is_named_in_the_notes_not_written(tmp_path):
