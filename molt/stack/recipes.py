@@ -45,11 +45,18 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def gateway_context_args(rollout_args: list[str]) -> list[str]:
+def gateway_context_args(rollout_args: list[str], gateway_args: list[str] | None = None) -> list[str]:
     """Gateway flags that give its sessions the context the pods run (``--vllm.max_model_len``), derived from the
-    pods' own flags so the two are never set twice: a gateway that budgets more would plan turns the pods refuse."""
+    pods' own flags so the two are never set twice: a gateway that budgets more would plan turns the pods refuse.
+    With ``--rollout.rescore_logprobs`` one position less: vLLM takes no prompt as long as its whole context, and
+    the rescoring prefill's prompt is a whole segment."""
     max_model_len = flag_value(rollout_args, "--vllm.max_model_len")
-    return ["--session.max_length", max_model_len] if max_model_len is not None else []
+    if max_model_len is None:
+        return []
+    rescore = flag_value([*(gateway_args or []), "--end"], "--rollout.rescore_logprobs")
+    if rescore is not None and rescore.lower() not in ("false", "0", "no", "off") and max_model_len.isdigit():
+        max_model_len = str(int(max_model_len) - 1)
+    return ["--session.max_length", max_model_len]
 
 
 def _prompts_digits(n: int, seed: int = 0) -> list[dict]:

@@ -100,7 +100,7 @@ class Services:
             "services.gateway",
             *("--model.path", str(self.plan.model), "--rollout.urls", ",".join(p[0] for p in self.pods)),
             *("--redis.url", self.redis_url, "--redis.stream", self.stream, "--server.port", str(port)),
-            *gateway_context_args(self.plan.rollout),
+            *gateway_context_args(self.plan.rollout, self.plan.gateway),
             *self.plan.gateway,
         )
         return ManagedProcess("gateway", cmd, self.run_dir / "gateway.log", url(port), self.env)

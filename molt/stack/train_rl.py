@@ -276,6 +276,15 @@ def _combination_errors(raw: dict[str, list[str]]) -> list[str]:
     return errors
 
 
+def _context(max_len: list[str], raw: dict[str, list[str]]) -> list[str]:
+    """The pods' --vllm.max_model_len for --data.max_len: one more under --rollout.rescore_logprobs, whose prefill
+    prompt is a whole segment, which vLLM refuses at its full context (the sessions keep --data.max_len)."""
+    rescore = raw.get("rollout.rescore_logprobs")
+    if rescore is None or not _true(rescore) or not max_len or not max_len[0].isdigit():
+        return max_len
+    return [str(int(max_len[0]) + 1)]
+
+
 def _top_logprobs(raw: dict[str, list[str]]) -> int:
     """--rollout.top_logprobs K (0 when absent or not a count; the gateway's own parse names a bad value)."""
     k = (raw.get("rollout.top_logprobs") or ["0"])[0]
@@ -331,7 +340,7 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
         elif name in known:
             r.trainer += ["--" + name, *values]
             if name == "data.max_len":  # the gateway's session budget follows the pods' context (molt.stack.up)
-                r.rollout += ["--vllm.max_model_len", *values]
+                r.rollout += ["--vllm.max_model_len", *_context(values, dict(flags))]
             if name == "data.max_images_per_prompt" and _int(name, values) > 0:  # the pods must take as many
                 r.rollout += ["--rollout.max_images_per_prompt", *values]
             if name == "train.routing_replay" and _true(values):  # the trajectories must carry the pods' routing

@@ -324,7 +324,7 @@ def check_service_flags(
     local = "http://127.0.0.1:1"
     pod = ["--model.path", str(model), *rollout]
     parse_settings(RolloutSettings, pod, prog="molt (the pods' flags)", validate=pod_as_started)
-    gw = ["--model.path", str(model), "--rollout.urls", local, *gateway_context_args(rollout), *gateway]
+    gw = ["--model.path", str(model), "--rollout.urls", local, *gateway_context_args(rollout, gateway), *gateway]
     parse_settings(GatewaySettings, gw, prog="molt (the gateway's flags)", validate=gateway_checks)
     named = [f"{name}={path}" for name, path in agents.items()]
     worker = normalize_argv(["--agent", *named, "--gateway.url", local, *envs])

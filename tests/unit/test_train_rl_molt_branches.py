@@ -67,3 +67,26 @@ def test_rescore_logprobs_is_the_gateways(flag, on):
     assert (
         parse_settings(GatewaySettings, ["--model", "/m", *r.gateway], prog="gateway").rollout.rescore_logprobs is on
     )
+
+
+def test_rescoring_gives_the_pods_one_position_more_than_the_sessions():
+    """vLLM takes no prompt as long as its whole context, and a rescoring prefill's prompt is a whole segment: under
+    --rollout.rescore_logprobs the pods run --data.max_len + 1 and the sessions keep --data.max_len, on Helm and on
+    the local stack alike."""
+    from molt.stack.recipes import gateway_context_args
+
+    for order in (
+        ["--data.max_len", "512", "--rollout.rescore_logprobs"],
+        ["--rollout.rescore_logprobs", "--data.max_len", "512"],
+    ):
+        r = tr.route(BASE + order, "helm")
+        assert r.rollout[-2:] == ["--vllm.max_model_len", "513"]
+        assert tr.helm_values(r, {})["gateway"]["extraArgs"][-2:] == ["--session.max_length", "512"]
+        assert gateway_context_args(r.rollout, r.gateway) == ["--session.max_length", "512"]
+    r = tr.route(BASE + ["--data.max_len", "512", "--no-rollout.rescore_logprobs"], "helm")
+    assert r.rollout[-2:] == ["--vllm.max_model_len", "512"]
+    assert gateway_context_args(r.rollout, r.gateway) == ["--session.max_length", "512"]
+    assert gateway_context_args(["--vllm.max_model_len", "256"], ["--rollout.rescore_logprobs"]) == [
+        "--session.max_length",
+        "255",
+    ]
