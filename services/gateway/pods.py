@@ -287,11 +287,17 @@ class PodPool:
             code, param = _pod_error_fields(answer)
             raise GatewayError(400, f"rollout pod rejected the request: {_error_text(answer)}", code=code, param=param)
 
-    async def prompt_logprobs(self, pod: Pod, token_ids: list[int]) -> tuple[list[float], int]:
-        """One prefill pass over ``token_ids`` (POST /v1/prompt_logprobs): log p(t_i | t_<i) for i >= 1, and the
-        policy version that computed them. Fails as ``generate`` does: PodFailed for the pod's own failure
-        (marked unhealthy until its next good probe), a 400 GatewayError for a request it refuses."""
-        body = b'{"token_ids":' + msgspec.json.encode(token_ids) + b"}"
+    async def prompt_logprobs(
+        self, pod: Pod, token_ids: list[int], routed: bool = False
+    ) -> tuple[list[float], int, np.ndarray | None]:
+        """One prefill pass over ``token_ids`` (POST /v1/prompt_logprobs): log p(t_i | t_<i) for i >= 1, the
+        policy version that computed them and, with ``routed``, the MoE routing of every token from the same pass
+        (int16 [tokens, layers, top_k]; None when the pod sent none). Fails as ``generate`` does: PodFailed for the
+        pod's own failure (marked unhealthy until its next good probe), a 400 GatewayError for a request it
+        refuses."""
+        body = (
+            b'{"token_ids":' + msgspec.json.encode(token_ids) + (b',"return_routed_experts":true}' if routed else b"}")
+        )
         pod.inflight += 1
         try:
             status, answer, _ = await self.client.post_json(pod.url + "/v1/prompt_logprobs", body)
@@ -309,10 +315,13 @@ class PodPool:
             logprobs = _logprob_list(data["logprobs"], token_ids[1:])
             if logprobs and max(logprobs) > 1e-4:  # the schema's bound: a record the trainer would refuse
                 raise ValueError(f"a logprob above 0 ({max(logprobs)})")
+            rows = _routed_experts(data.get("routed_experts")) if routed else None
+            if rows is not None and rows.shape[0] != len(token_ids):
+                raise ValueError(f"{rows.shape[0]} routed-experts rows for {len(token_ids)} tokens")
         except (ValueError, KeyError, TypeError) as exc:
             self.set_health(pod, False, f"malformed answer: {exc}")
             raise PodFailed(pod, f"malformed /v1/prompt_logprobs answer ({exc})") from None
-        return logprobs, version
+        return logprobs, version, rows
 
     def close(self) -> None:
         for pod in self.pods.values():

@@ -12,8 +12,9 @@ by reason, unless all of this holds:
   are the raw log-softmax of the logits (prompt tokens skip the sampler), while the pods' decode logprobs are
   vLLM's processed ones (--vllm.logprobs_mode processed_logprobs): after temperature, top-k/top-p/min-p, penalties,
   logit bias, min_tokens and a grammar's mask. The two agree only when none of these changes the distribution.
-- ``images``: the endpoint takes token ids only; ``routed_experts``: it does not re-record MoE routing, and
-  logprobs and routing must come from one pass.
+- ``images``: the endpoint takes token ids only. A segment with MoE routing (--rollout.return_routed_experts)
+  gets the routing of the same prefill pass with its logprobs, as the trainer replays the routing its logprobs
+  came from; ``routed_experts``: the pod sent no routing with them.
 - ``version``: every action token's policy version is the one the answering pod computed with.
 - ``pod_error`` / ``refused``: no healthy pod answered, or the pod refused the segment (e.g. one that fills the
   pod's whole context: vLLM takes no prompt of --vllm.max_model_len tokens).
@@ -69,8 +70,6 @@ def kept_before_scoring(seg: Segment, plain: bool) -> str | None:
     """Why ``seg`` keeps its decode logprobs without asking a pod (None: it is scored)."""
     if seg.images:
         return "images"
-    if seg.routed_experts is not None:
-        return "routed_experts"
     if not plain:
         return "sampling"
     if seg.versions.min() != seg.versions.max():  # no one pod version can match every token
@@ -78,20 +77,28 @@ def kept_before_scoring(seg: Segment, plain: bool) -> str | None:
     return None
 
 
-def replace_logprobs(seg: Segment, prefill: list[float], version: int) -> float | None:
-    """Put the prefill logprobs (``prefill[i - 1]`` is token i's) at ``seg``'s action tokens when they come
-    from the version that sampled them; the largest |decode - prefill|, or None when the versions differ."""
+def replace_logprobs(
+    seg: Segment, prefill: list[float], version: int, routing: np.ndarray | None = None
+) -> float | None:
+    """Put the prefill logprobs (``prefill[i - 1]`` is token i's) at ``seg``'s action tokens, and the pass's
+    ``routing`` in place of a segment's own, when they come from the version that sampled them; the largest
+    |decode - prefill|, or None when the versions differ."""
     if seg.versions.min() != version or seg.versions.max() != version:
         return None
     new = np.asarray(prefill, dtype="<f4")[action_positions(seg) - 1]
     gap = float(np.abs(new.astype(np.float64) - seg.logprobs.astype(np.float64)).max())
     seg.logprobs = new
+    if routing is not None:
+        seg.routed_experts = np.ascontiguousarray(routing, dtype="<i2")
     return gap
 
 
-async def _prefill(pool: PodPool, token_ids: list[int], prefer: str | None) -> tuple[list[float], int] | str:
-    """The prefill logprobs of ``token_ids`` and their version from the session's pod where it is healthy (the
-    pod most likely still on the version that sampled them), else from the others in turn; or why none came."""
+async def _prefill(
+    pool: PodPool, token_ids: list[int], prefer: str | None, routed: bool
+) -> tuple[list[float], int, np.ndarray | None] | str:
+    """The prefill logprobs of ``token_ids``, their version and (``routed``) routing from the session's pod where
+    it is healthy (the pod most likely still on the version that sampled them), else from the others in turn; or
+    why none came."""
     tried: set[str] = set()
     while True:
         pod = pool.pods.get(prefer) if prefer else None
@@ -101,7 +108,7 @@ async def _prefill(pool: PodPool, token_ids: list[int], prefer: str | None) -> t
             except PodUnavailable:
                 return "pod_error"
         try:
-            return await pool.prompt_logprobs(pod, token_ids)
+            return await pool.prompt_logprobs(pod, token_ids, routed)
         except PodFailed as exc:
             log.info("rescoring on %s failed (%s); trying another pod", pod.url, exc.reason)
             tried.add(pod.url)
@@ -111,9 +118,12 @@ async def _prefill(pool: PodPool, token_ids: list[int], prefer: str | None) -> t
 
 
 async def _rescore_segment(pool: PodPool, seg: Segment, prefer: str | None) -> str | float:
-    answer = await _prefill(pool, seg.token_ids.tolist(), prefer)
+    routed = seg.routed_experts is not None
+    answer = await _prefill(pool, seg.token_ids.tolist(), prefer, routed)
     if isinstance(answer, str):
         return answer
+    if routed and answer[2] is None:  # logprobs of one pass with the routing of another: not what replay needs
+        return "routed_experts"
     gap = replace_logprobs(seg, *answer)
     return "version" if gap is None else gap
 

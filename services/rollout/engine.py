@@ -126,15 +126,23 @@ class RolloutEngine(EngineThread):
         """log p(token_i | tokens_<i) for i >= 1 under the current weights (len(token_ids) - 1 floats)."""
         return (await self.versioned_prompt_logprobs(token_ids))[0]
 
-    async def versioned_prompt_logprobs(self, token_ids: list[int]) -> tuple[list[float], int]:
-        """``prompt_logprobs`` and the policy version of the weights that computed them: a call that waits out a
-        weight update runs on the new weights, so the version read before the call may not be theirs. They are
-        vLLM's raw log-softmax of the logits: prompt tokens skip the sampler (no temperature, top-k/p, bias)."""
+    async def versioned_prompt_logprobs(
+        self, token_ids: list[int], routed_experts: bool = False
+    ) -> tuple[list[float], int, Any]:
+        """``prompt_logprobs``, the policy version of the weights that computed them (a call that waits out a
+        weight update runs on the new weights, so the version read before the call may not be theirs), and with
+        ``routed_experts`` the MoE routing of the same tokens (int16 [len(token_ids), layers, top_k]; else None).
+        The logprobs are vLLM's raw log-softmax of the logits: prompt tokens skip the sampler (no temperature,
+        top-k/p, bias)."""
         result = await self._submit(
-            token_ids, {"max_tokens": 1, "temperature": 1.0, "logprobs": False}, prompt_logprobs=True
+            token_ids,
+            {"max_tokens": 1, "temperature": 1.0, "logprobs": False},
+            prompt_logprobs=True,
+            routed_experts=routed_experts,
         )
         assert result.prompt_logprobs is not None
-        return result.prompt_logprobs, result.policy_version
+        rows = result.samples[0].routed_experts
+        return result.prompt_logprobs, result.policy_version, None if rows is None else rows[: len(token_ids)]
 
     async def _submit(
         self,

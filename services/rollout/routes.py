@@ -117,11 +117,14 @@ def _array(values, dtype: str) -> dict:
 
 @router.post("/v1/prompt_logprobs")
 async def prompt_logprobs(request: Request) -> Response:
-    """{"token_ids": [...]} -> {"logprobs": [log p(t_i | t_<i) for i >= 1], "policy_version"}: weight probes, and
-    the gateway's --rollout.rescore_logprobs (the version is that of the weights that computed them)."""
+    """{"token_ids": [...], "return_routed_experts": bool?} -> {"logprobs": [log p(t_i | t_<i) for i >= 1],
+    "policy_version", "routed_experts"?}: weight probes, and the gateway's --rollout.rescore_logprobs (the version is
+    that of the weights that computed them; the routing, of every token, comes from the same pass)."""
     body = await _body(request)
-    lps, version = await request.app.state.engine.versioned_prompt_logprobs(body.get("token_ids"))
-    return _json({"logprobs": lps, "policy_version": version})
+    routed = call_options(body).get("routed_experts", False)
+    lps, version, rows = await request.app.state.engine.versioned_prompt_logprobs(body.get("token_ids"), routed)
+    experts = {} if rows is None else {"routed_experts": _array(rows, "int16")}
+    return _json({"logprobs": lps, "policy_version": version, **experts})
 
 
 @router.get("/v1/version")

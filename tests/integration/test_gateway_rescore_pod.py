@@ -5,6 +5,8 @@ are the raw log-softmax, its decode ones the tempered distribution's)."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import numpy as np
 import openai
@@ -81,3 +83,28 @@ def test_a_tempered_segment_keeps_its_decode_logprobs(stack):
     assert (
         'molt_gateway_rescore_kept_segments_total{reason="sampling"} 1.0' in httpx.get(stack["url"] + "/metrics").text
     )
+
+
+def test_a_moe_segment_takes_logprobs_and_routing_from_one_prefill_pass(tiny_qwen3_moe, redis_url, tmp_path):
+    """With routing replay (--rollout.return_routed_experts) a rescored segment carries the prefill pass's routing
+    with its logprobs: the trainer replays the routing its logprobs came from."""
+    flags = ["--rollout.return_routed_experts", "--rollout.rescore_logprobs"]
+    pod = {"max_model_len": 512}
+    with pod_and_gateway(tiny_qwen3_moe, tmp_path, redis_url, "rescore-moe", 511, pod, flags) as (
+        url,
+        pod_url,
+        stream,
+    ):
+        stack = {"url": url, "pod": pod_url, "redis": redis_url, "stream": stream}
+        sid, _ = _two_turns(url, {})
+        seg = _segment(stack, sid)
+        body = {"token_ids": seg.token_ids.tolist(), "return_routed_experts": True}
+        probe = httpx.post(f"{pod_url}/v1/prompt_logprobs", json=body, timeout=60).json()
+        prefill = np.asarray(probe["logprobs"], np.float32)[action_positions(seg) - 1]
+        np.testing.assert_array_equal(seg.logprobs, prefill)
+        rows = probe["routed_experts"]
+        assert rows["shape"] == [seg.num_tokens, 2, 2]
+        routing = np.frombuffer(base64.b64decode(rows["data"]), "<i2").reshape(rows["shape"])
+        np.testing.assert_array_equal(seg.routed_experts, routing)
+        assert (seg.routed_experts >= 0).all()
+        assert "molt_gateway_rescored_segments_total 1.0" in httpx.get(url + "/metrics").text

@@ -202,10 +202,9 @@ async def test_a_constrained_turn_keeps_its_decode_logprobs(model):
     assert fake.prefills == [] and _count(app, "molt_gateway_rescore_kept_segments_total", "sampling") == 1
 
 
-async def test_images_and_routed_experts_keep_the_decode_logprobs():
+async def test_images_and_non_plain_sampling_keep_the_decode_logprobs():
     kinds = {
         "images": SegmentState([1, 2, 3], [(2, 3)], [-0.5], [0], images=["ab" * 32]),
-        "routed_experts": SegmentState([1, 2, 3], [(2, 3)], [-0.5], [0], routed_experts=np.zeros((3, 2, 2), "<i2")),
         "sampling": SegmentState([1, 2, 3], [(2, 3)], [-0.5], [0], plain=False),
     }
     states = list(kinds.values())
@@ -214,9 +213,45 @@ async def test_images_and_routed_experts_keep_the_decode_logprobs():
     pool = SimpleNamespace(pods={})  # any call to a pod would fail here
     metrics = _metrics()
     await rescore(pool, metrics, [(session, traj)])  # type: ignore[arg-type]
-    assert [seg.logprobs.tolist() for seg in traj.segments] == [[-0.5]] * 3
+    assert [seg.logprobs.tolist() for seg in traj.segments] == [[-0.5]] * 2
     for reason in kinds:
         assert metrics["molt_gateway_rescore_kept_segments_total"].labels(reason).sum == 1
+
+
+class _RoutingPool:
+    """One healthy pod whose prefill answers -0.25 per token and, when asked, routing rows of 7 (``None``: it
+    sends no routing)."""
+
+    def __init__(self, rows: int | None) -> None:
+        self.pods = {"http://p:1": SimpleNamespace(url="http://p:1", healthy=True)}
+        self.rows, self.asked = rows, []
+
+    def pick(self, exclude=frozenset()):
+        return self.pods["http://p:1"]
+
+    async def prompt_logprobs(self, pod, token_ids, routed=False):
+        self.asked.append(routed)
+        rows = None if self.rows is None or not routed else np.full((len(token_ids), 2, 2), self.rows, "<i2")
+        return [-0.25] * (len(token_ids) - 1), 0, rows
+
+
+@pytest.mark.parametrize("sends_routing", [True, False])
+async def test_a_segment_with_routing_takes_the_routing_of_the_same_pass(sends_routing):
+    """The trainer replays a segment's routing in the forward that its logprobs are compared with: a rescored
+    segment takes the prefill pass's routing with its logprobs, or keeps both of its own when the pod sends none."""
+    state = SegmentState([1, 2, 3], [(1, 3)], [-0.5, -0.5], [0, 0], routed_experts=np.zeros((3, 2, 2), "<i2"))
+    session = SimpleNamespace(pod=None, capture=SimpleNamespace(segments=[state]))
+    traj = SimpleNamespace(segments=[state.to_segment()])
+    pool, metrics = _RoutingPool(7 if sends_routing else None), _metrics()
+    await rescore(pool, metrics, [(session, traj)])  # type: ignore[arg-type]
+    [seg] = traj.segments
+    assert pool.asked == [True]
+    if sends_routing:
+        assert seg.logprobs.tolist() == [-0.25, -0.25] and (seg.routed_experts == 7).all()
+        assert metrics["molt_gateway_rescored_segments_total"].labels().sum == 1
+    else:
+        assert seg.logprobs.tolist() == [-0.5, -0.5] and (seg.routed_experts == 0).all()
+        assert metrics["molt_gateway_rescore_kept_segments_total"].labels("routed_experts").sum == 1
 
 
 def _metrics():
