@@ -6,6 +6,12 @@ Env workers here do not import vLLM, so this is a plain object with the same att
 defaults; ``from_any`` also takes a real vLLM ``SamplingParams`` (read by attribute) or a dict of
 the same names. ``wire()`` is what travels to the gateway: the fields that were given or differ
 from vLLM's defaults, so the gateway's own defaults fill only what nobody set.
+
+Every vLLM field is carried, read only, or refused. Carried: ``WIRE_FIELDS``, what the gateway's token-level
+session API applies. Read only: ``n``, ``logprobs``, ``skip_special_tokens``, ``include_stop_str_in_output``
+and ``IGNORED``, which change only what vLLM returns (the gateway records every logprob and decodes the text
+itself). Refused when set: ``REFUSED``, each with the reason; a dropped field would change the distribution
+the rollout samples from without a word, and the run would train on that.
 """
 
 from __future__ import annotations
@@ -38,15 +44,32 @@ class SamplingParams:
     """Kept for Molt's code that reads it; the gateway records every action token's logprob anyway."""
     skip_special_tokens: bool = False
     """Rollouts decode with special tokens kept (Molt's setting); not sent (the gateway decodes)."""
+    include_stop_str_in_output: bool = False
+    """Not sent: an action's text comes back cut before its stop string, as vLLM's default (True with stop
+    strings is refused)."""
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: Any = None
+    extra_args: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    trace_decode_token_ids: list[int] | None = None
+    watermarking: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: int | None = None
     _given: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     @classmethod
     def from_any(cls, value: Any, where: str = "sampling_params") -> SamplingParams:
-        """A copy of ``value``: this class, an object with vLLM's attribute names, a dict of them, or None."""
+        """A copy of ``value``: this class, an object with vLLM's attribute names, a dict of them, or None.
+        ValueError naming the field for one that is set and cannot be honoured (``REFUSED``)."""
         if value is None:
             return cls()
         if isinstance(value, cls):  # Molt's pattern: the state's copy, edited, handed back (keeps what was given)
-            return copy.deepcopy(value)
+            out = copy.deepcopy(value)
+            out._check(where)
+            return out
         names = [f.name for f in dataclasses.fields(cls) if f.init]
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(names))
@@ -59,27 +82,128 @@ class SamplingParams:
                 raise TypeError(
                     f"{where} must be a SamplingParams (vLLM attribute names) or a dict, got {type(value).__name__}"
                 )
+            _check_unknown(value, set(names), where)
         given = {k: _plain(v) for k, v in given.items()}
         for k, v in given.items():
             if isinstance(v, float) and not math.isfinite(v):  # else an opaque JSON error on the way to the gateway
                 raise ValueError(f"{where}.{k} must be a finite number, got {v}")
         out = cls(**given)
         out._given = frozenset(k for k, v in given.items() if v is not None)
+        out._check(where)
         return out
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``), keeping which fields were given."""
+        return copy.deepcopy(self)
 
     def wire(self) -> dict[str, Any]:
         """The gateway's sampling_params: the fields given or changed from the defaults (None and [] = unset)."""
+        self._check("sampling_params")
         out = {}
         for f in dataclasses.fields(self):
-            if f.name in _NOT_SENT:
+            if f.name not in WIRE_FIELDS:
                 continue
             value = getattr(self, f.name)
             if value not in (None, []) and (f.name in self._given or value != f.default):
                 out[f.name] = value
         return out
 
+    def _check(self, where: str) -> None:
+        for name, why in REFUSED.items():
+            value = getattr(self, name)
+            if not _unset(value):
+                raise ValueError(
+                    f"{where}.{name} = {str(value)[:80]}: {why}. Refused rather than dropped: the rollout would "
+                    "sample from another distribution than the one asked for, and the run would train on it"
+                )
+        if self.include_stop_str_in_output and self.stop:
+            raise ValueError(
+                f"{where}.include_stop_str_in_output: the gateway returns an action's text cut before its stop "
+                "string (its tokens keep it), as vLLM's default; unset it, or unset stop and look for the string "
+                "in the text yourself"
+            )
 
-_NOT_SENT = {"n", "logprobs", "skip_special_tokens", "_given"}
+
+WIRE_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "ignore_eos",
+    }
+)
+"""What ``wire()`` sends: the sampling params the gateway's session API (open and generate) takes, less ``n``
+(a session is one sample)."""
+
+_SESSION = "the gateway's token-level session API, which runs an Env's turns, takes no"
+REFUSED = {
+    "logit_bias": f"{_SESSION} logit bias",
+    "structured_outputs": f"{_SESSION} structured-output constraint",
+    "allowed_token_ids": "the rollout pods take no token allow-list",
+    "bad_words": "the rollout pods take no banned words",
+    "extra_args": "only custom vLLM sampling plugins read it, and the rollout pods run none",
+    "thinking_token_budget": "the rollout pods take no thinking budget",
+    "repetition_detection": "the rollout pods do not stop on repetition",
+    "trace_decode_token_ids": "the rollout pods sample every token and replay none",
+    "watermarking": "the rollout pods do not watermark",
+    "logits_processors": "a Python logits processor cannot travel to the rollout pods",
+    "truncate_prompt_tokens": "a session's prompt is the episode so far and is never cut per turn",
+}
+"""Fields refused when set (not None or empty), with the reason."""
+
+IGNORED = frozenset(
+    {
+        "detokenize",
+        "spaces_between_special_tokens",
+        "prompt_logprobs",
+        "prompt_logprob_token_ids",
+        "prompt_logprob_start",
+        "logprob_token_ids",
+        "flat_logprobs",
+        "output_kind",
+        "stream_interval",
+        "skip_clone",
+        "skip_reading_prefix_cache",
+        "routed_experts_prompt_start",
+        "output_text_buffer_length",
+    }
+)
+"""Fields of a vLLM ``SamplingParams`` not read: they shape only what vLLM returns, streams or caches, and an
+agent here gets the gateway's answer instead (``_``-prefixed ones, vLLM's internals, are skipped too)."""
+
+
+def _check_unknown(value: Any, known: set[str], where: str) -> None:
+    """A vLLM ``SamplingParams`` (a msgspec struct, which lists its fields) with a field neither known nor
+    ``IGNORED`` set off its default: a vLLM release's new field, refused until it is classified here."""
+    names = getattr(type(value), "__struct_fields__", ())
+    defaults = getattr(type(value), "__struct_defaults__", ())
+    default_of = dict(zip(names[len(names) - len(defaults) :], defaults))
+    for name in names:
+        if name.startswith("_") or name in known or name in IGNORED:
+            continue
+        default = default_of.get(name)
+        factory = getattr(default, "factory", None)  # msgspec's default_factory
+        if callable(factory):
+            default = factory()
+        current = getattr(value, name, None)
+        if not (_unset(current) and _unset(default)) and current != default:
+            raise ValueError(
+                f"{where}.{name} = {str(current)[:80]}: a vLLM sampling field these agents' params do not know; "
+                "refused rather than dropped (it may change what is sampled)"
+            )
+
+
+def _unset(value: Any) -> bool:
+    return value is None or (isinstance(value, list | tuple | set | dict) and not value)
 
 
 def _plain(value: Any) -> Any:

@@ -52,6 +52,22 @@ def test_what_is_not_an_image_is_an_error_naming_where(value, match):
         to_data_url(value, "images[0]")
 
 
+def test_bare_base64_of_an_image_is_taken_and_a_long_string_is_a_value_error(tmp_path):
+    png = _png()
+    b64 = base64.b64encode(png).decode()
+    assert to_data_url(b64, "x") == to_data_url("\n".join([b64[:40], b64[40:]]), "x") == _url(png)
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), (1, 2, 3)).save(buf, format="BMP")
+    big = base64.b64encode(buf.getvalue()).decode()  # a BMP (re-encoded), longer than any path
+    assert len(big) > 4096 and to_data_url(big, "x").startswith("data:image/png;base64,")
+    (tmp_path / "AAAA").write_bytes(png)  # a file wins over the same string read as base64
+    assert to_data_url(str(tmp_path / "AAAA"), "x") == _url(png)
+    # Over NAME_MAX, over PATH_MAX, base64 of no image: the ValueError naming where, not the filesystem's OSError.
+    for value in ("A" * 1000, "A" * 10_000, base64.b64encode(b"no image").decode()):
+        with pytest.raises(ValueError, match="images\\[0\\]: .* is neither a data URL nor an image file"):
+            to_data_url(value, "images[0]")
+
+
 def test_a_data_url_is_passed_on_and_decoded_where_it_is_used():
     # The env worker decodes every image of a request (its 400 when one is no image).
     assert to_data_url("data:image/png;base64,@@@", "images[0]") == "data:image/png;base64,@@@"
