@@ -42,6 +42,28 @@ class Rule:
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
 
 
+SESSION_KEYS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+    }
+)
+"""What a session's ``sampling_params`` may hold: a pod's /v1/generate params, plus ``stop`` strings (the gateway
+applies those itself), less ``logprobs``: every captured token needs its logprob."""
+
+
 RULES: dict[str, Rule] = {
     "n": Rule(True, 1, 16384),  # vLLM's VLLM_MAX_N_SEQUENCES default; a pod's --rollout.max_n is lower
     "max_tokens": Rule(True, 1),

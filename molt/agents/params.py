@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from molt.sampling import SESSION_KEYS
+
 
 @dataclass
 class SamplingParams:
@@ -124,23 +126,7 @@ class SamplingParams:
             )
 
 
-WIRE_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "min_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "seed",
-        "ignore_eos",
-    }
-)
+WIRE_FIELDS = SESSION_KEYS - {"n"}
 """What ``wire()`` sends: the sampling params the gateway's session API (open and generate) takes, less ``n``
 (a session is one sample)."""
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,19 +223,13 @@ class PodPool:
             body = body[:-1] + b',"return_routed_experts":true}'
         if images:
             body = body[:-1] + b',"images":' + json.dumps([{"data": b} for b in images]).encode() + b"}"
-        pod.inflight += 1
-        try:
-            answer: dict | bytes
+        answer: dict | bytes
+        with self._calling(pod):
             if pod.channel is not None:
                 status, answer, start, answered = await pod.channel.generate(body, on_tokens)
             else:
                 start = time.perf_counter()
                 status, answer, answered = await self.client.post_json(pod.url + "/v1/generate", body)
-        except PodConnectionError as exc:
-            self.set_health(pod, False, str(exc))
-            raise PodFailed(pod, str(exc)) from None
-        finally:
-            pod.inflight -= 1
         wait_s = answered - start  # until the answer arrived: any wait on the event loop after that is ours
         self._check_status(pod, status, answer)
         try:
@@ -277,6 +272,18 @@ class PodPool:
         self.policy_version = max(self.policy_version, version)
         return gens
 
+    @contextlib.contextmanager
+    def _calling(self, pod: Pod) -> Iterator[None]:
+        """One call in flight on ``pod``; a connection failure marks it unhealthy and is its PodFailed."""
+        pod.inflight += 1
+        try:
+            yield
+        except PodConnectionError as exc:
+            self.set_health(pod, False, str(exc))
+            raise PodFailed(pod, str(exc)) from None
+        finally:
+            pod.inflight -= 1
+
     def _check_status(self, pod: Pod, status: int, answer: dict | bytes) -> None:
         """PodFailed (and the pod marked unhealthy) for a pod's own failure, a 400 GatewayError for a request it
         refused."""
@@ -298,14 +305,8 @@ class PodPool:
         body = (
             b'{"token_ids":' + msgspec.json.encode(token_ids) + (b',"return_routed_experts":true}' if routed else b"}")
         )
-        pod.inflight += 1
-        try:
+        with self._calling(pod):
             status, answer, _ = await self.client.post_json(pod.url + "/v1/prompt_logprobs", body)
-        except PodConnectionError as exc:
-            self.set_health(pod, False, str(exc))
-            raise PodFailed(pod, str(exc)) from None
-        finally:
-            pod.inflight -= 1
         self._check_status(pod, status, answer)
         try:
             data = json_loads(answer)

@@ -12,6 +12,7 @@ from typing import Any
 from molt.sampling import (
     MAX_TOP_LOGPROBS,
     RULES,
+    SESSION_KEYS,
     Rule,
     SamplingError,
     check_logit_bias,
@@ -23,27 +24,6 @@ from molt.sampling import (
 
 __all__ = ["MAX_TOP_LOGPROBS", "Rule", "flag", "logit_bias", "number", "session_params", "stop", "top_logprobs"]
 from services.gateway.chat import bad_request
-
-SESSION_KEYS = frozenset(
-    {
-        "n",
-        "max_tokens",
-        "min_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-    }
-)
-"""What a session's ``sampling_params`` may hold: a pod's /v1/generate params, plus ``stop`` strings (the gateway
-applies those itself), less ``logprobs``: every captured token needs its logprob."""
 
 
 def number(body: dict, key: str, rule: str | Rule | None = None) -> Any:

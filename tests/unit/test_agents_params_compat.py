@@ -62,7 +62,7 @@ def test_include_stop_str_in_output_with_stop_strings_is_refused():
 
 
 def test_the_fields_sent_are_the_ones_the_gateway_session_api_takes():
-    from services.gateway.sampling import SESSION_KEYS
+    from molt.sampling import SESSION_KEYS
     from services.rollout.params import SAMPLING_FIELDS
 
     assert WIRE_FIELDS == SESSION_KEYS - {"n"}  # n: one session is one sample
