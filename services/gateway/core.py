@@ -322,7 +322,8 @@ class Gateway(SessionLifecycle):
                     raise
                 s.capture.expanded(model, plan, length, hard)  # the pod's context is full: a 400 when hard
                 return None
-            gen.extra["plain"] = plain_sampling(sp)  # the capture records it per segment (rescore.py)
+            if self.settings.rollout.rescore_logprobs:  # the capture records it per segment (rescore.py)
+                gen.extra["plain"] = plain_sampling(sp)
             events.extend(more)
             stopped = self._apply_stop(gen, stop)
             fitted = s.capture.fit(model, plan, stopped, hard)
