@@ -14,27 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from molt.sampling import SESSION_KEYS
 from services.gateway.errors import GatewayError
 
 HONOURED, INFORMATIONAL, REFUSED = "honoured", "informational", "refused"
 
-_SAMPLER = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "stop_token_ids",
-    "ignore_eos",
-    "stop",
-    "max_tokens",
-    "n",
-    "stream",
-)
+# A session's sampling params (what reaches the pod's sampler, stop strings included), plus streaming.
+_SAMPLER = (*sorted(SESSION_KEYS), "stream")
 
 CHAT: dict[str, str] = {
     **dict.fromkeys(_SAMPLER, HONOURED),
