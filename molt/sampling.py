@@ -58,10 +58,13 @@ SESSION_KEYS = frozenset(
         "stop",
         "stop_token_ids",
         "ignore_eos",
+        "logit_bias",
+        "structured_outputs",
     }
 )
 """What a session's ``sampling_params`` may hold: a pod's /v1/generate params, plus ``stop`` strings (the gateway
-applies those itself), less ``logprobs``: every captured token needs its logprob."""
+applies those itself), less ``logprobs``: every captured token needs its logprob. ``structured_outputs`` is one
+of ``STRUCTURED_KINDS`` (OpenAI's wire spells it ``response_format``)."""
 
 
 RULES: dict[str, Rule] = {

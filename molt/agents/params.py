@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.sampling import SESSION_KEYS
+from molt.sampling import SESSION_KEYS, SamplingError, check_logit_bias, check_structured
 
 
 @dataclass
@@ -99,18 +99,26 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def wire(self) -> dict[str, Any]:
-        """The gateway's sampling_params: the fields given or changed from the defaults (None and [] = unset)."""
+        """The gateway's sampling_params: the fields given or changed from the defaults (None, [] and {} = unset)."""
         self._check("sampling_params")
         out = {}
         for f in dataclasses.fields(self):
             if f.name not in WIRE_FIELDS:
                 continue
             value = getattr(self, f.name)
-            if value not in (None, []) and (f.name in self._given or value != f.default):
+            if f.name == "structured_outputs":
+                value = structured_spec(value)
+            if not _unset(value) and (f.name in self._given or value != f.default):
                 out[f.name] = value
         return out
 
     def _check(self, where: str) -> None:
+        try:  # here, not only at the gateway: the agent's traceback then names its own line
+            if self.logit_bias is not None:
+                check_logit_bias(self.logit_bias, f"{where}.logit_bias")
+            structured_spec(self.structured_outputs, f"{where}.structured_outputs")
+        except SamplingError as exc:
+            raise ValueError(str(exc)) from None
         for name, why in REFUSED.items():
             value = getattr(self, name)
             if not _unset(value):
@@ -130,10 +138,7 @@ WIRE_FIELDS = SESSION_KEYS - {"n"}
 """What ``wire()`` sends: the sampling params the gateway's session API (open and generate) takes, less ``n``
 (a session is one sample)."""
 
-_SESSION = "the gateway's token-level session API, which runs an Env's turns, takes no"
 REFUSED = {
-    "logit_bias": f"{_SESSION} logit bias",
-    "structured_outputs": f"{_SESSION} structured-output constraint",
     "allowed_token_ids": "the rollout pods take no token allow-list",
     "bad_words": "the rollout pods take no banned words",
     "extra_args": "only custom vLLM sampling plugins read it, and the rollout pods run none",
@@ -165,6 +170,34 @@ IGNORED = frozenset(
 )
 """Fields of a vLLM ``SamplingParams`` not read: they shape only what vLLM returns, streams or caches, and an
 agent here gets the gateway's answer instead (``_``-prefixed ones, vLLM's internals, are skipped too)."""
+
+
+STRUCTURED_OPTIONS = {
+    "disable_any_whitespace": False,
+    "disable_additional_properties": False,
+    "whitespace_pattern": None,
+}
+"""Options of vLLM's ``StructuredOutputsParams`` beside its constraint, at their defaults: the pods build the
+grammar from the constraint alone, so one set otherwise is refused (it would change what may be sampled)."""
+
+
+def structured_spec(value: Any, where: str = "structured_outputs") -> dict | None:
+    """A vLLM ``StructuredOutputsParams`` (or a dict of its fields) as the session API's ``structured_outputs``:
+    the one constraint it holds (``molt.sampling.STRUCTURED_KINDS``); None when unset. SamplingError naming the
+    field for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        fields = dict(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if not f.name.startswith("_")}
+    else:
+        raise SamplingError(f"'{where}' must be vLLM's StructuredOutputsParams or a dict of its fields", where)
+    for name, default in STRUCTURED_OPTIONS.items():
+        if fields.pop(name, default) != default:
+            raise SamplingError(f"'{where}.{name}' is set: the rollout pods apply the constraint alone", where)
+    # vLLM leaves the kinds it was not given at None (json_object at None or False).
+    return check_structured({k: v for k, v in fields.items() if v is not None and v is not False}, where)
 
 
 def _check_unknown(value: Any, known: set[str], where: str) -> None:

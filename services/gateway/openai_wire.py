@@ -53,6 +53,8 @@ def sampling_overrides(body: dict) -> dict:
     out["ignore_eos"] = sampling.flag(body, "ignore_eos") if body.get("ignore_eos") is not None else None
     if body.get("logit_bias") is not None:
         out["logit_bias"] = sampling.logit_bias(body)
+    if body.get("structured_outputs") is not None:  # vLLM's own field (an SDK's extra_body), as its server takes it
+        out["structured_outputs"] = sampling.structured(body)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
@@ -72,6 +74,10 @@ def parse_chat(body: dict) -> ChatRequest:
         overrides["top_logprobs"] = top
     structured = response_format(body.get("response_format"))
     if structured is not None:
+        if overrides.get("structured_outputs") is not None:
+            raise bad_request(
+                "'response_format' and 'structured_outputs' both constrain the reply: send one", "structured_outputs"
+            )
         overrides["structured_outputs"] = structured
     overrides["tool_choice"] = tool_choice.from_openai(body.get("tool_choice"), body.get("parallel_tool_calls"))
     if body.get("chat_template_kwargs") is not None:

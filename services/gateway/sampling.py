@@ -19,10 +19,21 @@ from molt.sampling import (
     check_number,
     check_params,
     check_stop,
+    check_structured,
     check_token_ids,
 )
 
-__all__ = ["MAX_TOP_LOGPROBS", "Rule", "flag", "logit_bias", "number", "session_params", "stop", "top_logprobs"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "Rule",
+    "flag",
+    "logit_bias",
+    "number",
+    "session_params",
+    "stop",
+    "structured",
+    "top_logprobs",
+]
 from services.gateway.chat import bad_request
 
 
@@ -45,6 +56,14 @@ def logit_bias(body: dict, key: str = "logit_bias") -> dict[str, float]:
     """``{token id: bias in [-100, 100]}``, as the pod takes it (its ids are checked against the vocabulary there)."""
     try:
         return {str(t): b for t, b in check_logit_bias(body.get(key), key).items()}
+    except SamplingError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def structured(body: dict, key: str = "structured_outputs") -> dict:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object, structural_tag."""
+    try:
+        return check_structured(body.get(key), key)
     except SamplingError as exc:
         raise bad_request(str(exc), exc.param) from None
 
@@ -90,6 +109,11 @@ def session_params(sp: Any, vocab_size: int, where: str = "sampling_params", tur
             out["stop"] = check_stop(sp["stop"], f"{where}.stop")
         if sp.get("stop_token_ids") is not None:
             out["stop_token_ids"] = check_token_ids(sp["stop_token_ids"], f"{where}.stop_token_ids", vocab_size)
+        if sp.get("logit_bias") is not None:  # string keys, as JSON carries them to the pod and into the handoff
+            bias = check_logit_bias(sp["logit_bias"], f"{where}.logit_bias", vocab_size)
+            out["logit_bias"] = {str(t): b for t, b in bias.items()}
+        if sp.get("structured_outputs") is not None:
+            out["structured_outputs"] = check_structured(sp["structured_outputs"], f"{where}.structured_outputs")
     except SamplingError as exc:
         raise bad_request(str(exc), exc.param) from None
     if sp.get("ignore_eos") is not None and not isinstance(sp["ignore_eos"], bool):

@@ -1,14 +1,17 @@
 """Constrained generation through the gateway with the real SDKs, a real pod (vLLM, tiny model) and Redis.
 
-``response_format``, ``tool_choice`` (OpenAI and Anthropic), ``parallel_tool_calls``, ``logit_bias`` and
-``top_logprobs`` reach the pod's sampler. The tiny model is random-init, so the assertions are on the
+``response_format``, vLLM's ``structured_outputs``, ``tool_choice`` (OpenAI and Anthropic),
+``parallel_tool_calls``, ``logit_bias`` and ``top_logprobs`` reach the pod's sampler, from the SDKs and from an
+Env's token-level turns. The tiny model is random-init, so the assertions are on the
 constraint (the JSON parses and matches its schema, the call is there and names the tool), never on content;
 and the captured trajectory holds exactly the tokens the pod sampled under the constraint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Literal
 
 import anthropic
@@ -19,6 +22,8 @@ import openai
 import pydantic
 import pytest
 
+from molt.agents import Env, Episode, Result, StepEnvRunner
+from molt.agents.gateway import GatewayClient
 from services.gateway.chat import ChatModel
 from tests.gateway_testlib import pod_and_gateway, read_trajectories
 
@@ -393,3 +398,46 @@ def test_a_raw_session_answers_with_the_call_inline_as_molts_chat_server(stack):
     assert block.type == "text" and "<tool_call>" in block.text and reply.stop_reason == "end_turn", reply
     seg = _segment(stack, s["session_id"])
     assert len(seg.action_spans) == 2
+
+
+def test_an_openai_clients_structured_outputs_extra_body_constrains_as_vllms_server(stack):
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="EMPTY")
+    r = client.chat.completions.create(
+        model="policy", messages=ASK, max_tokens=12, seed=4, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    assert re.fullmatch("[0-9]{3}", r.choices[0].message.content), r.choices[0].message.content
+
+
+def test_an_envs_vllm_sampling_params_grammar_and_bias_hold_on_its_token_level_turns(stack):
+    """A Molt Env hands back vLLM's own SamplingParams with a grammar (StructuredOutputsParams) and a logit bias:
+    the next token-level turn is sampled under both, and the trajectory holds exactly those tokens."""
+    vllm_sampling = pytest.importorskip("vllm.sampling_params")
+    [no] = stack["model"].encode("no")
+    seen: list[str] = []
+
+    class Verdict(Env):
+        async def step(self, state):
+            seen.append(state["action_text"])
+            if len(seen) == 2:
+                return Result(reward=1.0, observation="", terminated=True)
+            grammar = vllm_sampling.StructuredOutputsParams(choice=["yes", "no", "maybe"])
+            sp = vllm_sampling.SamplingParams(max_tokens=8, structured_outputs=grammar, logit_bias={no: 100.0})
+            return Result(reward=0.0, observation="Answer yes or no.", terminated=False, sampling_params=sp)
+
+    async def run():
+        gateway = GatewayClient(stack["url"])
+        episode = Episode(prompt="Is the sky blue?", group_id="g-structured", sampling_params={"max_tokens": 6})
+        try:
+            return await StepEnvRunner(Verdict).execute(episode, gateway)
+        finally:
+            await gateway.aclose()
+
+    result = asyncio.run(run())
+    assert result.written, result
+    assert seen[1].removesuffix("<|im_end|>") == "no", seen  # the choice the bias all but forces
+    [traj] = [t for t in read_trajectories(stack["redis"], stack["stream"]) if t.trajectory_id == result.trajectory_id]
+    [seg] = traj.segments
+    start, end = seg.action_spans[1]
+    assert (
+        stack["model"].decode(seg.token_ids[start:end].tolist(), skip_special=False).removesuffix("<|im_end|>") == "no"
+    )

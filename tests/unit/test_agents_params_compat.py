@@ -27,8 +27,6 @@ def test_clone_is_a_deep_copy_that_keeps_what_was_given():
 @pytest.mark.parametrize(
     "name,value",
     [
-        ("logit_bias", {5: 2.0}),
-        ("structured_outputs", {"regex": "a+"}),
         ("allowed_token_ids", [1, 2]),
         ("bad_words", ["no"]),
         ("extra_args", {"plugin": 1}),
@@ -67,8 +65,7 @@ def test_the_fields_sent_are_the_ones_the_gateway_session_api_takes():
 
     assert WIRE_FIELDS == SESSION_KEYS - {"n"}  # n: one session is one sample
     assert WIRE_FIELDS - {"stop"} <= set(SAMPLING_FIELDS)  # stop strings: the gateway applies them
-    # A refused field the session API starts taking (logit_bias, structured_outputs: the pods do) is to be
-    # carried instead: this fails until it is moved to WIRE_FIELDS.
+    # A refused field the session API starts taking is to be carried instead: this fails until it is.
     assert not set(REFUSED) & SESSION_KEYS
     assert not (set(REFUSED) | IGNORED) & WIRE_FIELDS
 
@@ -120,9 +117,35 @@ def test_a_real_vllm_sampling_params():
         "seed": 3,
     }
     assert set(wire) <= WIRE_FIELDS
-    for kw in ({"logit_bias": {5: 1.0}}, {"allowed_token_ids": [5]}, {"bad_words": ["x"]}):
+    for kw in ({"allowed_token_ids": [5]}, {"bad_words": ["x"]}):
         with pytest.raises(ValueError, match=f"sampling_params.{next(iter(kw))} = "):
             SamplingParams.from_any(vllm_sp(**kw))
-    structured = vllm_sampling.StructuredOutputsParams(regex="a+")
-    with pytest.raises(ValueError, match="structured_outputs = .*structured-output constraint"):
-        SamplingParams.from_any(vllm_sp(structured_outputs=structured))
+    # A grammar and a bias travel: the grammar as the one constraint vLLM's params object holds.
+    structured = vllm_sampling.StructuredOutputsParams(choice=["yes", "no"])
+    sp = SamplingParams.from_any(vllm_sp(structured_outputs=structured, logit_bias={5: 1.0}))
+    assert {k: sp.wire()[k] for k in ("structured_outputs", "logit_bias")} == {
+        "structured_outputs": {"choice": ["yes", "no"]},
+        "logit_bias": {5: 1.0},
+    }
+    json_mode = vllm_sampling.StructuredOutputsParams(json_object=True)
+    assert SamplingParams.from_any(vllm_sp(structured_outputs=json_mode)).wire()["structured_outputs"] == {
+        "json_object": True
+    }
+    loose = vllm_sampling.StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="structured_outputs.disable_any_whitespace' is set"):
+        SamplingParams.from_any(vllm_sp(structured_outputs=loose))
+
+
+def test_logit_bias_and_a_grammar_are_carried_and_checked_where_the_env_sets_them():
+    sp = SamplingParams()  # the state's copy, edited by the Env (Molt's pattern)
+    sp.logit_bias = {7: -100.0}
+    sp.structured_outputs = {"regex": "[0-9]+"}
+    assert SamplingParams.from_any(sp).wire() == {"logit_bias": {7: -100.0}, "structured_outputs": {"regex": "[0-9]+"}}
+    for name, value, says in (
+        ("logit_bias", {7: 500.0}, r"logit_bias\[7\]"),
+        ("logit_bias", {"x": 1.0}, "is not a token id"),
+        ("structured_outputs", {"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ("structured_outputs", "a+", "StructuredOutputsParams or a dict"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            SamplingParams.from_any({name: value}, "Result.sampling_params")

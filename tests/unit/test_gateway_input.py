@@ -131,6 +131,10 @@ def test_a_bad_sampling_field_is_a_400_on_the_anthropic_wire(model, field, value
         ({"logprobs": False}, "sampling_params.logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "sampling_params.min_tokens"),
         ({"stop_token_ids": [10**9]}, "sampling_params.stop_token_ids"),
+        ({"logit_bias": {"10000000": 1}}, "sampling_params.logit_bias"),
+        ({"logit_bias": {"5": 101}}, "sampling_params.logit_bias"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "sampling_params.structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "sampling_params.structured_outputs.choice"),
     ],
 )
 def test_session_sampling_params_are_checked_when_opened_and_per_turn(model, sp, param):
@@ -142,6 +146,39 @@ def test_session_sampling_params_are_checked_when_opened_and_per_turn(model, sp,
 
     for _, status, raw in _run(model, requests):
         assert assert_openai_error(status, raw, {400})["param"] == param
+
+
+def test_a_sessions_bias_and_grammar_reach_the_pod_at_open_and_per_turn(model):
+    """An Env's token-level turns carry logit_bias and structured_outputs as the OpenAI wire does: set at open
+    they hold for every turn, a turn's own replace them for that turn."""
+
+    async def go():
+        settings = GatewaySettings.model_validate(
+            {"model": {"path": str(model.path)}, "rollout": {"urls": PODS}, "redis": {"url": "memory://"}}
+        )
+        pods = FakePods(PODS, lambda prompt, sp: model.encode("ok<|im_end|>"))
+        app = build_app(settings, transport=pods, model=model)
+        opened = {"logit_bias": {5: -100}, "structured_outputs": {"choice": ["ok", "no"]}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            r = await http.post("/v1/sessions", json={"sampling_params": opened})
+            sid = r.json()["session_id"]
+            for turn_sp in ({}, {"logit_bias": {"7": 3.5}, "structured_outputs": {"regex": "o+"}}):
+                body = {"append_text": "hi", "sampling_params": turn_sp}
+                r = await http.post(f"/v1/sessions/{sid}/generate", json=body)
+                assert r.status_code == 200, r.text
+        return [sp for _, sp in pods.pods[PODS[0]].calls]
+
+    first, second = asyncio.run(go())
+    assert first["logit_bias"] == {"5": -100.0} and first["structured_outputs"] == {"choice": ["ok", "no"]}
+    assert second["logit_bias"] == {"7": 3.5} and second["structured_outputs"] == {"regex": "o+"}
+
+
+def test_response_format_and_structured_outputs_together_are_a_400(model):
+    body = encode(
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}
+    )
+    [(_, status, raw)] = _run(model, lambda sid: [("POST", "/v1/chat/completions", body)])
+    assert assert_openai_error(status, raw, {400})["param"] == "structured_outputs"
 
 
 def test_append_only_turns_still_take_max_tokens_0(model):

@@ -62,6 +62,7 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "prompt_cache_key": ("k", None),
         "safety_identifier": ("s", None),
         "logit_bias": ({"5": 1}, {"5": 101}),
+        "structured_outputs": ({"choice": ["ok"]}, {"choice": ["ok"], "regex": "o+"}),
         "chat_template_kwargs": ({}, {"enable_thinking": False}),  # the tiny template reads no extra variable
         "reasoning_effort": ("none", "low"),  # the tiny template never thinks
         "add_generation_prompt": (False, "yes"),  # session-less: rendered without it, as vLLM does
@@ -87,6 +88,7 @@ SAMPLES: dict[str, dict[str, tuple]] = {
         "model": ("policy", None),
         "user": ("u", None),
         "logit_bias": ({"5": 1}, {"5": 101}),
+        "structured_outputs": ({"choice": ["ok"]}, {"grammar": 'root ::= "ok"', "regex": "o+"}),
         "suffix": (None, "end"),
     },
     "messages": {
@@ -148,7 +150,8 @@ async def test_each_parameter_is_honoured_or_refused_by_name(app, endpoint, key)
             pods.pods[PODS[0]].calls.clear()
             r = await http.post(PATHS[endpoint], json={**BASE[endpoint], key: good})
             assert r.status_code == 200, r.text
-            if key in SAMPLER and key != "max_tokens" or (key == "max_tokens" and endpoint != "messages"):
+            reaches = key in SAMPLER or key == "structured_outputs"
+            if reaches and key != "max_tokens" or (key == "max_tokens" and endpoint != "messages"):
                 [(_, sp)] = pods.pods[PODS[0]].calls
                 assert sp[key] == good  # it reached the pod's sampler
         if bad is not None:
