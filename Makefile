@@ -20,4 +20,4 @@ test-fast: setup
 	$(PY) -m pytest -q tests/unit
 
 bench: setup
-	$(PY) bench/queue.py
+	$(PY) -m bench.bus

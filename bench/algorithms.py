@@ -1,6 +1,6 @@
 """Cost of the RL algorithm code per train step, against the bare math measured in the same run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/algorithms.py [--batch 256] [--steps 1024] [--repeat 5]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.algorithms [--batch 256] [--steps 1024] [--repeat 5]
 
 Rows (median of ``--repeat`` runs, CPU, fp32, B x T step-axis tensors, 20% padding per row):
 
@@ -16,12 +16,6 @@ metrics) over the minimum computation. Prints a markdown table.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-# bench/queue.py shadows the stdlib `queue` that torch imports: drop bench/ from the path.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse
 import statistics

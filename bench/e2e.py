@@ -1,6 +1,6 @@
 """End-to-end: our stack (`molt up`) vs TRL's GRPOTrainer (CPU, no vLLM), same run, same task.
 
-    .venv/bin/python bench/e2e.py --recipe tiny --steps 20 [--skip-trl] [--skip-ours] [--sync-too] [--trl-threads 1,2]
+    .venv/bin/python -m bench.e2e --recipe tiny --steps 20 [--skip-trl] [--skip-ours] [--sync-too] [--trl-threads 1,2]
 
 Both sides train the recipe's model on the recipe's prompts and reward with the same batch shape
 (prompts per step x samples per prompt x max new tokens, same learning rate). For each side it
@@ -13,16 +13,12 @@ Prints a markdown table; `--json PATH` also writes the raw figures.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/queue.py is named like the stdlib module: keep bench/ off the path when run as a script.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 import argparse
 import json
 import math
+import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +27,6 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from molt.stack.recipes import RECIPES, write_prompts
 

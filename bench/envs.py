@@ -6,7 +6,7 @@
 2. ``molt.agents.sandbox.run_python`` (bwrap: namespaces + limits; none: limits + audit hook) vs a bare
    ``python -I -c`` subprocess: p50 latency of a trivial program; ratio sandbox / bare.
 
-    .venv/bin/python bench/envs.py [--episodes 400] [--concurrency 1 64]
+    .venv/bin/python -m bench.envs [--episodes 400] [--concurrency 1 64]
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, bench/ is sys.path[0], and its scripts shadow stdlib modules (bench/queue.py).
-sys.path[:1] = [str(ROOT)] if Path(sys.path[0]).resolve() == ROOT / "bench" else [sys.path[0], str(ROOT)]
 
 from molt.agents import Episode
 from molt.agents.base import load_agent_runner

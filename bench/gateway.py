@@ -1,6 +1,6 @@
 """Gateway overhead: added latency p50/p99 and requests/s, gateway vs calling the rollout pod directly.
 
-    python bench/gateway.py [--model DIR] [--requests 256] [--concurrency 1 64] [--max-tokens 4] [--group-size 1]
+    python -m bench.gateway [--model DIR] [--requests 256] [--concurrency 1 64] [--max-tokens 4] [--group-size 1]
 
 Starts one real rollout pod (vLLM, tiny model, CPU) and one gateway (subprocesses; ``--pod-url`` reuses
 a running pod), then, in the same run and alternating rounds, sends the same prompts
@@ -33,14 +33,11 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Running a script puts bench/ first on sys.path, where sibling scripts (bench/queue.py) shadow stdlib modules.
-sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 from molt.serve import apply_cpu_env
 
 apply_cpu_env()

@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 import uuid
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 
 import redis.asyncio as aioredis
 

@@ -20,13 +20,11 @@ import asyncio
 import json
 import multiprocessing
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 
 HEAD = b"POST /v1/sessions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nX-Slow: "
 

@@ -27,12 +27,10 @@ import asyncio
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 from molt.serve import apply_cpu_env
 
 apply_cpu_env()

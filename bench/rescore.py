@@ -1,6 +1,6 @@
 """What --rollout.rescore_logprobs costs: finish latency and the pod's engine time per episode, with and without.
 
-    python bench/rescore.py [--model DIR] [--sessions 32] [--turns 3] [--max-tokens 32] [--concurrency 4] [--rounds 2]
+    python -m bench.rescore [--model DIR] [--sessions 32] [--turns 3] [--max-tokens 32] [--concurrency 4] [--rounds 2]
 
 Starts one real rollout pod (vLLM, tiny model, CPU) and two gateways in front of it, one plain and one with
 --rollout.rescore_logprobs (memory queues), then alternates rounds between them: each round runs ``--sessions``
@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Running a script puts bench/ first on sys.path, where sibling scripts (bench/queue.py) shadow stdlib modules.
-sys.path[:] = [str(ROOT)] + [x for x in sys.path if Path(x or ".").resolve() != ROOT / "bench"]
 
 from molt.serve import apply_cpu_env
 

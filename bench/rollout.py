@@ -1,6 +1,6 @@
 """Generated tokens/s: rollout pod over HTTP vs the same vLLM engine driven in-process, same run.
 
-    OMP_NUM_THREADS=1 python bench/rollout.py [--model DIR] [--requests 96] [--concurrency 32]
+    OMP_NUM_THREADS=1 python -m bench.rollout [--model DIR] [--requests 96] [--concurrency 32]
                                               [--max-tokens 64] [--repeats 5] [--client aiohttp]
                                               [--write | --append]
 
@@ -17,22 +17,17 @@ of merit is http / vllm (target >= 0.90). `--write` puts the table into .cache/b
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# bench/ holds modules named like stdlib ones (bench/queue.py): never import from the script's own dir.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import argparse
 import asyncio
 import json
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from molt.serve import apply_cpu_env
 
 apply_cpu_env()
@@ -261,7 +256,7 @@ def write_fragment(report: dict, args, append: bool) -> None:
     median_ratio = report["median_round_http_over_vllm"]
     ratio_http, ratio_engine = report["http_over_vllm"], report["engine_over_vllm"]
     cmd = (
-        f"OMP_NUM_THREADS=1 python bench/rollout.py --requests {args.requests} --concurrency {args.concurrency} "
+        f"OMP_NUM_THREADS=1 python -m bench.rollout --requests {args.requests} --concurrency {args.concurrency} "
         f"--max-tokens {args.max_tokens} --repeats {args.repeats} --warmup {args.warmup} "
         f"--client {args.client} {'--append' if append else '--write'}"
     )

@@ -1,6 +1,6 @@
 """SFT tokens/s against TRL's ``SFTTrainer``: same model, data, batch, sequence length, steps, in the same run.
 
-    .venv/bin/python bench/sft.py [--model .cache/models/smollm2] [--steps 30] [--batch-size 16]
+    .venv/bin/python -m bench.sft [--model .cache/models/smollm2] [--steps 30] [--batch-size 16]
         [--micro-batch-size 4] [--max-len 256] [--threads 1] [--nproc 1] [--skip-trl] [--lora-rank 0]
 
 Data: a synthetic reversal task with prompts of 3 to ``--max-letters`` (60) letters (so batches mix lengths, as
@@ -29,16 +29,12 @@ Prints one markdown table.
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import argparse
 import json
+import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Trainer hot paths against their limits, measured in the same run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/trainer.py [--model DIR] [--trajectories 64] [--tokens 256]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.trainer [--model DIR] [--trajectories 64] [--tokens 256]
 
 1. Batch assembly (decode from the stream's bytes -> step-axis samples -> padded micro-batches), vs
    the limit: the schema's decode alone (msgpack + validation), which any consumer pays.
@@ -18,12 +18,6 @@ Prints a markdown table (tokens/s, ratio to the limit).
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/ holds a queue.py (like the stdlib module redis-py imports): keep bench/ off the path.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from molt.serve import apply_cpu_env
 
 apply_cpu_env()

@@ -1,6 +1,6 @@
 """Weight-sync throughput: gRPC Push vs a raw TCP copy of the same bytes, both on loopback, same run.
 
-    OMP_NUM_THREADS=1 python bench/weightsync.py [--gib 1.0] [--reps 3] [--model .cache/models/smollm2]
+    OMP_NUM_THREADS=1 python -m bench.weightsync [--gib 1.0] [--reps 3] [--model .cache/models/smollm2]
 
 Part 1 pushes a synthetic state dict (--gib GiB of fp32 tensors) to a pod process whose engine
 only stages (a null engine: the bench measures the data path, not vLLM), and copies the same
@@ -20,9 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run as a script, bench/ is sys.path[0] and its other modules (bench/queue.py) would shadow the stdlib.
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 import argparse
 import asyncio

@@ -419,7 +419,7 @@ def decode(data: bytes) -> Trajectory:
 @contextlib.contextmanager
 def _no_gc():
     """A batch decode allocates thousands of objects that all stay alive: the cyclic collector's young-generation
-    passes over them find nothing and cost time per record (bench/queue.py). Paused for the batch only."""
+    passes over them find nothing and cost time per record (bench/bus.py). Paused for the batch only."""
     was = gc.isenabled()
     gc.disable()
     try:

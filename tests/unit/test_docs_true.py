@@ -3,6 +3,7 @@
 
 import pathlib
 import re
+import sys
 
 from molt.config import iter_fields
 from molt.stack import train_rl
@@ -182,3 +183,14 @@ def test_every_benchmark_command_runs_a_bench_that_takes_its_flags():
             assert f'"{flag}"' in source, f"bench/{script}.py has no {flag}"
     cells = [c for line in text.splitlines() if line.startswith("|") for c in line.split("|")]
     assert max(map(len, cells)) <= 300
+
+
+def test_benches_run_as_modules_and_none_is_named_like_a_stdlib_module():
+    """Benches run as ``python -m bench.X`` from the root; run as a script, bench/ would come first on sys.path,
+    where a file named like a stdlib module (queue.py) shadows it for every library the bench imports."""
+    names = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names)
+    for p in (ROOT / "bench").glob("*.py"):
+        text = p.read_text()
+        assert "sys.path" not in text and "python bench/" not in text, p.name
+    assert "python bench/" not in (ROOT / "BENCHMARKS.md").read_text()

@@ -1,6 +1,6 @@
 """Trajectory bus throughput vs raw pipelined redis-py, same server, same bytes, same run.
 
-    .venv/bin/python bench/queue.py [--redis-url URL] [--n 5000] [--batch 100] [--rounds 3]
+    .venv/bin/python -m bench.bus [--redis-url URL] [--n 5000] [--batch 100] [--rounds 3]
 
 For 8 KB and 256 KB records it measures, for the bus (encode + validate + XADD pipeline, then
 XREADGROUP + decode + validate + exactly-once check script + commit script (XACK + SADD)) and for raw
@@ -14,12 +14,6 @@ No Redis URL: uses 127.0.0.1:6379 if reachable, else an embedded server.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-# This file is named like the stdlib module `queue` (redis-py imports it): drop bench/ from the path.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse
 import asyncio
