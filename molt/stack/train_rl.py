@@ -6,7 +6,8 @@ Each Molt flag is routed to the service that owns it: the trainer takes the lear
 (`--vllm.enforce_eager`, ...), and a few flags wire the stack itself: `--actor.model_name_or_path` (every
 service's model), `--train.agent_path` (the env workers' agent module, Molt's way of naming it),
 `--vllm.num_engines` (rollout pods), `--rollout.num_runners` (env workers), `--data.max_len` (also the
-pods' context, which the gateway's session budget follows). Flags about Ray placement carry over where the
+pods' context, which the gateway's session budget follows); `--envs.episode_timeout_s` (not Molt's) goes to the
+env workers, whose limit the trainer follows. Flags about Ray placement carry over where the
 services have the same knob and are otherwise accepted with the reason printed. A flag that needs
 hardware the target lacks (TP/CP/EP > 1, NCCL, flash-attention kernels, GPUs) is refused with a message
 that says why; unknown flags get a did-you-mean. ``route`` is pure: tests check every flag of Molt's
@@ -16,6 +17,7 @@ launch scripts against it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +30,10 @@ from molt.stack.agent_env import engine_imports, forwarded_env
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
+
+# Env-worker flags. Molt has no episode limit, so long episodes (VLM agents, long tool runs) set one here; the
+# trainer's dispatcher follows the workers' limit (read from their /readyz), so it is set once.
+ENV_WORKER_FLAGS = {"envs.episode_timeout_s"}  # not Molt's: the env workers' wall-clock limit of one episode
 
 # Rollout-pod engine flags with the same name and meaning on services.rollout.
 POD_FLAGS = {
@@ -154,6 +160,8 @@ class Routed:
     trainer: list[str] = field(default_factory=list)
     rollout: list[str] = field(default_factory=list)
     gateway: list[str] = field(default_factory=list)
+    envs: list[str] = field(default_factory=list)
+    """The env workers' own flags (``ENV_WORKER_FLAGS``)."""
     notes: list[str] = field(default_factory=list)
     """What placement flags mean here (printed before the run)."""
     raw: dict[str, list[str]] = field(default_factory=dict)
@@ -198,6 +206,17 @@ def _int(name: str, values: list[str]) -> int:
         return int(values[0])
     except (IndexError, ValueError):
         raise ValueError(f"--{name} takes one integer, got {' '.join(values) or 'nothing'}") from None
+
+
+def _seconds(name: str, values: list[str]) -> float:
+    """A positive, finite number of seconds (ValueError naming the flag otherwise)."""
+    try:
+        value = float(values[0]) if len(values) == 1 else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--{name} takes one number of seconds > 0 (e.g. 3600), got {' '.join(values) or 'nothing'}")
+    return value
 
 
 def _true(values: list[str]) -> bool:
@@ -294,7 +313,7 @@ def _top_logprobs(raw: dict[str, list[str]]) -> int:
 def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
     """Route Molt's flags to the services; ValueError naming every refused or unknown flag."""
     known = trainer_flag_names()
-    every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING
+    every = known | POD_FLAGS | set(PLACEMENT) | set(MISSING) | WIRING | ENV_WORKER_FLAGS
     every |= TRAINER_PLACEMENT | set(GATEWAY_FLAGS) | set(ALIASES) | {LEGACY_IS_ENABLE, LEGACY_IS_TYPE}
     r = Routed()
     flags = [
@@ -327,6 +346,9 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
             r.num_envs = _int(name, values)
         elif name in POD_FLAGS:
             r.rollout += ["--" + name, *values]
+        elif name in ENV_WORKER_FLAGS:
+            _seconds(name, values)  # one line naming the flag, as a bad count is
+            r.envs += ["--" + name, *values]
         elif name in PLACEMENT:
             r.notes.append(f"--{name}: {PLACEMENT[name]}")
         elif name in GATEWAY_FLAGS:
@@ -447,6 +469,10 @@ def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
     }
     if checkpoints:
         values["trainer"]["checkpoints"] = checkpoints
+    if "envs.episode_timeout_s" in r.raw:  # the chart takes whole seconds: rounded up, never shorter
+        values["envs"]["episodeTimeoutSeconds"] = math.ceil(
+            _seconds("envs.episode_timeout_s", r.raw["envs.episode_timeout_s"])
+        )
     wandb = [{"name": n, "value": env[n]} for n in WANDB_ENV if env.get(n)]
     if wandb:
         values["trainer"]["extraEnv"] = wandb
@@ -530,6 +556,7 @@ def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress:
         trainer=r.trainer,
         rollout=rollout,
         gateway=r.gateway,
+        envs=r.envs,
         num_pods=r.num_pods,
         num_envs=r.num_envs,
         trainer_gpus=r.trainer_gpus,
@@ -559,6 +586,7 @@ def describe(r: Routed, gpus: GpuPlacement | None = None) -> str:
             "trainer": r.trainer,
             "rollout": r.rollout,
             "gateway": r.gateway,
+            "envs": r.envs,
             "gpus (CUDA_VISIBLE_DEVICES)": gpus.describe() if gpus else None,
             "notes": r.notes + (gpus.notes if gpus else []),
         },

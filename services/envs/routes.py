@@ -72,12 +72,17 @@ async def readyz(request: Request) -> Response:
     worker: EpisodeWorker = request.app.state.worker
     if not await worker.gateway.healthy(ready=True):  # e.g. its Redis is down: episodes could not be finished
         return _error(503, f"gateway {worker.gateway.url} is not ready", "unavailable")
+    limits = request.app.state.settings.envs
+    # The trainer's dispatcher reads the limits to wait long enough for each episode's answer
+    # (services/trainer/dispatch.py), so they are set once, on the workers.
     return JSONResponse(
         {
             "status": "ready",
             "agents": sorted(worker.runners),
             "inflight": worker.inflight,
             "max_concurrency": worker.max_concurrency,
+            "episode_timeout_s": limits.episode_timeout_s,
+            "finish_retry_s": limits.finish_retry_s,
         }
     )
 

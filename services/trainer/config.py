@@ -235,10 +235,10 @@ class EnvsConfig(Section):
     """First wait before retrying a failed episode or an unreachable worker; doubles on each retry."""
     retry_backoff_max_s: float = Field(30.0, gt=0.0)
     """Cap of that wait."""
-    timeout_s: float = Field(960.0, gt=0.0)
-    """HTTP timeout of one episode. Longer than the workers' --envs.episode_timeout_s plus --envs.finish_retry_s
-    (600 + 300 by default), so a worker's own answer comes first: cut off before it, an episode whose finish was
-    still retrying is run again and its trajectory may land twice (the second copy is dropped, the work is not)."""
+    timeout_s: float | None = Field(None, gt=0.0)
+    """HTTP timeout of one episode. Unset: each env worker's --envs.episode_timeout_s + --envs.finish_retry_s (read
+    from its /readyz) + 60 s (960 for one that reports none). A value below a worker's is raised to it with a
+    warning: cut off first, an episode still finishing is run again (its work lost, a second trajectory dropped)."""
 
 
 class DataConfig(Section):

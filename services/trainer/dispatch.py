@@ -14,6 +14,10 @@ outage behind it stopped (the gateway or its pods unavailable); an episode that 
 retried up to ``--envs.max_retries`` times with the same backoff. The result is which samples of the
 group were written, which the controller hands to the group assembler.
 
+Each episode's HTTP timeout follows the worker that runs it: its /readyz reports its ``--envs.episode_timeout_s``
+and ``--envs.finish_retry_s``, and the trainer waits their sum plus ``EPISODE_MARGIN_S`` (``--envs.timeout_s``
+where longer), so a worker's limit is set in one place.
+
 A failed episode's group is replaced by later prompts, so occasional failures cost only prompts; an env that
 fails every episode would burn the whole dataset that way and train nothing. ``--envs.max_consecutive_failures``
 training episodes failed for good in a row, with none written between them, stop the run with the last one's
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +42,11 @@ from molt.images import to_data_url
 
 log = logging.getLogger("molt.trainer")
 READY_POLL_S, READY_PROBE_TIMEOUT_S = 0.5, 5.0  # start-up wait for the env workers (EpisodeDispatcher.wait_ready)
+# The worker's answer (its last gateway call, then the response) comes after its own limits: the trainer waits this
+# much longer, so it never gives up on an episode the worker is still finishing.
+EPISODE_MARGIN_S = 60.0
+# The episode timeout for workers that report no limits on /readyz: their defaults (600 + 300) plus the margin.
+FALLBACK_TIMEOUT_S = 960.0
 # Columns that hold the answer in common RL datasets (GSM8K, MATH, Molt's examples, verl's parquet).
 LABEL_LIKE = frozenset({"answer", "label", "solution", "ground_truth", "reward_model"})
 
@@ -60,6 +70,20 @@ class Prompt:
             where = f"prompt row {self.index} images"
             fields["images"] = [to_data_url(image, f"{where}[{i}]") for i, image in enumerate(self.images)]
         return fields
+
+
+def worker_limit_s(readyz: object) -> float | None:
+    """How long one episode may take on an env worker whose /readyz answered ``readyz``: its
+    ``episode_timeout_s`` plus ``finish_retry_s`` plus ``EPISODE_MARGIN_S``; None when it reports them not."""
+    if not isinstance(readyz, dict):
+        return None
+    total = EPISODE_MARGIN_S
+    for key in ("episode_timeout_s", "finish_retry_s"):
+        v = readyz.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            return None
+        total += v
+    return total
 
 
 class DispatchError(ValueError):
@@ -187,7 +211,11 @@ class EpisodeDispatcher:
         self.max_len = max_len
         self.inflight = {url.rstrip("/"): 0 for url in envs_cfg.urls}
         # Env workers guarded by the service token (MOLT_INTERNAL_TOKEN) need it on every episode.
-        self.client = httpx.AsyncClient(timeout=envs_cfg.timeout_s, headers=bearer_headers(internal_token_from_env()))
+        self.client = httpx.AsyncClient(
+            timeout=envs_cfg.timeout_s or FALLBACK_TIMEOUT_S, headers=bearer_headers(internal_token_from_env())
+        )
+        self.worker_limits: dict[str, float] = {}
+        """Per worker URL, the longest episode its /readyz reported (``worker_limit_s``)."""
         self.slots = asyncio.Semaphore(envs_cfg.max_inflight * len(self.inflight))
         self.failed = 0
         self.consecutive_failures = 0  # training episodes failed for good since the last one written
@@ -199,21 +227,68 @@ class EpisodeDispatcher:
         """Before the first episode: until some env worker's /readyz answers other than an outage would (refused,
         502-504; a worker answers 503 until its gateway and the gateway's pods can serve). Services start in any
         order (Kubernetes, `molt up`): episodes sent earlier would each meet the outage and its backoff. Logged
-        once; ``stopping`` ends the wait."""
+        once; ``stopping`` ends the wait. Every worker is probed, so each one's limits are known (``_probe``)."""
         logged = False
         while self.inflight and not stopping():
-            for url in self.inflight:
-                try:
-                    resp = await self.client.get(url + "/readyz", timeout=READY_PROBE_TIMEOUT_S)
-                    if resp.status_code not in (502, 503, 504):
-                        return
-                    why = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                except httpx.TransportError as exc:
-                    why = f"{type(exc).__name__}: {exc}"
-                if not logged:
-                    log.info("waiting for an env worker to be ready (%s: %s)", url, why)
-                    logged = True
+            urls = list(self.inflight)
+            answers = await asyncio.gather(*(self._probe(url) for url in urls))
+            if None in answers:
+                return
+            if not logged:
+                log.info("waiting for an env worker to be ready (%s: %s)", urls[0], answers[0])
+                logged = True
             await asyncio.sleep(READY_POLL_S)
+
+    async def _probe(self, url: str) -> str | None:
+        """Probe ``url``'s /readyz: None when it answered other than an outage would (learning its limits from a
+        200), else why not."""
+        try:
+            resp = await self.client.get(url + "/readyz", timeout=READY_PROBE_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if resp.status_code in (502, 503, 504):
+            return f"HTTP {resp.status_code}: {resp.text[:200]}"
+        if resp.status_code == 200:
+            try:
+                self._learn(url, resp.json())
+            except ValueError:  # a worker of one's own making may answer other than JSON
+                pass
+        return None
+
+    def _learn(self, url: str, readyz: object) -> None:
+        """Record the limits a worker reported; only ever raised (a Service's pods may differ mid-rollout)."""
+        limit = worker_limit_s(readyz)
+        if limit is None or limit <= self.worker_limits.get(url, 0.0):
+            return
+        self.worker_limits[url] = limit
+        assert isinstance(readyz, dict)  # worker_limit_s read it
+        limits = f"its --envs.episode_timeout_s {readyz['episode_timeout_s']:g} + --envs.finish_retry_s "
+        limits += f"{readyz['finish_retry_s']:g} + {EPISODE_MARGIN_S:g} s"
+        configured = self.cfg.timeout_s
+        if configured is not None and configured < limit:
+            log.warning(
+                "env worker %s may take %g s per episode (%s); the trainer's --envs.timeout_s %g would cut such "
+                "episodes and run them again: waiting %g s (raise --envs.timeout_s, or leave it unset to follow "
+                "the workers)",
+                url,
+                limit,
+                limits,
+                configured,
+                limit,
+            )
+        else:
+            log.info("episodes on env worker %s: HTTP timeout %g s (%s)", url, self.episode_timeout_s(url), limits)
+
+    def episode_timeout_s(self, url: str) -> float:
+        """The HTTP timeout of an episode on ``url``: what the worker reported (or, unprobed, the most any other
+        did), at least ``--envs.timeout_s``. An explicit value below a worker's is raised, not obeyed: the worker
+        bounds its episodes itself, so a shorter cut would only run a finishing episode again (and a refusal would
+        stop a run whose workers were merely reconfigured)."""
+        limit = self.worker_limits.get(url) or max(self.worker_limits.values(), default=None)
+        configured = self.cfg.timeout_s
+        if limit is None:
+            return configured or FALLBACK_TIMEOUT_S
+        return max(configured or 0.0, limit)
 
     def _pick(self, avoid: set[str]) -> str:
         choices = [u for u in self.inflight if u not in avoid] or list(self.inflight)
@@ -234,14 +309,20 @@ class EpisodeDispatcher:
         while True:
             url = self._pick(throttled | down)
             self.inflight[url] += 1
-            outage = None
+            outage, timed_out = None, False
+            timeout_s = self.episode_timeout_s(url)
             try:
                 async with self.slots:
-                    resp = await self.client.post(url + "/v1/episodes:run", json=body)
-            except httpx.TimeoutException as exc:  # the episode outlived --envs.timeout_s
-                result = {"status": "failed", "written": False, "error": f"{type(exc).__name__}: {exc}"}
+                    resp = await self.client.post(url + "/v1/episodes:run", json=body, timeout=timeout_s)
+            except httpx.TimeoutException as exc:  # the episode outlived episode_timeout_s(url)
+                error = (
+                    f"{type(exc).__name__}: no answer within {timeout_s:g} s (the episode timeout, --envs.timeout_s)"
+                )
+                result = {"status": "failed", "written": False, "error": error}
                 if isinstance(exc, httpx.ConnectTimeout):
                     outage = str(exc)
+                else:
+                    timed_out = True
             except httpx.TransportError as exc:  # refused, reset, worker died mid-episode
                 outage = f"{type(exc).__name__}: {exc}"
             else:
@@ -270,6 +351,8 @@ class EpisodeDispatcher:
                 )
             finally:
                 self.inflight[url] -= 1
+            if timed_out:  # the worker may have restarted with a longer limit since it was last probed
+                await self._probe(url)
             if outage is not None:
                 if url not in self.unreachable:  # once per outage, not once per episode
                     self.unreachable.add(url)
