@@ -85,7 +85,8 @@ def bench_step(model_dir: str, trajs, micro: int, repeat: int, optim: str = "ada
 
     from molt.config import parse_settings
     from services.trainer.batch import collate, samples_from_trajectory
-    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.checks import validate_settings
+    from services.trainer.config import TrainerSettings
     from services.trainer.learner import Learner
     from services.trainer.model import init_distributed
 

@@ -164,6 +164,7 @@ Flags that need hardware this machine lacks are refused with the reason; see doc
 
 def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
     from molt.stack import train_rl as tr
+    from molt.stack import train_rl_helm as trh
     from molt.stack.gpus import gpu_count
     from molt.stack.up import check_service_flags, check_trainer_flags
 
@@ -205,7 +206,7 @@ def train_rl(argv: list[str], prog: str = "molt train-rl") -> int:
         if target == "local" and not gpus:
             tr.cpu_pod_defaults(routed)
         if target == "helm":
-            for note in tr.write_helm_values(routed, Path(str(own["--emit"]))):
+            for note in trh.write_helm_values(routed, Path(str(own["--emit"]))):
                 print(f"[molt train-rl] {note}")
             print(f"[molt train-rl] wrote Helm values to {own['--emit']}")
             return 0

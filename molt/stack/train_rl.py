@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from molt.config import suggest_flag
 from molt.sampling import MAX_TOP_LOGPROBS
-from molt.stack.agent_env import engine_imports, forwarded_env
 from molt.stack.gpus import FLAGS, GpuPlacement, place_stack
 
 Target = Literal["local", "helm"]
@@ -134,7 +132,7 @@ def legacy_is_flags(
             f"{LEGACY_IS_TYPES[kind][1]})"
         ]
     out = [(n, v) for n, v in flags if n not in (LEGACY_IS_ENABLE, LEGACY_IS_TYPE)]
-    if _true(given.get(LEGACY_IS_ENABLE, ["false"])):
+    if flag_on(given.get(LEGACY_IS_ENABLE, ["false"])):
         level, mode = LEGACY_IS_TYPES[kind]
         out += [(IS_LEVEL, [level]), (IS_MODE, [mode])]
         notes.append(f"--{LEGACY_IS_ENABLE} (type {kind}): --{IS_LEVEL} {level} --{IS_MODE} {mode}")
@@ -208,7 +206,7 @@ def _int(name: str, values: list[str]) -> int:
         raise ValueError(f"--{name} takes one integer, got {' '.join(values) or 'nothing'}") from None
 
 
-def _seconds(name: str, values: list[str]) -> float:
+def flag_seconds(name: str, values: list[str]) -> float:
     """A positive, finite number of seconds (ValueError naming the flag otherwise)."""
     try:
         value = float(values[0]) if len(values) == 1 else math.nan
@@ -219,7 +217,7 @@ def _seconds(name: str, values: list[str]) -> float:
     return value
 
 
-def _true(values: list[str]) -> bool:
+def flag_on(values: list[str]) -> bool:
     return not values or values[0].lower() in ("1", "true", "yes", "on")
 
 
@@ -235,15 +233,15 @@ def _refuse(name: str, values: list[str], target: Target, gpus: int) -> str | No
         return f"tensor-parallel rollout needs {v} GPUs per pod; this machine has {gpus}"
     if name == "vllm.decode_context_parallel_size" and target == "local" and v not in ("", "1") and gpus == 0:
         return "decode context parallelism shards the KV cache over GPUs; this machine has none"
-    if name == "vllm.enable_expert_parallel" and target == "local" and _true(values) and gpus == 0:
+    if name == "vllm.enable_expert_parallel" and target == "local" and flag_on(values) and gpus == 0:
         return "expert-parallel rollout shards experts over GPUs; this machine has none"
     if name == "vllm.sync_backend" and v == "nccl" and target == "local" and gpus == 0:
         return "NCCL needs GPUs (this machine has none); weights travel over gRPC here: drop the flag"
     if name == "fsdp.attn_implementation" and v in GPU_ATTENTION and target == "local" and gpus == 0:
         return f"{v} kernels need a GPU; use sdpa (the CPU default) or drop the flag"
-    if name == "fsdp.bf16_master_weights" and _true(values) and target == "local" and gpus == 0:
+    if name == "fsdp.bf16_master_weights" and flag_on(values) and target == "local" and gpus == 0:
         return "bf16 master weights are for NeMo AutoModel on GPUs; this machine has none (weights stay fp32)"
-    if name == "fsdp.use_liger_kernel" and _true(values) and target == "local" and gpus == 0:
+    if name == "fsdp.use_liger_kernel" and flag_on(values) and target == "local" and gpus == 0:
         return "Liger's kernels are Triton (GPU only); drop the flag on CPU"
     if name == "fsdp.offload" and v not in ("", "none") and target == "local" and gpus == 0:
         return "CPU offload is NeMo AutoModel's, for GPU runs; this machine has none (drop the flag)"
@@ -270,18 +268,18 @@ def _combination_errors(raw: dict[str, list[str]]) -> list[str]:
     mtp = mtp_values[0].isdigit() and int(mtp_values[0]) > 0
     # The pods' routed-experts capture and their cached-block reuse both misalign under speculative decoding,
     # so these runs train on corrupted rollout log-probs or routing: refused, as Molt refuses them.
-    if mtp and "train.routing_replay" in raw and _true(raw["train.routing_replay"]):
+    if mtp and "train.routing_replay" in raw and flag_on(raw["train.routing_replay"]):
         errors.append(
             "--vllm.mtp_num_speculative_tokens is incompatible with --train.routing_replay: the pods' "
             "routed-experts capture misaligns under speculative decoding; disable MTP or routing replay"
         )
-    if mtp and "vllm.enable_prefix_caching" in raw and _true(raw["vllm.enable_prefix_caching"]):
+    if mtp and "vllm.enable_prefix_caching" in raw and flag_on(raw["vllm.enable_prefix_caching"]):
         errors.append(
             "--vllm.mtp_num_speculative_tokens is incompatible with --vllm.enable_prefix_caching: speculative "
             "decoding corrupts rollout log-probs when prefix-cached blocks are reused; enable at most one"
         )
     head = _top_logprobs(raw)
-    if "actor.score_centering" in raw and _true(raw["actor.score_centering"]) and head < 1:
+    if "actor.score_centering" in raw and flag_on(raw["actor.score_centering"]) and head < 1:
         errors.append(
             "--actor.score_centering needs the sampler's top-k log-probs in every trajectory: pass "
             "--rollout.top_logprobs K >= 1 (e.g. 8)"
@@ -299,7 +297,7 @@ def _context(max_len: list[str], raw: dict[str, list[str]]) -> list[str]:
     """The pods' --vllm.max_model_len for --data.max_len: one more under --rollout.rescore_logprobs, whose prefill
     prompt is a whole segment, which vLLM refuses at its full context (the sessions keep --data.max_len)."""
     rescore = raw.get("rollout.rescore_logprobs")
-    if rescore is None or not _true(rescore) or not max_len or not max_len[0].isdigit():
+    if rescore is None or not flag_on(rescore) or not max_len or not max_len[0].isdigit():
         return max_len
     return [str(int(max_len[0]) + 1)]
 
@@ -347,7 +345,7 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
         elif name in POD_FLAGS:
             r.rollout += ["--" + name, *values]
         elif name in ENV_WORKER_FLAGS:
-            _seconds(name, values)  # one line naming the flag, as a bad count is
+            flag_seconds(name, values)  # one line naming the flag, as a bad count is
             r.envs += ["--" + name, *values]
         elif name in PLACEMENT:
             r.notes.append(f"--{name}: {PLACEMENT[name]}")
@@ -365,9 +363,9 @@ def route(argv: list[str], target: Target = "local", gpus: int = 0) -> Routed:
                 r.rollout += ["--vllm.max_model_len", *_context(values, dict(flags))]
             if name == "data.max_images_per_prompt" and _int(name, values) > 0:  # the pods must take as many
                 r.rollout += ["--rollout.max_images_per_prompt", *values]
-            if name == "train.routing_replay" and _true(values):  # the trajectories must carry the pods' routing
+            if name == "train.routing_replay" and flag_on(values):  # the trajectories must carry the pods' routing
                 r.gateway += ["--rollout.return_routed_experts"]
-            if name == "train.full_determinism_enable" and _true(values):  # as Molt: vLLM's engine in-process
+            if name == "train.full_determinism_enable" and flag_on(values):  # as Molt: vLLM's engine in-process
                 r.rollout += ["--vllm.multiprocessing", "false"]
         else:
             match = suggest_flag(name, every)
@@ -402,134 +400,6 @@ def cpu_pod_defaults(r: Routed) -> Routed:
     if "vllm.dtype" not in r.raw:
         r.rollout = ["--vllm.dtype", "float32", *r.rollout]
     return r
-
-
-# Trainer flags the chart sets itself from values (storage and model live in the cluster, not at the paths of
-# the machine that ran `molt train-rl`); their values go to the chart's keys instead.
-CHART_OWNED = {
-    "actor.model_name_or_path",
-    "data.prompt_dataset",
-    "ckpt.path",
-    "ckpt.output_dir",
-    "ckpt.save_steps",
-    "ckpt.max_num",
-    "ckpt.load_enable",
-    "ckpt.save_hf",
-}
-
-
-# Molt hands these to every worker from the launching shell; the local stack's processes inherit them. The
-# W&B key (flag or variable) is a secret and stays out of a values file: write_helm_values says how to pass it.
-# The chart's rollout image (torch, transformers and vLLM), for env workers whose agent imports them.
-ENGINE_IMAGE = "molt-rollout"
-WANDB_ENV = ("WANDB_ENTITY", "WANDB_MODE")
-SECRET_FLAGS = {"logger.wandb.key"}
-
-
-def helm_values(r: Routed, environ: Mapping[str, str] | None = None) -> dict:
-    """The same run as values for deploy/k8s/molt (model and dataset paths as the cluster's pods will see them);
-    the W&B settings of ``environ`` (default: this process's) go to the trainer's environment."""
-    env = os.environ if environ is None else environ
-    trainer_nodes = int(r.raw.get("actor.num_nodes", ["1"])[0])
-    gpus = int(r.raw.get("actor.num_gpus_per_node", ["8"])[0])
-    tp = int(r.raw.get("vllm.tensor_parallel_size", ["1"])[0])
-    extra = [
-        a
-        for name, values in split_flags(r.trainer)
-        if name not in CHART_OWNED and name not in SECRET_FLAGS
-        for a in ("--" + name, *values)
-    ]
-    checkpoints: dict = {}
-    if "ckpt.save_steps" in r.raw:
-        checkpoints["saveSteps"] = int(r.raw["ckpt.save_steps"][0])
-    if "ckpt.max_num" in r.raw:
-        checkpoints["maxNum"] = int(r.raw["ckpt.max_num"][0])
-    if "ckpt.save_hf" in r.raw:
-        checkpoints["saveHF"] = _true(r.raw["ckpt.save_hf"])
-    values: dict = {
-        "model": {"path": r.model},
-        "rollout": {"replicas": r.num_pods, "gpusPerPod": tp, "extraArgs": r.rollout},
-        "gateway": {
-            "extraArgs": r.gateway
-            + (["--session.max_length", r.raw["data.max_len"][0]] if "data.max_len" in r.raw else [])
-        },
-        "envs": {
-            "replicas": r.num_envs,
-            "agents": {"agent": r.agent_path},
-            # Molt's agents read MODEL_PATH (tokenizers, tool parsers): the chart mounts the model there too.
-            "mountModel": True,
-        },
-        "trainer": {
-            "nodes": trainer_nodes,
-            "gpusPerNode": gpus,
-            "agent": "agent",
-            "promptDataset": (r.raw.get("data.prompt_dataset") or [""])[0],
-            "extraArgs": extra,
-        },
-    }
-    if checkpoints:
-        values["trainer"]["checkpoints"] = checkpoints
-    if "envs.episode_timeout_s" in r.raw:  # the chart takes whole seconds: rounded up, never shorter
-        values["envs"]["episodeTimeoutSeconds"] = math.ceil(
-            _seconds("envs.episode_timeout_s", r.raw["envs.episode_timeout_s"])
-        )
-    wandb = [{"name": n, "value": env[n]} for n in WANDB_ENV if env.get(n)]
-    if wandb:
-        values["trainer"]["extraEnv"] = wandb
-    forwarded, _ = forwarded_env(r.agent_path, env) if r.agent_path else ([], [])
-    if forwarded:  # Molt's Ray workers inherit the launching shell; the chart's env workers get them here
-        values["envs"]["extraEnv"] = forwarded
-    if r.agent_path and engine_imports(r.agent_path):  # the slim image would fail the agent's import
-        values["envs"]["image"] = {"repository": ENGINE_IMAGE}
-    return values
-
-
-def write_helm_values(r: Routed, path: Path, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Write the values file; returns notes for the user (what the file leaves out on purpose)."""
-    env = os.environ if environ is None else environ
-    # JSON is YAML too, and quotes every string: a bare 1e-6 would reach Helm (YAML 1.2) as a number.
-    path.write_text(
-        "# molt train-rl --emit helm-values: the run's flags as values of deploy/k8s/molt\n"
-        + json.dumps(helm_values(r, env), indent=2)
-        + "\n"
-    )
-    given = [
-        x
-        for x, on in (
-            ("--logger.wandb.key", "logger.wandb.key" in r.raw),
-            ("WANDB_API_KEY", env.get("WANDB_API_KEY")),
-        )
-        if on
-    ]
-    notes = [
-        "model.path, trainer.promptDataset and envs.agents.agent are paths of this machine: pods see them only "
-        "where mounted (model.existingClaim or model.hostPath under model.mountPath, or extraVolumes and "
-        "extraVolumeMounts; docs/deploy.md); the chart refuses a model.path outside every mount"
-    ]
-    forwarded, withheld = forwarded_env(r.agent_path, env) if r.agent_path else ([], [])
-    if forwarded:
-        notes.append(
-            "envs.extraEnv: " + ", ".join(e["name"] for e in forwarded) + " (set in this shell and read by the "
-            "agent's code, as Molt's workers inherit them)"
-        )
-    imports = sorted(engine_imports(r.agent_path)) if r.agent_path else []
-    if imports:
-        notes.append(
-            f"envs.image.repository: {ENGINE_IMAGE}, as the agent imports {' and '.join(imports)}, which the slim "
-            "env-worker image (molt-service) lacks; the rollout image has them and imports them without a GPU"
-        )
-    if withheld:
-        notes.append(
-            f"{', '.join(withheld)}: read by the agent's code but not written to the values file (a secret); give "
-            "them from a Secret: envs.extraEnv [{name: NAME, valueFrom: {secretKeyRef: {name: ..., key: ...}}}]"
-        )
-    if not given:
-        return notes
-    return notes + [
-        f"{' and '.join(given)}: not written to the values file (a secret); give the trainer its W&B key from a "
-        "Secret: trainer.extraEnv [{name: MOLT_LOGGER__WANDB__KEY, valueFrom: {secretKeyRef: {name: wandb, key: "
-        "api-key}}}] (docs/deploy.md)"
-    ]
 
 
 def local_plan(r: Routed, run_dir: Path | None, redis_url: str | None, progress: bool):

@@ -287,7 +287,8 @@ def check_trainer_flags(flags: list[str], model: Path | str, agent: str) -> None
     wiring the stack adds (URLs, stream) is stood in for; the user's flags come after it and win. Its datasets
     are checked too, cheaply (``check_datasets``): a missing path or input key ends the same way."""
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, check_datasets, validate_settings
+    from services.trainer.checks import check_datasets, validate_settings
+    from services.trainer.config import TrainerSettings
     from services.trainer.device import trainer_on_gpu
 
     on_gpu = trainer_on_gpu()  # the trainer runs here, on this machine's device

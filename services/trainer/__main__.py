@@ -14,7 +14,8 @@ import sys
 
 from molt.config import parse_settings
 from molt.serve import configure_logging, freeze_before_exit, preflight
-from services.trainer.config import TrainerSettings, check_datasets, validate_settings
+from services.trainer.checks import check_datasets, validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.device import trainer_on_gpu
 
 PROG = "python -m services.trainer"

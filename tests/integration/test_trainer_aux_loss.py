@@ -12,7 +12,8 @@ import services.trainer.learner as learner_mod
 from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
 from services.trainer.batch import samples_from_trajectory
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.model import full_state_dict, init_distributed
 
 

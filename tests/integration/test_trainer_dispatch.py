@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse
 from molt.bus.redis_stream import RedisTrajectoryQueue
 from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.model import init_distributed
 from services.trainer.publish import CallbackPublisher
 from services.trainer.trainer import Trainer

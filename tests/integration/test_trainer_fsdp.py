@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from molt.config import parse_settings
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.device import trainer_on_gpu
 from services.trainer.model import init_distributed
 from services.trainer.trainer import Trainer

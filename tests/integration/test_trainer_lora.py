@@ -25,7 +25,8 @@ from molt.config import parse_settings
 from molt.schema import Segment, Trajectory
 from services.trainer import checkpoint, lora
 from services.trainer.batch import samples_from_trajectory
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.export import export_checkpoint
 from services.trainer.learner import Learner
 from services.trainer.model import full_state_dict, init_distributed

@@ -22,7 +22,8 @@ from vl_testlib import data_url, image_bytes
 
 from molt.config import parse_settings
 from services.trainer.batch import samples_from_trajectory
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.learner import Learner
 from services.trainer.model import full_state_dict, init_distributed
 from tests.gateway_testlib import pod_and_gateway, read_trajectories

@@ -27,7 +27,8 @@ from molt.algorithms import (
 )
 from molt.algorithms.aggregation import LOSS_AGG_MODES
 from molt.config import parse_settings
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 
 # Three rows of 3, 2 and 3 action tokens; row 1 is far from vLLM's probabilities on its first token.
 LOGP = [[-1.0, -2.0, -3.0], [-0.2, -1.0, -4.0], [-1.0, -1.0, -1.0]]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from molt.config import parse_settings
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.learner import Learner
 from services.trainer.model import DistInfo
 from services.trainer.muon import MuonAdamW

@@ -148,7 +148,8 @@ def test_an_unreadable_file_is_one_line_not_a_traceback(tmp_path, monkeypatch):
 def test_the_trainer_checks_its_datasets_apart_from_its_flag_rules(tmp_path):
     """validate_settings also checks Helm values, whose paths name files in the cluster: it reads none."""
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, check_datasets, validate_settings
+    from services.trainer.checks import check_datasets, validate_settings
+    from services.trainer.config import TrainerSettings
 
     base = ["--actor.model_name_or_path", "m", "--envs.urls", "http://e:1", "--data.input_key", "prompt"]
     s = parse_settings(TrainerSettings, [*base, "--data.prompt_dataset", "/cluster/prompts.jsonl"], environ={})
@@ -191,7 +192,8 @@ def test_mixing_weights_that_do_not_fit_the_datasets_are_refused_naming_their_fl
     """--data.prompt_probs / --data.dataset_probs: one finite, non-negative weight per dataset, not all zero, checked
     with the other flags (--dry-run too) instead of a bare float error once the datasets are read."""
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.checks import validate_settings
+    from services.trainer.config import TrainerSettings
     from services.trainer.sft_config import SftSettings, validate_sft
 
     spec = f"{jsonl(tmp_path / 'a.jsonl', {'prompt': 'a'})},{jsonl(tmp_path / 'b.jsonl', {'prompt': 'b'})}"

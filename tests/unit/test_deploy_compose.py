@@ -304,6 +304,7 @@ def test_env_worker_image_holds_every_agent_the_deployments_name():
     the agents the chart, compose and `molt train-rl --emit helm-values` name must be there. Only molt/agents
     is copied, never molt/__init__.py, so `import molt` is still the installed package, stubs and all."""
     from molt.stack import train_rl as tr
+    from molt.stack import train_rl_helm as trh
 
     dockerfile = ROOT / "deploy" / "docker" / "service.Dockerfile"
     workdir, copies = _final_stage_files(dockerfile)
@@ -316,7 +317,7 @@ def test_env_worker_image_holds_every_agent_the_deployments_name():
         + ["--ref.model_name_or_path", "/t"],
         "helm",
     )
-    agents |= set(tr.helm_values(distill)["envs"]["agents"].values())
+    agents |= set(trh.helm_values(distill)["envs"]["agents"].values())
     assert "molt/agents/distill_agent.py" in agents
     ignore = (dockerfile.parent / "service.Dockerfile.dockerignore").read_text().splitlines()
     for agent in sorted(agents):

@@ -96,9 +96,10 @@ def notes(*files: str) -> str:
 @pytest.fixture()
 def emitted(tmp_path) -> str:
     from molt.stack import train_rl as tr
+    from molt.stack import train_rl_helm as trh
 
     path = tmp_path / "emitted.yaml"
-    tr.write_helm_values(tr.route(EMITTED_ARGV, "helm"), path, environ={})
+    trh.write_helm_values(tr.route(EMITTED_ARGV, "helm"), path, environ={})
     return str(path)
 
 

@@ -12,7 +12,8 @@ import torch
 
 from molt.algorithms.length_shaping import LengthShaping, shape_rewards, shaping_metrics
 from molt.config import parse_settings
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 
 
 def _shape(rewards, lengths, truncated=None, keys=None, **kw):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deploy import tools
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 from molt.stack.agent_env import engine_imports, forwarded_env, read_names
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples"
@@ -35,11 +36,11 @@ def test_set_variables_are_forwarded_and_secrets_withheld():
 def test_the_values_file_gives_the_env_workers_the_shells_settings(tmp_path):
     r = tr.route(["--actor.model_name_or_path", "/models/m", "--train.agent_path", str(GEO3K)], "helm")
     env = {**SHELL, "HELPER_API_TOKEN": "t-1"}
-    assert tr.helm_values(r, env)["envs"]["extraEnv"] == [
+    assert trh.helm_values(r, env)["envs"]["extraEnv"] == [
         {"name": "MAX_AGENT_TURNS", "value": "10"},
         {"name": "PYTHON_EXECUTOR_TIMEOUT", "value": "5"},
     ]
-    notes = tr.write_helm_values(r, tmp_path / "values.yaml", environ=env)
+    notes = trh.write_helm_values(r, tmp_path / "values.yaml", environ=env)
     assert any(n.startswith("envs.extraEnv: MAX_AGENT_TURNS, PYTHON_EXECUTOR_TIMEOUT") for n in notes)
     assert "sk-123" not in (tmp_path / "values.yaml").read_text()
     [envs] = [
@@ -49,7 +50,7 @@ def test_the_values_file_gives_the_env_workers_the_shells_settings(tmp_path):
         for c in d["spec"]["template"]["spec"]["containers"]
     ]
     assert envs["MAX_AGENT_TURNS"] == "10" and envs["PYTHON_EXECUTOR_TIMEOUT"] == "5"
-    assert tr.helm_values(r, {})["envs"].get("extraEnv") is None
+    assert trh.helm_values(r, {})["envs"].get("extraEnv") is None
 
 
 def test_an_agent_that_imports_torch_or_vllm_runs_in_the_rollout_image(tmp_path):
@@ -58,8 +59,8 @@ def test_an_agent_that_imports_torch_or_vllm_runs_in_the_rollout_image(tmp_path)
     assert engine_imports(GEO3K) == {"torch", "vllm"} and engine_imports(EXAMPLES / "agents" / "math.py") == {"torch"}
     assert engine_imports(Path(__file__).resolve().parents[2] / "examples" / "agents" / "judge.py") == set()
     r = tr.route(["--actor.model_name_or_path", "/models/m", "--train.agent_path", str(GEO3K)], "helm")
-    assert tr.helm_values(r, {})["envs"]["image"] == {"repository": "molt-rollout"}
-    notes = tr.write_helm_values(r, tmp_path / "values.yaml", environ={})
+    assert trh.helm_values(r, {})["envs"]["image"] == {"repository": "molt-rollout"}
+    notes = trh.write_helm_values(r, tmp_path / "values.yaml", environ={})
     assert any(n.startswith("envs.image.repository: molt-rollout, as the agent imports torch and vllm") for n in notes)
     [image] = [
         c["image"]
@@ -72,7 +73,7 @@ def test_an_agent_that_imports_torch_or_vllm_runs_in_the_rollout_image(tmp_path)
     slim.parent.mkdir()
     slim.write_text("from molt.agents import Env\nPARSER = 'json.decoder.JSONDecoder'\n")
     r = tr.route(["--actor.model_name_or_path", "/models/m", "--train.agent_path", str(slim)], "helm")
-    assert "image" not in tr.helm_values(r, {})["envs"]
+    assert "image" not in trh.helm_values(r, {})["envs"]
 
 
 def test_a_secret_the_agent_reads_is_named_in_the_notes_not_written(tmp_path):
@@ -81,7 +82,7 @@ def test_a_secret_the_agent_reads_is_named_in_the_notes_not_written(tmp_path):
     agent.write_text('import os\nKEY = os.environ["JUDGE_API_KEY"]\nN = os.getenv("JUDGE_SAMPLES")\n')
     r = tr.route(["--actor.model_name_or_path", "/m", "--train.agent_path", str(agent)], "helm")
     env = {"JUDGE_API_KEY": "k-999", "JUDGE_SAMPLES": "3"}
-    notes = tr.write_helm_values(r, tmp_path / "values.yaml", environ=env)
+    notes = trh.write_helm_values(r, tmp_path / "values.yaml", environ=env)
     assert "k-999" not in (tmp_path / "values.yaml").read_text()
     assert any(n.startswith("JUDGE_API_KEY: read by the agent's code but not written") for n in notes)
-    assert tr.helm_values(r, env)["envs"]["extraEnv"] == [{"name": "JUDGE_SAMPLES", "value": "3"}]
+    assert trh.helm_values(r, env)["envs"]["extraEnv"] == [{"name": "JUDGE_SAMPLES", "value": "3"}]

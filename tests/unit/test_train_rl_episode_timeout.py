@@ -8,6 +8,7 @@ import json
 import pytest
 
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 
 AGENT = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a/x.py"]
 
@@ -32,12 +33,12 @@ def test_a_misspelling_gets_a_did_you_mean():
 
 
 def test_helm_values_set_the_charts_episode_limit_in_whole_seconds():
-    values = tr.helm_values(tr.route([*AGENT, "--envs.episode_timeout_s", "3600"], "helm"), environ={})
+    values = trh.helm_values(tr.route([*AGENT, "--envs.episode_timeout_s", "3600"], "helm"), environ={})
     assert values["envs"]["episodeTimeoutSeconds"] == 3600
     assert not any("timeout" in a for a in values["trainer"]["extraArgs"])
-    rounded = tr.helm_values(tr.route([*AGENT, "--envs.episode_timeout_s=90.2"], "helm"), environ={})
+    rounded = trh.helm_values(tr.route([*AGENT, "--envs.episode_timeout_s=90.2"], "helm"), environ={})
     assert rounded["envs"]["episodeTimeoutSeconds"] == 91  # never shorter than asked
-    assert "episodeTimeoutSeconds" not in tr.helm_values(tr.route(AGENT, "helm"), environ={})["envs"]
+    assert "episodeTimeoutSeconds" not in trh.helm_values(tr.route(AGENT, "helm"), environ={})["envs"]
 
 
 def test_emitted_values_render_the_limit_on_the_workers_and_nothing_on_the_trainer(tmp_path):
@@ -46,7 +47,7 @@ def test_emitted_values_render_the_limit_on_the_workers_and_nothing_on_the_train
 
     path, mount = tmp_path / "values.yaml", tmp_path / "mount.yaml"
     argv = ["--actor.model_name_or_path", "/home/me/m", "--train.agent_path", "x.py", "--envs.episode_timeout_s=3600"]
-    tr.write_helm_values(tr.route(argv, "helm"), path, environ={})
+    trh.write_helm_values(tr.route(argv, "helm"), path, environ={})
     home = {"name": "home", "hostPath": {"path": "/srv/me", "type": "Directory"}}
     volumes = {"extraVolumes": [home], "extraVolumeMounts": [{"name": "home", "mountPath": "/home/me"}]}
     mount.write_text(json.dumps(volumes))  # the model's path, as the cluster would mount it

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "fixtures" / "molt_examples" / "scripts"
 FLAG = re.compile(r"--[a-z_]+(?:\.[a-z_0-9]+)+")
@@ -50,7 +51,7 @@ def test_quick_start_flags_route_to_helm_values_unchanged():
     # each service's own parser takes what it was routed
     parse_settings(TrainerSettings, r.trainer + ["--train.dispatch", "false"], prog="trainer")
     parse_settings(RolloutSettings, r.rollout, prog="rollout")
-    values = tr.helm_values(r)
+    values = trh.helm_values(r)
     assert r.model == "/models/qwen3-4b" and r.agent_path.endswith("examples/python/agents/math.py")
     assert values["rollout"]["gpusPerPod"] == 4 and values["trainer"]["gpusPerNode"] == 4
     assert values["trainer"]["checkpoints"] == {"saveSteps": 5}
@@ -144,12 +145,12 @@ def test_emitted_helm_values_render_through_the_chart(tmp_path):
     from deploy import tools
 
     argv = quick_start_argv("quick_start_rl_qwen3_4b.sh")
-    [paths] = tr.write_helm_values(tr.route(argv, "helm"), tmp_path / "keyless.yaml", environ={})
+    [paths] = trh.write_helm_values(tr.route(argv, "helm"), tmp_path / "keyless.yaml", environ={})
     assert paths.startswith("model.path, trainer.promptDataset and envs.agents.agent are paths of this machine")
     # Molt hands the launching shell's W&B settings to its workers; the key is a secret and stays out of the file
     r = tr.route([*argv, "--logger.wandb.key", "flag-key-456"], "helm")
     wandb = {"WANDB_API_KEY": "secret-key-123", "WANDB_ENTITY": "ent", "WANDB_MODE": "offline", "WANDB_DIR": "/x"}
-    [_, note] = tr.write_helm_values(r, tmp_path / "values.yaml", environ=wandb)
+    [_, note] = trh.write_helm_values(r, tmp_path / "values.yaml", environ=wandb)
     text = (tmp_path / "values.yaml").read_text()
     assert "secret-key-123" not in text and "flag-key-456" not in text
     assert note.startswith("--logger.wandb.key and WANDB_API_KEY: not written") and "MOLT_LOGGER__WANDB__KEY" in note
@@ -210,7 +211,8 @@ def test_molts_no_form_of_a_pod_switch_turns_it_off(flag):
 
 def test_molts_retention_rank_and_hub_flags():
     from molt.config import parse_settings
-    from services.trainer.config import TrainerSettings, validate_settings
+    from services.trainer.checks import validate_settings
+    from services.trainer.config import TrainerSettings
 
     r = tr.route([*AGENT, "--ckpt.dcp_max_num", "2", "--local_rank", "0", "--ckpt.max_num", "5"])
     s = parse_settings(TrainerSettings, [*r.trainer, "--train.dispatch", "false"], prog="t")
@@ -340,7 +342,7 @@ def test_molts_distillation_script_runs_without_an_agent_as_molt_supplies_one():
     runner = load_agent_runner(local.agent_path)  # as the env workers load it: a module of its own
     assert type(runner).__name__ == AgentRunner.__name__ and runner.env_cls.__name__ == "DistillationEnv"
     helm = tr.route(base, "helm")
-    assert tr.helm_values(helm)["envs"]["agents"] == {"agent": "molt/agents/distill_agent.py"}
+    assert trh.helm_values(helm)["envs"]["agents"] == {"agent": "molt/agents/distill_agent.py"}
     # relative to the env-worker image's WORKDIR (/app), where service.Dockerfile copies molt/agents from the
     # checkout (test_deploy_compose.py::test_env_worker_image_holds_every_agent_the_deployments_name)
     assert (SCRIPTS.parents[3] / helm.agent_path).exists()

@@ -9,6 +9,7 @@ import pytest
 from molt.algorithms import PolicyLoss, build_policy_loss, validate_algo
 from molt.config import parse_settings
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 from services.gateway.config import GatewaySettings
 from services.trainer.config import TrainerSettings
 
@@ -81,7 +82,7 @@ def test_rescoring_gives_the_pods_one_position_more_than_the_sessions():
     ):
         r = tr.route(BASE + order, "helm")
         assert r.rollout[-2:] == ["--vllm.max_model_len", "513"]
-        assert tr.helm_values(r, {})["gateway"]["extraArgs"][-2:] == ["--session.max_length", "512"]
+        assert trh.helm_values(r, {})["gateway"]["extraArgs"][-2:] == ["--session.max_length", "512"]
         assert gateway_context_args(r.rollout, r.gateway) == ["--session.max_length", "512"]
     r = tr.route(BASE + ["--data.max_len", "512", "--no-rollout.rescore_logprobs"], "helm")
     assert r.rollout[-2:] == ["--vllm.max_model_len", "512"]

@@ -12,8 +12,10 @@ import pytest
 
 from molt.config import parse_settings
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 from services.rollout.config import RolloutSettings
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 
 COMMON = (
     "--actor.model_name_or_path /models/policy --data.input_key prompt --data.apply_chat_template "
@@ -80,7 +82,7 @@ def test_newer_molt_scripts_route_and_each_service_accepts_its_part(script):
     )
     validate_settings(trainer)
     parse_settings(RolloutSettings, r.rollout, prog="rollout")
-    tr.helm_values(r)
+    trh.helm_values(r)
 
 
 def test_flash_reinforce_reaches_the_trainer_as_molt_composes_it():
@@ -236,7 +238,7 @@ def test_vllm_compilation_config_reaches_the_pods_as_an_object(capsys):
     env = {"MOLT_VLLM__COMPILATION_CONFIG": '{"mode": 0}'}
     assert parse_settings(RolloutSettings, [], prog="rollout", environ=env).vllm.compilation_config == {"mode": 0}
     helm = ["--actor.model_name_or_path", "/m", "--train.agent_path", "/a.py", "--vllm.compilation_config", cc]
-    values = tr.helm_values(tr.route(helm, "helm"))
+    values = trh.helm_values(tr.route(helm, "helm"))
     assert values["rollout"]["extraArgs"][-2:] == ["--vllm.compilation_config", cc]
     assert RolloutSettings.model_validate({"vllm": {"compilation_config": {"mode": 0}}}).vllm.compilation_config
     for bad, why in (("{mode: 0}", "not JSON"), ("[1, 2]", "must be a JSON object")):
@@ -345,6 +347,6 @@ def test_a_later_slurm_launcher_routes_to_helm_and_each_service_accepts_its_part
     trainer = parse_settings(TrainerSettings, r.trainer + ["--envs.urls", "http://envs:8002"], environ={})
     validate_settings(trainer)
     pods = parse_settings(RolloutSettings, r.rollout, prog="rollout")
-    values = tr.helm_values(r)
+    values = trh.helm_values(r)
     assert trainer.fsdp.tp_size == 2 and trainer.actor.freeze_visual_encoder and trainer.actor.optim == "adam"
     assert pods.vllm.tensor_parallel_size == 2 and values["rollout"]["replicas"] == 4

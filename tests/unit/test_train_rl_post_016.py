@@ -7,6 +7,7 @@ import pytest
 
 from molt.config import parse_settings
 from molt.stack import train_rl as tr
+from molt.stack import train_rl_helm as trh
 from services.gateway.config import GatewaySettings
 from services.trainer.config import TrainerSettings
 
@@ -51,7 +52,7 @@ def test_chat_template_kwargs_become_the_gateways_defaults():
     assert "--data.chat_template_kwargs" not in r.trainer
     gw = parse_settings(GatewaySettings, r.gateway, prog="gateway")
     assert gw.gateway.default_chat_template_kwargs == {"enable_thinking": False}
-    assert tr.helm_values(r)["gateway"]["extraArgs"] == r.gateway
+    assert trh.helm_values(r)["gateway"]["extraArgs"] == r.gateway
 
 
 def test_score_centering_takes_the_gateways_top_logprobs_and_is_refused_without():

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from molt.config import parse_settings
-from services.trainer.config import (
-    TrainerSettings,
-    max_versions_ahead,
-    needs_critic,
-    needs_reference,
-    validate_settings,
-)
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings, max_versions_ahead, needs_critic, needs_reference
 
 BASE = ["--actor.model_name_or_path", "m", "--train.dispatch", "false"]
 

@@ -97,7 +97,7 @@ def test_bf16_master_weights_are_refused_off_nemo_and_on_this_cpu_machine(tmp_pa
 
 
 def test_sequence_parallel_reaches_nemos_tp_plan_and_needs_tp():
-    from services.trainer.config import validate_settings
+    from services.trainer.checks import validate_settings
 
     flags = ["--fsdp.tp_size", "2", "--fsdp.sequence_parallel"]
     assert _fsdp(*flags).sequence_parallel

@@ -17,7 +17,8 @@ from molt.bus.memory import MemoryTrajectoryQueue
 from molt.config import parse_settings
 from molt.schema import Segment, Trajectory, decode
 from services.trainer.batch import collate, padding_sample, samples_from_trajectory
-from services.trainer.config import TrainerSettings, validate_settings
+from services.trainer.checks import validate_settings
+from services.trainer.config import TrainerSettings
 from services.trainer.learner import Learner
 from services.trainer.model import DistInfo, full_state_dict
 from services.trainer.packing import logprobs_entropy_and_head
