@@ -24,6 +24,7 @@ ends, the runner then awaits ``env.close()`` (Molt's hook: what the env started 
 from __future__ import annotations
 
 import abc
+import asyncio
 import copy
 import inspect
 import logging
@@ -245,12 +246,35 @@ def _first_observation(first: Any, where: str) -> str | list[dict[str, Any]]:
     return obs
 
 
+CLOSE_WAIT_S = 20.0
+"""How long the episode's answer waits for an async ``close()``: past it the close goes on in the background
+(what it releases is still released) and the answer leaves, so a slow close never holds the episode past the
+worker's bounds, which the trainer waits out."""
+_CLOSING: set[asyncio.Future] = set()  # closes let go of, held here until done (the loop keeps tasks weakly)
+
+
 async def _close(env: Env) -> None:
     """``env.close()``, async or plain def. Its failure is logged, not raised: the episode's own outcome,
     already decided, stands, and an exception the episode raised is not masked."""
+    name = type(env).__name__
     try:
         done = env.close()
         if inspect.isawaitable(done):
-            await done
+            closing = asyncio.ensure_future(done)
+            try:
+                await asyncio.wait_for(asyncio.shield(closing), CLOSE_WAIT_S)
+            except TimeoutError:
+                log.warning(
+                    "%s.close still running after %g s; the episode ends without waiting for it", name, CLOSE_WAIT_S
+                )
+                _CLOSING.add(closing)
+                closing.add_done_callback(lambda task: _close_failed(name, task))
     except Exception:  # any failure of user code while releasing
-        log.warning("%s.close failed", type(env).__name__, exc_info=True)
+        log.warning("%s.close failed", name, exc_info=True)
+
+
+def _close_failed(name: str, task: asyncio.Future) -> None:
+    """A close that finished in the background: its failure logged as a waited-for one's is."""
+    _CLOSING.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s.close failed", name, exc_info=task.exception())

@@ -21,6 +21,9 @@ import httpx
 from molt.schema import check_reward
 
 log = logging.getLogger(__name__)
+FINISH_ATTEMPT_FLOOR_S = 20.0
+"""The shortest a finish attempt may take, however little of ``finish_retry_s`` is left: a write under way is
+not cut the moment the budget ends."""
 
 
 class GatewayError(RuntimeError):
@@ -116,8 +119,11 @@ class Session:
         deadline = time.monotonic() + self._client.finish_retry_s
         delay = 0.25
         while True:
+            # Each attempt ends with the retry budget (and FINISH_ATTEMPT_FLOOR_S past it at most), so a finish
+            # is bounded by finish_retry_s, which the env worker reports and the trainer waits out.
+            attempt_s = max(deadline - time.monotonic(), FINISH_ATTEMPT_FLOOR_S)
             try:
-                self.finished = await self._client.request("POST", path, body)
+                self.finished = await self._client.request("POST", path, body, timeout_s=attempt_s)
                 return self.finished
             except (GatewayError, httpx.TransportError) as err:
                 status = getattr(err, "status", None)
@@ -173,8 +179,14 @@ class GatewayClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
         )
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        resp = await self._http.request(method, path, json=body)
+    async def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """One call; ``timeout_s`` caps this call's read below the client's timeout."""
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if timeout_s is not None and timeout_s < (self._http.timeout.read or float("inf")):
+            timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._http.timeout.connect or timeout_s))
+        resp = await self._http.request(method, path, json=body, timeout=timeout)
         if resp.status_code >= 400:
             retry = resp.headers.get("retry-after", "")
             raise GatewayError(

@@ -70,6 +70,10 @@ class EngineSession:
         self.images += [from_data_url(url, f"images[{i}]") for i, url in enumerate(images or [])]
         sp = copy.deepcopy(self.gw.params)  # the caller's object, with this turn's values
         for k, v in (sampling_params or {}).items():
+            if k == "structured_outputs":  # the wire's dict of its one constraint; vLLM reads its own object
+                from vllm.sampling_params import StructuredOutputsParams
+
+                v = StructuredOutputsParams(**v)
             setattr(sp, k, v)
         sp.max_tokens = min(sp.max_tokens or remaining, remaining)
         output, _off_policy = await self.gw.engine.generate(

@@ -231,8 +231,9 @@ class EnvsConfig(Section):
     """Cap of that wait."""
     timeout_s: float | None = Field(None, gt=0.0)
     """HTTP timeout of one episode. Unset: each env worker's --envs.episode_timeout_s + --envs.finish_retry_s (read
-    from its /readyz) + 60 s (960 for one that reports none). A value below a worker's is raised to it with a
-    warning: cut off first, an episode still finishing is run again (its work lost, a second trajectory dropped)."""
+    from its /readyz) + 60 s (one that reports none: the longest another reported, else 960). A value below a
+    worker's is raised to it with a warning: cut off first, an episode still finishing is run again (its work
+    lost, a second trajectory dropped)."""
 
 
 class DataConfig(Section):

@@ -47,6 +47,7 @@ READY_POLL_S, READY_PROBE_TIMEOUT_S = 0.5, 5.0  # start-up wait for the env work
 EPISODE_MARGIN_S = 60.0
 # The episode timeout for workers that report no limits on /readyz: their defaults (600 + 300) plus the margin.
 FALLBACK_TIMEOUT_S = 960.0
+CONNECT_TIMEOUT_S = 10.0
 # Columns that hold the answer in common RL datasets (GSM8K, MATH, Molt's examples, verl's parquet).
 LABEL_LIKE = frozenset({"answer", "label", "solution", "ground_truth", "reward_model"})
 
@@ -211,8 +212,12 @@ class EpisodeDispatcher:
         self.max_len = max_len
         self.inflight = {url.rstrip("/"): 0 for url in envs_cfg.urls}
         # Env workers guarded by the service token (MOLT_INTERNAL_TOKEN) need it on every episode.
+        # No pool cap of httpx's own (100): ``slots`` bounds the episodes in flight, which may be more, and one
+        # waiting for a pooled connection would time out as if its worker were down.
         self.client = httpx.AsyncClient(
-            timeout=envs_cfg.timeout_s or FALLBACK_TIMEOUT_S, headers=bearer_headers(internal_token_from_env())
+            timeout=envs_cfg.timeout_s or FALLBACK_TIMEOUT_S,
+            headers=bearer_headers(internal_token_from_env()),
+            limits=httpx.Limits(max_connections=None),
         )
         self.worker_limits: dict[str, float] = {}
         """Per worker URL, the longest episode its /readyz reported (``worker_limit_s``)."""
@@ -313,7 +318,9 @@ class EpisodeDispatcher:
             timeout_s = self.episode_timeout_s(url)
             try:
                 async with self.slots:
-                    resp = await self.client.post(url + "/v1/episodes:run", json=body, timeout=timeout_s)
+                    # A worker that does not accept the connection is down (an outage), however long episodes run.
+                    timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
+                    resp = await self.client.post(url + "/v1/episodes:run", json=body, timeout=timeout)
             except httpx.TimeoutException as exc:  # the episode outlived episode_timeout_s(url)
                 error = (
                     f"{type(exc).__name__}: no answer within {timeout_s:g} s (the episode timeout, --envs.timeout_s)"

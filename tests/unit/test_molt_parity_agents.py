@@ -98,6 +98,32 @@ def test_in_process_trajectory_holds_tokens_text_ranges_and_logprobs():
     assert (traj.reward, traj.prompt, traj.label, traj.truncated) == (2.0, "P:", "lab", False)
 
 
+def test_in_process_a_grammar_an_env_hands_back_reaches_the_engine_as_vllms_own_object():
+    """An Env's vLLM SamplingParams with a StructuredOutputsParams travels as its one constraint; the in-process
+    engine gets vLLM's object back (its request checks read the object's own fields)."""
+    vllm_sampling = pytest.importorskip("vllm.sampling_params")
+    seen = []
+
+    class Recording(_ScriptedEngine):
+        async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, session_id=None):
+            seen.append(sampling_params.structured_outputs)
+            return await super().generate(prompt_token_ids, sampling_params, multi_modal_data, session_id)
+
+    class Constraining(Env):
+        async def step(self, state):
+            if seen[-1] is not None:
+                return Result(reward=1.0, terminated=True)
+            grammar = vllm_sampling.StructuredOutputsParams(choice=["ab", "cd"])
+            sp = vllm_sampling.SamplingParams(max_tokens=4, structured_outputs=grammar)
+            return Result(reward=0.0, observation=".", terminated=False, sampling_params=sp)
+
+    params = vllm_sampling.SamplingParams(max_tokens=8)
+    engine = Recording(["ab", "cd"])
+    asyncio.run(StepEnvRunner(Constraining).execute("P:", "", params, 64, _CharTokenizer(), engine))
+    assert seen[0] is None
+    assert isinstance(seen[1], vllm_sampling.StructuredOutputsParams) and seen[1].choice == ["ab", "cd"]
+
+
 class _RewardEveryTurnEnv(Env):
     last_score = None
 
