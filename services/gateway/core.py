@@ -1,11 +1,10 @@
-"""The transport-agnostic gateway core: a session's turns (chat, tokens, completions) and session-less requests,
-with pod failover, stop strings and parsing of the reply. Sessions themselves (open, finish, drain, hand off)
-are the base class in lifecycle.py."""
+"""The transport-agnostic gateway core: a session's turns (chat, tokens, completions) and session-less requests.
+One generation (the pod call with failover, stop strings, the reply parsed) is generation.py's; sessions
+themselves (open, finish, drain, hand off) are the base class in lifecycle.py."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -21,183 +20,21 @@ from services.gateway.chat import (
     canonical_tools,
     data_url_part,
     message_images,
-    parse_tool_calls,
     request_key,
 )
 from services.gateway.errors import ContextLengthExceeded, GatewayError
+from services.gateway.generation import apply_stop, generate_with_failover, turn_result, turn_sampling
 from services.gateway.lifecycle import SessionLifecycle
-from services.gateway.pods import Generation, Pod, PodFailed
+from services.gateway.pods import Generation, PodFailed
 from services.gateway.rescore import plain_sampling
 from services.gateway.session import Session, TurnResult
-from services.gateway.thinking import split_reasoning, think_opened
+from services.gateway.thinking import think_opened
 
 log = logging.getLogger("molt.gateway")
-
-# Sampling keys a request may set per turn (anything else in a session's params is passed through too).
-TURN_KEYS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "stop_token_ids",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "top_logprobs",
-    "logit_bias",
-    "structured_outputs",
-)
 
 
 class Gateway(SessionLifecycle):
     """A gateway replica: the session lifecycle it inherits, and the turns that run inside a session."""
-
-    def _sampling(self, s: Session | None, overrides: dict, remaining: int) -> dict:
-        sp = dict(s.sampling_params if s else self.default_sampling)
-        for k in TURN_KEYS:
-            if overrides.get(k) is not None:
-                sp[k] = overrides[k]
-        sp["max_tokens"] = max(1, min(int(sp.get("max_tokens") or remaining), remaining))
-        if sp.get("min_tokens"):  # as Molt: a cap on the room left lowers min_tokens too, else the pod refuses
-            sp["min_tokens"] = min(int(sp["min_tokens"]), sp["max_tokens"])
-        sp["n"] = int(overrides.get("n") or 1)
-        sp.pop("stop", None)
-        return sp
-
-    async def _generate(
-        self,
-        s: Session,
-        prompt_ids: list[int],
-        sp: dict,
-        on_tokens: Callable[[list[int], list[float]], None] | None = None,
-        images: list[str] | None = None,
-    ) -> tuple[Generation, list[dict]]:
-        """Generate on the session's pod, moving to another pod (same exact prefix) when it fails. A streamed
-        turn (``on_tokens``) whose pod fails after its client saw tokens fails instead: another pod would sample
-        other tokens than the ones shown. Nothing is committed; the client sends the turn again."""
-        events: list[dict] = []
-        tried: set[str] = set()
-        shown = [0]
-        if on_tokens is not None:
-            client_tokens = on_tokens
-
-            def on_tokens(ids: list[int], logprobs: list[float]) -> None:
-                shown[0] += len(ids)
-                client_tokens(ids, logprobs)
-
-        # The session's pod; None for a first turn, or a pod this replica does not know (the session was adopted
-        # from a replica with other pods): the turn then moves, recorded as a pod switch.
-        current: Pod | None = self.pool.pods.get(s.pod) if s.pod else None
-        while True:
-            pod = current if current is not None and current.healthy and current.url not in tried else None
-            if pod is None:
-                pod = self.pool.pick(exclude=tried)
-                if s.pod and s.pod != pod.url:
-                    events.append(
-                        {
-                            "kind": "pod_switch",
-                            "from": s.pod,
-                            "to": pod.url,
-                            "at_token": len(prompt_ids),
-                            "segment": max(len(s.capture.segments) - 1, 0),
-                            "turn": s.turns,
-                            "reason": current.last_error
-                            if current is not None
-                            else "the pod is not one of this gateway replica's",
-                            "time": time.time(),
-                        }
-                    )
-                    self.metrics["molt_gateway_pod_failovers_total"].labels(s.pod).inc()
-            try:
-                gens = await self.pool.generate(pod, prompt_ids, sp, on_tokens, images)
-            except PodFailed as exc:
-                if shown[0]:
-                    raise GatewayError(
-                        502,
-                        f"{exc} after streaming {shown[0]} tokens; nothing of this turn was recorded: send it again",
-                        code="pod_failed",
-                    ) from None
-                log.warning("session %s: %s; trying another pod", s.id, exc)
-                tried.add(pod.url)
-                continue
-            if s.pod != pod.url:
-                if not s.pod:  # the first pod: the trainer labels this trajectory's mismatch KL with it
-                    events.append({"kind": "pod", "pod": pod.url, "at_token": 0, "segment": 0, "time": time.time()})
-                elif s.pod in self.pool.pods:
-                    self.pool.get(s.pod).sessions -= 1
-                pod.sessions += 1
-                s.pod = pod.url
-            return gens[0], events
-
-    def _apply_stop(self, gen: Generation, stop: list[str] | None) -> Generation:
-        """Stop strings, applied here (the pod takes token ids only): keep the tokens up to the one that
-        completes the first stop string. What is recorded stays a prefix of what the pod sampled."""
-        if not stop or not gen.token_ids:
-            return gen
-        text = ""
-        for i, tok in enumerate(gen.token_ids):
-            text += self.model.decode([tok], skip_special=True)
-            if any(s and s in text for s in stop):
-                if i + 1 < len(gen.token_ids):
-                    gen = dataclasses.replace(
-                        gen, token_ids=gen.token_ids[: i + 1], logprobs=gen.logprobs[: i + 1], finish_reason="stop"
-                    )
-                    gen.extra["stop_string"] = True
-                else:
-                    gen.finish_reason = "stop"
-                    gen.extra["stop_string"] = True
-                break
-        return gen
-
-    def _result(
-        self,
-        gen: Generation,
-        prompt_tokens: int,
-        num_tokens: int,
-        remaining: int,
-        stop: list[str] | None = None,
-        *,
-        tools: bool = False,
-        as_generated: bool = False,
-        opened: bool = False,
-    ) -> TurnResult:
-        """``tools``: the request offered tools, so ``<tool_call>`` blocks become tool calls (as vLLM parses only
-        then); ``as_generated``: a "raw" session's turn, its text as generated (Session.replies); ``opened``: the
-        prompt opened a think block (thinking.think_opened), so the reply starts as reasoning."""
-        text = self.model.decode(gen.token_ids, skip_special=True)
-        raw = self.model.decode(gen.token_ids, skip_special=False)
-        matched = None
-        if gen.extra.get("stop_string") and stop:
-            cut, matched = min(((text.find(s), s) for s in stop if s and s in text), default=(-1, None))
-            text = text[:cut] if cut >= 0 else text
-        split = (self.model.thinks or opened) and not as_generated
-        reasoning, answer = split_reasoning(text, opened) if split else ("", text)
-        content, calls = parse_tool_calls(answer) if tools and not as_generated else (answer, [])
-        finish = gen.finish_reason
-        if calls and finish == "stop":
-            finish = "tool_calls"
-        return TurnResult(
-            gen.token_ids,
-            gen.logprobs,
-            finish,
-            gen.policy_version,
-            text,
-            raw,
-            content,
-            calls,
-            prompt_tokens,
-            num_tokens,
-            remaining,
-            gen.wait_s,
-            stop_sequence=matched,
-            reasoning=reasoning,
-            top_logprobs=gen.extra.get("top_logprobs"),
-        )
 
     async def chat_turn(
         self,
@@ -255,7 +92,8 @@ class Gateway(SessionLifecycle):
                 seg = s.capture.commit(plan, fitted, events, self.settings.rollout.top_logprobs)
                 n = len(seg.token_ids)
                 raw = s.replies == "raw"
-                result = self._result(
+                result = turn_result(
+                    self.model,
                     fitted,
                     plan.num_tokens,
                     n,
@@ -311,11 +149,13 @@ class Gateway(SessionLifecycle):
             remaining = s.capture.check_room(plan, hard)
             if remaining <= 0:
                 return None
-            sp = self._sampling(s, overrides, remaining)
+            sp = turn_sampling(s.sampling_params, overrides, remaining)
             if top_k:  # the capture records the top-k; the client's answer keeps only what it asked for
                 sp["top_logprobs"] = max(int(sp.get("top_logprobs") or 0), top_k)
             try:
-                gen, more = await self._generate(s, plan.prompt_ids, sp, push, plan.image_files)
+                gen, more = await generate_with_failover(
+                    self.pool, self.metrics, s, plan.prompt_ids, sp, push, plan.image_files
+                )
             except GatewayError as exc:
                 length = expanded_prompt_length(str(exc)) if exc.code == "context_length_exceeded" else None
                 if not plan.images or length is None:
@@ -325,7 +165,7 @@ class Gateway(SessionLifecycle):
             if self.settings.rollout.rescore_logprobs:  # the capture records it per segment (rescore.py)
                 gen.extra["plain"] = plain_sampling(sp)
             events.extend(more)
-            stopped = self._apply_stop(gen, stop)
+            stopped = apply_stop(self.model, gen, stop)
             fitted = s.capture.fit(model, plan, stopped, hard)
             if on_tokens is not None and fitted is not stopped:
                 # The client saw tokens past what fits (its images expanded further than estimated): nothing is
@@ -507,7 +347,7 @@ class Gateway(SessionLifecycle):
             gen = fitted
             seg = s.capture.commit(plan, gen, events, self.settings.rollout.top_logprobs)
             n = len(seg.token_ids)
-            result = self._result(gen, plan.num_tokens, n, s.capture.remaining(n), stop, as_generated=True)
+            result = turn_result(self.model, gen, plan.num_tokens, n, s.capture.remaining(n), stop, as_generated=True)
             if isinstance(prompt, str):
                 s.capture.completion_text = prompt + result.text
             self._after_turn(s, plan, None, result)
@@ -543,7 +383,7 @@ class Gateway(SessionLifecycle):
         opened: bool = False,
     ) -> list[TurnResult]:
         """Session-less request: nothing captured; any healthy pod, failing over between pods. ``images``: the
-        request's image parts in order (chat.message_images); ``opened``: as ``_result``'s."""
+        request's image parts in order (chat.message_images); ``opened``: as ``turn_result``'s."""
         self._refuse_images(images)
         files = [p["data"] for p in images or []]
         limit = self.default_max_length - len(prompt_ids)
@@ -551,7 +391,7 @@ class Gateway(SessionLifecycle):
             raise ContextLengthExceeded(
                 len(prompt_ids), self.default_max_length, "the gateway's --session.max_length", "shorten the prompt"
             )
-        sp = self._sampling(None, overrides, limit)
+        sp = turn_sampling(self.default_sampling, overrides, limit)
         tried: set[str] = set()
         while True:
             pod = self.pool.pick(exclude=tried)
@@ -561,10 +401,12 @@ class Gateway(SessionLifecycle):
             except PodFailed:
                 tried.add(pod.url)
         stop = overrides.get("stop")
-        gens = [self._apply_stop(g, stop) for g in gens]
+        gens = [apply_stop(self.model, g, stop) for g in gens]
         n = len(prompt_ids)
         return [
-            self._result(g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools, opened=opened)
+            turn_result(
+                self.model, g, n, n + len(g.token_ids), limit - len(g.token_ids), stop, tools=tools, opened=opened
+            )
             for g in gens
         ]
 

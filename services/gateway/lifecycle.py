@@ -1,25 +1,24 @@
 """The session lifecycle of a gateway replica: open, look up, renew, abort, finish into the stream, expire;
-draining on SIGTERM, parking open sessions for another replica and adopting them (handoff.py). The turns
-that run inside a session are the subclass in core.py."""
+draining on SIGTERM, parking open sessions for another replica and adopting them (handoff.py). A finish's
+trajectory and its write are finish.py's; the turns that run inside a session are the subclass in core.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
-from molt.bus import QueueFull, QueueUnavailable, TrajectoryQueue
+from molt.bus import TrajectoryQueue
 from molt.metrics import Metrics
-from molt.schema import Provenance, SchemaError, Trajectory, check_reward, encode_many
+from molt.schema import Trajectory
 from services.gateway import sampling
 from services.gateway.capture import Capture
 from services.gateway.chat import ChatModel, bad_request
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import GatewayError, UnreadableParkedSession
+from services.gateway.finish import build_trajectory, read_outcome, write_batch
 from services.gateway.handoff import SessionHandoff
 from services.gateway.limits import OpenSessions
 from services.gateway.pods import PodPool
@@ -27,14 +26,6 @@ from services.gateway.rescore import rescore
 from services.gateway.session import CONTEXT_FULL, REPLIES, Session
 
 log = logging.getLogger("molt.gateway")
-
-
-def _finite(x: Any, name: str, optional: bool = False) -> float | None:
-    if x is None and optional:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise bad_request(f"'{name}' must be a finite number, got {x!r}", name)
-    return float(x)
 
 
 class SessionLifecycle:
@@ -374,57 +365,6 @@ class SessionLifecycle:
 
     # ---- finishing
 
-    def _trajectory(
-        self, s: Session, reward: float, score: float | None, info: dict, truncated: bool
-    ) -> Trajectory | None:
-        segments = s.capture.trainable_segments()
-        if not segments:
-            return None
-        versions = [v for seg in s.capture.segments for v in seg.versions]
-        return Trajectory(
-            trajectory_id=s.id,
-            group_id=s.group_id,
-            sample_index=s.sample_index,
-            segments=segments,
-            reward=reward,
-            score=score,
-            info=info,
-            # Cut by the length limit here, or truncated by the env or agent (the runner says so at finish).
-            status="truncated" if truncated or any(seg.truncated for seg in s.capture.segments) else "completed",
-            provenance=Provenance(
-                model=self.settings.served_model_name + ":" + str(self.model.path),
-                weight_version=max(versions),
-                tokenizer_hash=self.model.tokenizer_hash,
-                chat_template_hash=self.model.chat_template_hash,
-                sampling_params=s.sampling_params,
-                env_name=s.env_name,
-                env_version=s.env_version,
-            ),
-            events=list(s.capture.events),
-            images=s.capture.trainable_images(),
-        )
-
-    @staticmethod
-    def _outcome(body: dict) -> tuple[float, float | None, dict, bool]:
-        if not isinstance(body, dict):
-            raise bad_request("expected an object {reward, score?, info?, truncated?}")
-        try:  # bounded, not only finite: advantages are computed in float32 (molt.schema.MAX_ABS_REWARD)
-            reward = check_reward(body.get("reward"), "reward")
-            score = None if body.get("score") is None else check_reward(body["score"], "score")
-        except SchemaError as exc:
-            raise bad_request(str(exc), exc.field) from None
-        info = body.get("info") or {}
-        if not isinstance(info, dict):
-            raise bad_request("'info' must be an object of numbers", "info")
-        for k, v in info.items():
-            _finite(v, f"info.{k}")
-        truncated = body.get("truncated")
-        if truncated is None:
-            truncated = False
-        elif not isinstance(truncated, bool):
-            raise bad_request("'truncated' must be true or false", "truncated")
-        return reward, score, {k: float(v) for k, v in info.items()}, truncated
-
     async def finish(self, sid: str, owner: str | None, body: dict) -> dict:
         return (await self.finish_many([dict(body, session_id=sid)], owner, raise_single=True))[0]
 
@@ -441,7 +381,7 @@ class SessionLifecycle:
                         raise bad_request("each episode needs a 'session_id' string", "session_id")
                     s = await self.session(sid, owner, open_only=False)
                     if s.state == "open":
-                        reward, score, info, truncated = self._outcome(item)
+                        reward, score, info, truncated = read_outcome(item)
                         if sid in locked:
                             raise bad_request(f"session {sid} appears twice in one call", "session_id")
                         await s.lock.acquire()
@@ -456,7 +396,10 @@ class SessionLifecycle:
                             409, f"session {sid} is {s.state}; nothing to finish", code="session_closed"
                         )
                     s.finishing = asyncio.Event()
-                    todo.append((i, s, self._trajectory(s, reward, score, info, truncated)))
+                    t = build_trajectory(
+                        s, reward, score, info, truncated, self.settings.served_model_name, self.model
+                    )
+                    todo.append((i, s, t))
                 except GatewayError as exc:
                     if raise_single:
                         raise
@@ -467,24 +410,10 @@ class SessionLifecycle:
                     }
             if self.settings.rollout.rescore_logprobs:  # a retried finish rebuilds and rescores its trajectories
                 await rescore(self.pool, self.metrics, [(s, t) for _, s, t in todo if t is not None])
-            trajs = [t for _, _, t in todo if t is not None]
-            entry_ids: list[str] = []
-            if trajs:
-                payloads = encode_many(trajs)  # once: the bytes written and their size
-                entry_ids = await self._write(payloads, [t.trajectory_id for t in trajs])
-                self.metrics["molt_gateway_trajectories_written_total"].inc(len(trajs))
-                self.metrics["molt_gateway_trajectory_bytes_total"].inc(sum(map(len, payloads)))
-            it = iter(entry_ids)
-            for i, s, t in todo:
-                res: dict[str, Any] = {"session_id": s.id, "trajectory_id": s.id, "written": t is not None}
-                if t is None:
-                    res["reason"] = "the session generated no tokens; nothing was written"
-                else:
-                    entry_id = next(it)
-                    if entry_id:  # "": an earlier attempt whose answer was lost had written it
-                        res["entry_id"] = entry_id
-                    res["segments"] = len(t.segments)
-                    res["action_tokens"] = t.num_action_tokens
+            written = await write_batch(
+                self.queue, self.metrics, self.settings.session, [(s.id, t) for _, s, t in todo]
+            )
+            for (i, s, t), res in zip(todo, written):
                 s.result = res
                 self._close(s, "finished", "written" if t is not None else "empty")
                 s.capture.segments = []  # free the tokens; the result stays for repeated finishes
@@ -498,58 +427,7 @@ class SessionLifecycle:
         await self.release_closed()
         return [r for r in results if r is not None]
 
-    async def _write(self, payloads: list[bytes], trajectory_ids: list[str]) -> list[str]:
-        """Write finished trajectories, waiting up to ``--session.finish_wait_s`` for Redis to come back (or the
-        trainer to drain a full stream). Each is written once however often this is retried (``put_once``). Still
-        failing: 503 + Retry-After, and the sessions stay open with their trajectories for the caller's retry."""
-        cfg = self.settings.session
-        deadline = time.monotonic() + cfg.finish_wait_s
-        delay = 0.05
-        while True:
-            try:
-                return await self.queue.put_once(
-                    payloads, trajectory_ids, cfg.finished_keep_s, timeout_s=max(0.0, deadline - time.monotonic())
-                )
-            except (QueueUnavailable, QueueFull) as exc:
-                self.metrics["molt_gateway_write_retries_total"].inc()
-                if time.monotonic() + delay > deadline:
-                    log.warning(
-                        "could not write %d finished trajectories: %s; answered 503, the sessions stay "
-                        "open for the retry",
-                        len(payloads),
-                        exc,
-                    )
-                    raise GatewayError(
-                        503,
-                        f"cannot write the trajectory now ({exc}); nothing is lost: the session "
-                        "stays open, finish it again",
-                        code="queue_unavailable",
-                        retry_after_s=1,
-                    ) from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
     # ---- housekeeping
-
-    async def queue_reachable(self, timeout_s: float = 1.0) -> bool:
-        """Whether the trajectory stream's Redis answers now (a finish could be written)."""
-        try:
-            await asyncio.wait_for(self.queue.lag(), timeout_s)
-            return True
-        except Exception:  # noqa: BLE001 - unreachable, slow, or loading: not ready either way
-            return False
-
-    async def refresh_queue_metrics(self) -> None:
-        try:
-            lag = await asyncio.wait_for(self.queue.lag(), timeout=2.0)
-        except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is slow; the gauges just go stale
-            log.warning("queue lag unavailable: %s", exc)
-            return
-        stream = self.queue.stream
-        self.metrics["molt_queue_length_entries"].labels(stream).set(lag.length)
-        self.metrics["molt_queue_pending_entries"].labels(stream).set(lag.pending)
-        self.metrics["molt_queue_undelivered_entries"].labels(stream).set(lag.undelivered)
-        self.metrics["molt_queue_oldest_unacked_age_seconds"].labels(stream).set(lag.oldest_unacked_age_s)
 
     def reap(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now

@@ -2,8 +2,8 @@
 
 A session sticks to the pod of its first turn. When a call fails at the transport level (connection
 refused or reset, timeout, 5xx, a malformed answer), the pod is marked unhealthy until its next good
-probe and the caller (``core``) resends the session's exact token prefix to another pod. A 4xx from a
-pod is the request's fault and is surfaced as a 400, never retried elsewhere.
+probe and the caller (``generation.generate_with_failover``) resends the session's exact token prefix to
+another pod. A 4xx from a pod is the request's fault and is surfaced as a 400, never retried elsewhere.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from services.gateway import sampling, surface, tool_choice
 from services.gateway.chat import bad_request, new_id
 from services.gateway.core import Gateway, TurnResult, render_request, resolve_future
 from services.gateway.errors import GatewayError
+from services.gateway.finish import queue_reachable, refresh_queue_metrics
 from services.gateway.image_fetch import ImageFetcher
 from services.gateway.replicas import FORWARDED, Replicas, session_of
 from services.gateway.session import Session
@@ -240,7 +241,7 @@ class Handlers:
         # per-pod state is in /metrics and the gateway's log).
         pods = self.gw.pool.pods.values()
         healthy = sum(p.healthy for p in pods)
-        redis = await self.gw.queue_reachable()
+        redis = await queue_reachable(self.gw.queue)
         ready = healthy > 0 and self.gw.drain_deadline is None and redis
         body = {
             "ready": ready,
@@ -254,7 +255,7 @@ class Handlers:
         )
 
     async def metrics(self, request: Request) -> Response:
-        await self.gw.refresh_queue_metrics()
+        await refresh_queue_metrics(self.gw.queue, self.gw.metrics)
         body, ctype = self.gw.metrics.render()
         return Response(body, media_type=ctype)
 

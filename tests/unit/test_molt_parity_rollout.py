@@ -69,9 +69,9 @@ def test_min_tokens_above_max_tokens_is_refused_by_the_pod():
 
 
 def _gateway_sampling(session_params: dict, remaining: int) -> dict:
-    from services.gateway.core import Gateway
+    from services.gateway.generation import turn_sampling
 
-    return Gateway._sampling(NS(default_sampling={}), NS(sampling_params=session_params), {}, remaining)  # type: ignore[arg-type]
+    return turn_sampling(session_params, {}, remaining)
 
 
 def test_gateway_caps_max_tokens_at_the_context_left():
@@ -123,7 +123,7 @@ def test_generation_and_prompt_logprobs_are_those_of_the_actual_tokens():
 
 
 def test_a_sessions_turns_stay_on_its_pod_even_when_another_is_less_loaded():
-    from services.gateway.core import Gateway
+    from services.gateway.generation import generate_with_failover
     from services.gateway.pods import Generation, Pod
 
     busy, idle = Pod("http://a", inflight=9, sessions=9), Pod("http://b")
@@ -138,7 +138,7 @@ def test_a_sessions_turns_stay_on_its_pod_even_when_another_is_less_loaded():
     )
     session = NS(id="s", pod="http://a", capture=NS(segments=[]), turns=1)
     for _ in range(3):
-        asyncio.run(Gateway._generate(NS(pool=pool, metrics=None), session, [1, 2], {}))  # type: ignore[arg-type]
+        asyncio.run(generate_with_failover(pool, None, session, [1, 2], {}))  # type: ignore[arg-type]
     assert calls == ["http://a"] * 3 and session.pod == "http://a"
 
 
