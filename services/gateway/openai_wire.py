@@ -97,7 +97,8 @@ def parse_chat(body: dict) -> ChatRequest:
                 'one: send "add_generation_prompt": false with it (it defaults to true)',
                 "continue_final_message",
             )
-        check_prefill(messages, tools, overrides, "continue_final_message")
+        fmt = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        check_prefill(messages, tools, overrides, "continue_final_message", fmt)
         overrides["continue_final_message"] = True
     if not generation_prompt:
         overrides["add_generation_prompt"] = False

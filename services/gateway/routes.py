@@ -57,6 +57,11 @@ class TurnJSON(Response):
         ]
 
 
+def held_grammar(s: Session | None) -> dict | None:
+    """The ``structured_outputs`` a session was opened with (None: none, or a session-less request)."""
+    return s.sampling_params.get("structured_outputs") if s is not None else None
+
+
 def first_attempt(request: Request) -> bool:
     """Whether the client numbers this request as its first attempt: the OpenAI and Anthropic SDKs send
     ``x-stainless-retry-count`` (0, then 1, 2, ... on their retries). An identical request on a first attempt is
@@ -413,9 +418,10 @@ class Handlers:
         owner = self.owner(request)
         req = oa.parse_chat(await self.body(request))
         model = oa.reasoning_model(self.gw.model, req.overrides)
-        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
-        if sid is None:
+        s = await self.gw.session(sid, owner) if sid is not None else None
+        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        if s is None:
             results = await self.gw.plain_chat(model, req.messages, req.tools, req.overrides)
             request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
             if req.stream:
@@ -430,7 +436,6 @@ class Handlers:
                 )
             body = oa.chat_response(results, req, self.gw.model, self.model_name, self.reasoning_field)
             return TurnJSON(body, results[0].policy_version)
-        s = await self.gw.session(sid, owner)
         if req.stream:
             feed, ready, done = self.start_streamed(s, req.messages, req.tools, req.overrides, first_attempt(request))
             await ready
@@ -489,16 +494,16 @@ class Handlers:
         owner = self.owner(request)
         req = rw.parse_responses(await self.body(request))
         model = rw.reasoning_model(self.gw.model, req.overrides)
-        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
+        s = await self.gw.session(sid, owner) if sid is not None else None
+        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
         feed = None
         loop = asyncio.get_running_loop()
-        if sid is None:
+        if s is None:
             r = (await self.gw.plain_chat(model, req.messages, req.tools, req.overrides))[0]
             done = loop.create_future()
             done.set_result(r)
         else:
-            s = await self.gw.session(sid, owner)
             if not req.stream:
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s
@@ -522,16 +527,16 @@ class Handlers:
         owner = self.owner(request)
         req = an.parse_messages(await self.body(request))
         model = an.thinking_model(self.gw.model, req.overrides)
-        tool_choice.apply(model, req.messages, req.tools, req.overrides)
         sid = request.path_params.get("sid")
-        if sid is None:
+        s = await self.gw.session(sid, owner) if sid is not None else None
+        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        if s is None:
             r = (await self.gw.plain_chat(model, req.messages, req.tools, req.overrides))[0]
             ready, done = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
             feed = None
             ready.set_result(r.prompt_tokens)
             done.set_result(r)
         else:
-            s = await self.gw.session(sid, owner)
             if not req.stream:  # in this task, as in chat()
                 r = await self.gw.chat_turn(s, req.messages, req.tools, req.overrides, fresh=first_attempt(request))
                 request.scope["state"]["pod_wait_s"] = r.pod_wait_s

@@ -225,13 +225,27 @@ def strict_calls(model: ChatModel, messages: list[dict], tools: list[dict], stri
     return {"structural_tag": {"type": "structural_tag", "format": calls}}
 
 
-def apply(model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict) -> dict:
-    """``overrides`` with its ``tool_choice`` (a ToolChoice, from the wire) turned into the pod's constraint."""
+def apply(
+    model: ChatModel, messages: list[dict], tools: list[dict] | None, overrides: dict, held: dict | None = None
+) -> dict:
+    """``overrides`` with its ``tool_choice`` (a ToolChoice, from the wire) turned into the pod's constraint.
+    ``held``: the session's own ``structured_outputs`` (set when it was opened), this turn's unless the request
+    names one; folded in first, so the prefill and tool-choice rules read it as they read the request's."""
+    if held is not None and overrides.get("structured_outputs") is None:
+        if overrides.get("continue_final_message"):
+            raise bad_request(
+                "this session's structured_outputs (set when it was opened) cannot continue a final assistant "
+                "message (a prefill): it would constrain the continuation alone",
+                "sampling_params.structured_outputs",
+            )
+        overrides["structured_outputs"] = held
     choice = overrides.pop("tool_choice", None)
     if choice is None:
         return overrides
     structured = overrides.get("structured_outputs")
-    if structured is not None and tools and choice.mode == "auto":
+    # JSON or calls, as OpenAI answers a JSON format beside callable tools; any other grammar (a regex, a choice)
+    # constrains the whole reply, as vLLM applies it.
+    if structured is not None and tools and choice.mode == "auto" and {"json", "json_object"} & set(structured):
         either = json_or_calls(model, messages, tools, structured, choice.parallel)
         if either is not None:
             overrides["structured_outputs"] = either

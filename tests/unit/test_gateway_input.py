@@ -173,6 +173,35 @@ def test_a_sessions_bias_and_grammar_reach_the_pod_at_open_and_per_turn(model):
     assert second["logit_bias"] == {"7": 3.5} and second["structured_outputs"] == {"regex": "o+"}
 
 
+def test_a_grammar_a_session_was_opened_with_holds_for_its_chat_turns_and_refuses_a_prefill(model):
+    async def go():
+        settings = GatewaySettings.model_validate(
+            {"model": {"path": str(model.path)}, "rollout": {"urls": PODS}, "redis": {"url": "memory://"}}
+        )
+        pods = FakePods(PODS, lambda prompt, sp: model.encode("ok<|im_end|>"))
+        app = build_app(settings, transport=pods, model=model)
+        held = {"choice": ["ok", "no"]}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            sid = (await http.post("/v1/sessions", json={"sampling_params": {"structured_outputs": held}})).json()[
+                "session_id"
+            ]
+            turn = await http.post(f"/s/{sid}/v1/chat/completions", json={"messages": MESSAGES})
+            assert turn.status_code == 200, turn.text
+            prefill = [*MESSAGES, {"role": "assistant", "content": "o"}]
+            body = {"messages": prefill, "continue_final_message": True, "add_generation_prompt": False}
+            refused = await http.post(f"/s/{sid}/v1/chat/completions", json=body)
+            plain = await http.post("/v1/chat/completions", json={**body, "structured_outputs": {"regex": "k"}})
+        [(_, sp)] = pods.pods[PODS[0]].calls
+        return sp, refused, plain
+
+    sp, refused, plain = asyncio.run(go())
+    assert sp["structured_outputs"] == {"choice": ["ok", "no"]}
+    assert assert_openai_error(refused.status_code, refused.content, {400})["param"] == (
+        "sampling_params.structured_outputs"
+    )
+    assert assert_openai_error(plain.status_code, plain.content, {400})["param"] == "structured_outputs"
+
+
 def test_response_format_and_structured_outputs_together_are_a_400(model):
     body = encode(
         {"messages": MESSAGES, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}

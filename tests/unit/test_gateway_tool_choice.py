@@ -108,6 +108,29 @@ def test_a_response_format_beside_a_choice_that_forces_or_forbids_calls(model):
     assert pod_gets(tc.ToolChoice("none")) == {"structured_outputs": fmt}
 
 
+def test_a_grammar_other_than_json_beside_callable_tools_constrains_the_whole_reply(model):
+    """JSON or calls is OpenAI's answer to a JSON format; a regex or a choice is vLLM's structured_outputs, which
+    constrains the whole reply: it reaches the pod as sent, never swapped for any JSON object."""
+    for grammar in ({"regex": "[0-9]{3}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}):
+        for parallel in (True, False):
+            choice = tc.ToolChoice("auto", parallel=parallel)
+            out = tc.apply(model, ASK, FNS, {"structured_outputs": dict(grammar), "tool_choice": choice})
+            assert out == {"structured_outputs": grammar}
+
+
+def test_a_sessions_grammar_is_the_turns_unless_the_request_names_one(model):
+    held = {"choice": ["ok", "no"]}
+    assert tc.apply(model, ASK, None, {}, held) == {"structured_outputs": held}
+    own = {"regex": "o+"}
+    assert tc.apply(model, ASK, None, {"structured_outputs": own}, held) == {"structured_outputs": own}
+    # a forced call: the call's constraint, as beside a request's own format
+    forced = tc.apply(model, ASK, FNS, {"tool_choice": tc.ToolChoice("required")}, held)
+    assert forced == {"structured_outputs": tc.constraint(model, ASK, FNS, tc.ToolChoice("required"))}
+    with pytest.raises(GatewayError, match="cannot continue a final assistant message") as err:
+        tc.apply(model, ASK, None, {"continue_final_message": True}, held)
+    assert err.value.param == "sampling_params.structured_outputs"
+
+
 @pytest.mark.parametrize(
     "call, needle",
     [
