@@ -24,6 +24,7 @@ from services.gateway.pods import PodPool
 from services.gateway.replicas import Replicas
 from services.gateway.routes import Handlers, routes
 from services.gateway.transport import HttpTransport, PodTransport
+from services.gateway.wire_routes import WireHandlers, wire_routes
 
 
 def build_app(
@@ -109,7 +110,10 @@ def build_app(
         body_timeout_s=settings.server.body_timeout_s,
     )
     app = Starlette(
-        routes=routes(handlers), middleware=[edge], exception_handlers={HTTPException: http_error}, lifespan=lifespan
+        routes=routes(handlers) + wire_routes(WireHandlers(handlers)),
+        middleware=[edge],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
     )
     app.gateway = gw  # type: ignore[attr-defined]  # the core, for in-process callers (docstring above)
     return app

@@ -166,7 +166,7 @@ def test_credentials_are_compared_in_constant_time(monkeypatch):
     settings = SimpleNamespace(  # just what Handlers.__init__ reads
         auth=SimpleNamespace(api_keys=["k-one", KEY]),
         session=SimpleNamespace(max_body_bytes=1 << 20),
-        gateway=SimpleNamespace(fetch_images=False, reasoning_field="reasoning_content"),
+        gateway=SimpleNamespace(fetch_images=False),
         served_model_name="policy",
     )
     compared.clear()
