@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -19,7 +20,7 @@ from services.gateway import anthropic_wire as an
 from services.gateway import openai_wire as oa
 from services.gateway import responses_wire as rw
 from services.gateway import sampling, surface, tool_choice
-from services.gateway.chat import new_id
+from services.gateway.chat import ChatModel, new_id
 from services.gateway.core import TurnResult, render_request, resolve_future
 from services.gateway.routes import Handlers, TurnJSON
 from services.gateway.session import Session
@@ -89,15 +90,21 @@ class WireHandlers:
         done.add_done_callback(feed.close)
         return feed, ready, done
 
+    async def constrained(self, request: Request, owner: str | None, req: Any, model: ChatModel) -> Session | None:
+        """The turn's session (None: a session-less request), and the request's tool choice turned into the pod's
+        constraint over the grammar that session was opened with (``tool_choice.apply``)."""
+        sid = request.path_params.get("sid")
+        s = await self.gw.session(sid, owner) if sid is not None else None
+        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        return s
+
     # ---- OpenAI wire
 
     async def chat(self, request: Request) -> Response:
         owner = self.h.owner(request)
         req = oa.parse_chat(await self.h.body(request))
         model = oa.reasoning_model(self.gw.model, req.overrides)
-        sid = request.path_params.get("sid")
-        s = await self.gw.session(sid, owner) if sid is not None else None
-        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        s = await self.constrained(request, owner, req, model)
         if s is None:
             results = await self.gw.plain_chat(model, req.messages, req.tools, req.overrides)
             request.scope["state"]["pod_wait_s"] = results[0].pod_wait_s
@@ -171,9 +178,7 @@ class WireHandlers:
         owner = self.h.owner(request)
         req = rw.parse_responses(await self.h.body(request))
         model = rw.reasoning_model(self.gw.model, req.overrides)
-        sid = request.path_params.get("sid")
-        s = await self.gw.session(sid, owner) if sid is not None else None
-        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        s = await self.constrained(request, owner, req, model)
         feed = None
         loop = asyncio.get_running_loop()
         if s is None:
@@ -204,9 +209,7 @@ class WireHandlers:
         owner = self.h.owner(request)
         req = an.parse_messages(await self.h.body(request))
         model = an.thinking_model(self.gw.model, req.overrides)
-        sid = request.path_params.get("sid")
-        s = await self.gw.session(sid, owner) if sid is not None else None
-        tool_choice.apply(model, req.messages, req.tools, req.overrides, held_grammar(s))
+        s = await self.constrained(request, owner, req, model)
         if s is None:
             r = (await self.gw.plain_chat(model, req.messages, req.tools, req.overrides))[0]
             ready, done = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
