@@ -11,8 +11,8 @@ Which hosts: with ``--gateway.fetch_allow_hosts`` empty, any host whose every ad
 private, link-local such as cloud metadata at 169.254.169.254, or reserved); each redirect hop is checked the
 same way. With it set, only the hosts it names (exact, or ``*.domain``), wherever they resolve: the operator
 vouches for them. The public-address rule is applied where the connection is made, to the very addresses it
-connects to (a name that answers a public address to the check and a private one to the connection, DNS
-rebinding, is refused); an IPv6 address that embeds an IPv4 one (NAT64, 6to4, Teredo) is judged by that one.
+connects to (a name that answers a public address once and a private one the next time, DNS rebinding, is judged
+by the address connected to); an IPv6 address that embeds an IPv4 one (NAT64, 6to4, Teredo) is judged by that one.
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ class _HostRefused(Exception):
 class _PublicOnlyBackend(httpcore.AsyncNetworkBackend):
     """Resolves a host once, refuses it unless every address is public, and connects to those addresses.
 
-    The request hook's check resolves the name, and a connection that resolved it again could reach whatever
-    the name answers a moment later (DNS rebinding to 127.0.0.1 or the metadata address): here the address
-    checked is the address connected to."""
+    A check that resolved the name apart from the connection could pass an address the connection then does not
+    use (DNS rebinding to 127.0.0.1 or the metadata address): here the address checked is the address connected
+    to."""
 
     def __init__(self, inner: httpcore.AsyncNetworkBackend) -> None:
         self.inner = inner
@@ -230,19 +230,11 @@ class ImageFetcher:
         )
 
     async def _check_host(self, request: httpx.Request) -> None:
+        """The allow-list, on every hop. Without one, the public-address rule is ``_PublicOnlyBackend``'s, applied
+        to the addresses each connection is made to (resolving here too would only look the name up twice)."""
         host, allow = request.url.host, self.cfg.fetch_allow_hosts
-        if allow:
-            if not host_allowed(host, allow):
-                raise _HostRefused(f"{host} is not in --gateway.fetch_allow_hosts")
-            return
-        try:
-            port = request.url.port or (443 if request.url.scheme == "https" else 80)
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError:
-            return  # unresolvable: the connection fails and says so
-        private = sorted({str(info[4][0]) for info in infos if _not_public(str(info[4][0]))})
-        if private:
-            raise _refusal(host, private)
+        if allow and not host_allowed(host, allow):
+            raise _HostRefused(f"{host} is not in --gateway.fetch_allow_hosts")
 
     async def inline(self, body: dict) -> None:
         """Replace every http(s) image URL of ``body`` by the fetched file, in place; a 400 if one fails."""
